@@ -1,0 +1,37 @@
+# Set-up and entry points. `make run` and `make test` create (or reuse) a Python 3.12 venv in .venv.
+# Python 3.12 is found as: $(PYTHON) if given, else `python3.12` on PATH, else pyenv's 3.12.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+define find_python312
+$(or $(PYTHON),$(shell for c in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do \
+  "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$c"; break; }; done))
+endef
+
+.PHONY: setup run test test-gpu clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@py="$(call find_python312)"; \
+	if [ -z "$$py" ]; then echo "error: Python 3.12 not found (install it, or pass PYTHON=/path/to/python3.12)" >&2; exit 1; fi; \
+	echo "using $$py"; [ -x $(PY) ] || "$$py" -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The main job on its embedded default: CP=2 KDA layer on CPU over gloo, each exchange, parity + bytes.
+run: setup
+	$(VENV)/bin/skyrl-kda demo
+
+test: setup
+	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q tests
+
+# On a CUDA machine: the GPU parity tests with fla kernels.
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""KDA (Kimi Delta Attention) kernels, layer and context-parallel exchanges."""

@@ -1,0 +1,240 @@
+"""How a KDA layer's data crosses the context-parallel (CP) group.
+
+KDA is a recurrence over the whole sequence, so a CP rank cannot run it on its shard alone. Both
+exchanges here switch from sequence parallelism to head parallelism: after ``to_heads`` this rank
+holds the whole sequence, in natural token order, for its ``1/cp`` slice of the TP-local heads;
+``to_sequence`` returns the gated-norm output to this rank's rows for all local heads.
+
+- ``A2AExchange``: project on this CP rank's (TP-gathered) rows, then one all-to-all of the
+  projected q/k/v/f/g/beta over CP.
+- ``AllGatherExchange``: all-gather the hidden-state shards over CP, then TP, and project only
+  this rank's head slice; the projected tensors are narrower than the hidden state when the model
+  has many heads per rank.
+
+At CP=1 both are the identity on the sequence axis, so CP=1 runs the same code. Each collective
+is one megatron-core autograd mapping, wrapped so that a ``CommLedger`` counts the bytes it moves
+forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core.ssm.gated_delta_net.common import tensor_a2a_cp2hp, tensor_a2a_hp2cp
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from .layout import CPLayout, sort_index
+
+# project(rows [s, b, D], heads) -> (fused [s, b, W(heads)], widths of its sections)
+Projection = Callable[[torch.Tensor, slice], tuple[torch.Tensor, list[int]]]
+
+
+class CommLedger:
+    """Bytes this rank sends and receives per process group and pass ("fwd" / "bwd").
+
+    Counts the logical payload of each collective (what leaves this rank for other ranks, and what
+    arrives from them), which is what the analytic byte model in ``cost``-style tables counts.
+    """
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(self, group: str, phase: str, sent: int, received: int) -> None:
+        entry = self._bytes[(group, phase)]
+        entry[0] += sent
+        entry[1] += received
+
+    def sent(self, group: str, phase: str = "fwd") -> int:
+        return self._bytes.get((group, phase), [0, 0])[0]
+
+    def received(self, group: str, phase: str = "fwd") -> int:
+        return self._bytes.get((group, phase), [0, 0])[1]
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {f"{g}/{p}": {"sent": s, "received": r} for (g, p), (s, r) in self._bytes.items()}
+
+    def reset(self) -> None:
+        self._bytes.clear()
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity that runs a callback when the gradient passes (to count backward collectives)."""
+
+    @staticmethod
+    def forward(ctx, x, callback):
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.callback()
+        return grad, None
+
+
+def _counted(out: torch.Tensor, ledger: CommLedger, group: str, payload: int) -> torch.Tensor:
+    """Record a symmetric collective moving ``payload`` bytes each way, now and in backward."""
+    ledger.add(group, "fwd", payload, payload)
+    if out.requires_grad:
+        out = _OnBackward.apply(out, lambda: ledger.add(group, "bwd", payload, payload))
+    return out
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+@dataclass
+class ExchangeGroups:
+    """The process groups an exchange uses (passed in; nothing here reads global state)."""
+
+    tp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    sequence_parallel: bool
+
+
+@dataclass(frozen=True)
+class ExchangeShape:
+    """What the byte model needs: one KDA layer's dims and the mesh, per micro-batch."""
+
+    tokens: int  # T: tokens per batch row over the whole CP group (packed THD: all sequences)
+    batch: int
+    hidden: int
+    num_heads: int  # heads of the whole model (before TP)
+    head_dim: int
+    tp: int
+    cp: int
+    sequence_parallel: bool
+    element_size: int = 2  # bytes per activation element (bf16)
+
+    @property
+    def projected_width(self) -> int:
+        """q, k, v, f, g (full width each) and beta of all heads."""
+        return 5 * self.num_heads * self.head_dim + self.num_heads
+
+    def rows_bytes(self, rows: int, width: int) -> int:
+        return rows * self.batch * width * self.element_size
+
+
+class _HeadParallelExchange:
+    """Shared parts: TP row gather, the CP all-to-all back to sequence shards, head slicing."""
+
+    name: str
+
+    @staticmethod
+    def _output_bytes(s: ExchangeShape) -> int:
+        """The gated-norm output's all-to-all back to sequence shards (per rank, one pass)."""
+        return s.rows_bytes(s.tokens // s.cp, s.num_heads * s.head_dim // s.tp) * (s.cp - 1) // s.cp
+
+    def __init__(self, groups: ExchangeGroups, ledger: CommLedger | None = None):
+        self.groups = groups
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.cp = groups.cp.size()
+        self.tp = groups.tp.size()
+        self.cp_rank = groups.cp.rank()
+
+    def heads(self, num_local_heads: int) -> slice:
+        """This CP rank's slice of the TP-local heads, run on the whole sequence."""
+        per_rank = num_local_heads // self.cp
+        return slice(self.cp_rank * per_rank, (self.cp_rank + 1) * per_rank)
+
+    def _gather_rows(self, x: torch.Tensor, group: dist.ProcessGroup, name: str) -> torch.Tensor:
+        """All-gather along rows (backward: reduce-scatter), counted."""
+        n = group.size()
+        if n == 1:
+            return x
+        out = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+        return _counted(out, self.ledger, name, (n - 1) * _nbytes(x))
+
+    def _tp_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """All rows of this TP group: SP gather, or Megatron's copy (grad all-reduce) without SP."""
+        if self.groups.sequence_parallel:
+            return self._gather_rows(x, self.groups.tp, "tp")
+        if self.tp > 1:
+            return copy_to_tensor_model_parallel_region(x, group=self.groups.tp)
+        return x
+
+    def _a2a(self, x: torch.Tensor, to_heads: bool) -> torch.Tensor:
+        payload = _nbytes(x) * (self.cp - 1) // self.cp
+        if to_heads:
+            out = tensor_a2a_cp2hp(x, 0, -1, self.groups.cp, undo_attention_load_balancing=False)
+        else:
+            out = tensor_a2a_hp2cp(x, 0, -1, self.groups.cp, redo_attention_load_balancing=False)
+        return _counted(out, self.ledger, "cp", payload)
+
+    def to_sequence(self, o_heads: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+        """[T, b, heads_slice*V] in natural order -> [T/cp, b, local_heads*V] on this CP rank's rows."""
+        if self.cp == 1:
+            return o_heads
+        o_rank_major = o_heads.index_select(0, layout.rank_major_positions())
+        return self._a2a(o_rank_major, to_heads=False)
+
+
+class A2AExchange(_HeadParallelExchange):
+    """Project this CP rank's rows for all local heads, then all-to-all over CP."""
+
+    name = "a2a"
+
+    @classmethod
+    def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
+        """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it."""
+        tp_in = s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
+        cp_in = s.rows_bytes(s.tokens // s.cp, s.projected_width // s.tp) * (s.cp - 1) // s.cp
+        return {"cp": cp_in + cls._output_bytes(s), "tp": tp_in}
+
+    def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
+        fused, widths = project(self._tp_rows(x), slice(0, num_local_heads))
+        if self.cp == 1:
+            return fused
+        # Order the columns as [every section's head chunk 0 | every section's chunk 1 | ...] so one
+        # all-to-all hands rank j the j-th 1/cp of the heads of every section, in section order.
+        chunks = [s.chunk(self.cp, dim=-1) for s in fused.split(widths, dim=-1)]
+        by_rank = torch.cat([c[j] for j in range(self.cp) for c in chunks], dim=-1)
+        received = self._a2a(by_rank, to_heads=True)  # [T, b, W/cp], rows CP-rank major
+        return received.index_select(0, sort_index(layout.rank_major_positions()))
+
+
+class AllGatherExchange(_HeadParallelExchange):
+    """All-gather hidden shards over CP then TP; project only this rank's head slice."""
+
+    name = "allgather"
+
+    def __init__(self, groups: ExchangeGroups, ledger: CommLedger | None = None):
+        if groups.tp.size() > 1 and not groups.sequence_parallel:
+            raise ValueError(
+                "cp_exchange='allgather' with tp > 1 needs sequence parallelism: the hidden shards "
+                "it gathers are SP shards (set parallel.sequence_parallel=true or use 'a2a')"
+            )
+        super().__init__(groups, ledger)
+
+    @classmethod
+    def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
+        """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it."""
+        sp = s.tp if s.sequence_parallel else 1
+        cp_in = s.rows_bytes(s.tokens // (s.cp * sp), s.hidden) * (s.cp - 1)
+        tp_in = s.rows_bytes(s.tokens // s.tp, s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
+        return {"cp": cp_in + cls._output_bytes(s), "tp": tp_in}
+
+    def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
+        # CP first: when CP spans nodes, only the narrow SP shards cross the slow link.
+        rows = self._tp_rows(self._gather_rows(x, self.groups.cp, "cp"))
+        fused, _ = project(rows, self.heads(num_local_heads))
+        if self.cp == 1:
+            return fused
+        return fused.index_select(0, sort_index(layout.gathered_positions()))
+
+
+EXCHANGES = {cls.name: cls for cls in (A2AExchange, AllGatherExchange)}
+
+
+def build_exchange(name: str, groups: ExchangeGroups, ledger: CommLedger | None = None):
+    """The exchange object for a concrete ``cp_exchange`` value (``auto`` is resolved earlier)."""
+    if name not in EXCHANGES:
+        raise ValueError(f"unknown cp_exchange {name!r}; expected one of {sorted(EXCHANGES)}")
+    return EXCHANGES[name](groups, ledger)

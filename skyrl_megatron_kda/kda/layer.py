@@ -1,0 +1,239 @@
+"""Kimi Delta Attention (GLM-5.3-Flash's linear-attention layer) on megatron-core primitives.
+
+Usable as the ``self_attention`` of a megatron ``TransformerLayer`` spec (``kda_layer_spec``):
+same call signature, returns ``(output, bias)``. TP shards heads (column-parallel q/k/v/f_b/g_b/b,
+row-parallel o_proj), SP shards rows, and the CP exchange decides which rows and heads this rank
+computes; the layer math below never branches on the exchange.
+
+The projections use the column-parallel linears' weights directly (``F.linear`` on a head slice)
+rather than their ``forward``: every projection shares one row gather, and the ``allgather``
+exchange projects only a ``1/cp`` head slice of the weights. The low-rank f_a/g_a and the per-head
+norm weight are duplicated across TP; each TP rank only sees its own heads' share of their
+gradient, so they enter the graph through Megatron's ``copy_to_tensor_model_parallel_region``
+(identity forward, TP all-reduce of the gradient), which makes their gradients complete on
+every rank with or without SP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..config import KDAConfig
+from .exchange import CommLedger, ExchangeGroups, build_exchange
+from .kernel import causal_conv_silu, kda, resolve_backend
+from .layout import CPLayout
+
+
+@dataclass
+class KDASubmodules:
+    """Linear layer classes of the KDA layer (column-parallel in, row-parallel out)."""
+
+    q_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    k_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    v_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    f_b_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    g_b_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    b_proj: Union[ModuleSpec, type] = ColumnParallelLinear
+    o_proj: Union[ModuleSpec, type] = RowParallelLinear
+
+
+def kda_layer_spec(kda_config: KDAConfig) -> ModuleSpec:
+    """ModuleSpec for a TransformerLayer's ``self_attention`` slot."""
+    return ModuleSpec(
+        module=KimiDeltaAttention, params={"kda": kda_config}, submodules=KDASubmodules()
+    )
+
+
+def _tp_attrs(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+    return param
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Per-head RMSNorm times sigmoid(gate), in fp32 (GLM's ``o_norm``)."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(MegatronModule):
+    """KDA with TP/SP via megatron-core parallel linears and a pluggable CP exchange."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: KDASubmodules,
+        layer_number: int | None = None,
+        *,
+        kda: KDAConfig,
+        pg_collection: ProcessGroupCollection,
+        ledger: CommLedger | None = None,
+        cp_comm_type: str | None = None,
+        **unused_attention_kwargs,
+    ):
+        # cp_comm_type and the other attention kwargs concern softmax attention's CP; KDA's CP is
+        # the exchange chosen in ``kda.cp_exchange``.
+        super().__init__(config)
+        self.kda_config = kda
+        self.layer_number = layer_number
+        self.tp_group, self.cp_group = pg_collection.tp, pg_collection.cp
+        tp, cp = self.tp_group.size(), self.cp_group.size()
+        if kda.num_heads % tp:
+            raise ValueError(f"num_heads={kda.num_heads} must be divisible by tp={tp}")
+        self.num_local_heads = kda.num_heads // tp
+        if self.num_local_heads % cp:
+            raise ValueError(
+                f"local heads ({self.num_local_heads} = num_heads/tp) must be divisible by cp={cp}"
+            )
+        self.head_dim = kda.head_dim
+        self.sp_size = tp if config.sequence_parallel else 1
+        self.exchange = build_exchange(
+            kda.cp_exchange,
+            ExchangeGroups(self.tp_group, self.cp_group, config.sequence_parallel),
+            ledger,
+        )
+
+        hidden, width = config.hidden_size, kda.num_heads * kda.head_dim
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda")
+        self.backend = resolve_backend(kda.kernel, device)
+
+        def column(spec, in_size, out_size, name):
+            return build_module(
+                spec, in_size, out_size, config=config, init_method=config.init_method,
+                bias=False, gather_output=False, skip_bias_add=True, is_expert=False,
+                tp_group=self.tp_group, name=name,
+            )
+
+        self.q_proj = column(submodules.q_proj, hidden, width, "q_proj")
+        self.k_proj = column(submodules.k_proj, hidden, width, "k_proj")
+        self.v_proj = column(submodules.v_proj, hidden, width, "v_proj")
+        self.f_b_proj = column(submodules.f_b_proj, kda.gate_low_rank, width, "f_b_proj")
+        self.g_b_proj = column(submodules.g_b_proj, kda.output_gate_low_rank, width, "g_b_proj")
+        self.b_proj = column(submodules.b_proj, hidden, kda.num_heads, "b_proj")
+        self.o_proj = build_module(
+            submodules.o_proj, width, hidden, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+            skip_bias_add=True, is_expert=False, tp_group=self.tp_group, name="o_proj",
+        )
+
+        local_width = self.num_local_heads * self.head_dim
+        dtype = config.params_dtype
+        # Duplicated across TP (see the module docstring for how their gradients stay complete).
+        self.f_a_weight = torch.nn.Parameter(torch.empty(kda.gate_low_rank, hidden, device=device, dtype=dtype))
+        self.g_a_weight = torch.nn.Parameter(torch.empty(kda.output_gate_low_rank, hidden, device=device, dtype=dtype))
+        self.o_norm_weight = torch.nn.Parameter(torch.ones(self.head_dim, device=device, dtype=dtype))
+        # Head-major depthwise conv taps for q, k, v of the local heads: [3, H_loc*K, W].
+        self.conv_weight = _tp_attrs(torch.nn.Parameter(
+            torch.empty(3, local_width, kda.conv_size, device=device, dtype=dtype)), dim=1)
+        # Gate parameters stay fp32 (fla's kernel requires it).
+        self.A_log = _tp_attrs(torch.nn.Parameter(
+            torch.empty(self.num_local_heads, device=device, dtype=torch.float32)), dim=0)
+        self.dt_bias = _tp_attrs(torch.nn.Parameter(
+            torch.empty(local_width, device=device, dtype=torch.float32)), dim=0)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise the non-linear parameters from full-size tensors, then take this TP rank's
+        slice, so the model is the same for any TP size given the seed."""
+        tp_rank, tp = self.tp_group.rank(), self.tp_group.size()
+        kda_cfg = self.kda_config
+        self.config.init_method(self.f_a_weight)
+        self.config.init_method(self.g_a_weight)
+        full_conv = torch.empty(3, kda_cfg.num_heads * self.head_dim, kda_cfg.conv_size)
+        torch.nn.init.uniform_(full_conv, -1 / math.sqrt(kda_cfg.conv_size), 1 / math.sqrt(kda_cfg.conv_size))
+        full_a_log = torch.empty(kda_cfg.num_heads).uniform_(1, 16).log()
+        full_dt_bias = torch.empty(kda_cfg.num_heads * self.head_dim).uniform_(-1.0, 1.0)
+        for param, full in ((self.conv_weight, full_conv), (self.A_log, full_a_log), (self.dt_bias, full_dt_bias)):
+            param.copy_(full.chunk(tp, dim=param.partition_dim)[tp_rank])
+
+    def _dup(self, param: torch.Tensor) -> torch.Tensor:
+        """A TP-duplicated parameter whose gradient is summed over TP in backward."""
+        if self.tp_group.size() == 1:
+            return param
+        return copy_to_tensor_model_parallel_region(param, group=self.tp_group)
+
+    def project(self, rows: torch.Tensor, heads: slice) -> tuple[torch.Tensor, list[int]]:
+        """Fused [q | k | v | f | g | beta] of ``heads`` (TP-local indices) for ``rows`` [s, b, D]."""
+        hk = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
+        w_qkvb = torch.cat([self.q_proj.weight[hk], self.k_proj.weight[hk],
+                            self.v_proj.weight[hk], self.b_proj.weight[heads]])
+        qkvb = F.linear(rows, w_qkvb)
+        low = F.linear(rows, self._dup(torch.cat([self.f_a_weight, self.g_a_weight])))
+        f_low, g_low = low.split([self.kda_config.gate_low_rank, self.kda_config.output_gate_low_rank], -1)
+        f = F.linear(f_low, self.f_b_proj.weight[hk])
+        g = F.linear(g_low, self.g_b_proj.weight[hk])
+        n, nh = hk.stop - hk.start, heads.stop - heads.start
+        fused = torch.cat([qkvb[..., : 3 * n], f, g, qkvb[..., 3 * n :]], dim=-1)
+        return fused, [n, n, n, n, n, nh]
+
+    def _layout(self, hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None):
+        """Natural sequence boundaries (global) and the CP layout of this batch's rows."""
+        rows, batch = hidden_states.shape[:2]
+        total = rows * self.sp_size * self.cp_group.size()
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if batch != 1:
+                raise ValueError(f"packed THD input needs batch 1, got {batch}")
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            if int(cu[-1]) != total:
+                raise ValueError(f"cu_seqlens end at {int(cu[-1])} but the CP/SP shards hold {total} tokens")
+            kernel_cu = cu.to(device=hidden_states.device, dtype=torch.long)
+        else:
+            cu, kernel_cu = torch.tensor([0, total]), None
+        layout = CPLayout.build(cu.to(device=hidden_states.device), self.cp_group.size(), self.tp_group.size())
+        return layout, kernel_cu
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        inference_context=None,
+        packed_seq_params: PackedSeqParams | None = None,
+        **position_kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [s, b, D] (this rank's CP/SP shard) -> (output [s, b, D], None).
+
+        KDA has no positional embedding and is causal by construction: rotary arguments and the
+        attention mask that TransformerLayer passes are not used.
+        """
+        if inference_context is not None:
+            raise NotImplementedError("KimiDeltaAttention has no inference (decode) path yet")
+        layout, cu_seqlens = self._layout(hidden_states, packed_seq_params)
+        fused = self.exchange.to_heads(hidden_states, layout, self.project, self.num_local_heads)
+        heads = self.exchange.heads(self.num_local_heads)
+        nh, K = heads.stop - heads.start, self.head_dim
+        hk = slice(heads.start * K, heads.stop * K)
+        seq_len, batch = fused.shape[:2]
+
+        fused = fused.transpose(0, 1)  # [b, T, W]: the kernels' layout
+        qkv, f, g, b = fused.split([3 * nh * K, nh * K, nh * K, nh], dim=-1)
+        qkv = causal_conv_silu(
+            qkv, self.conv_weight[:, hk].reshape(3 * nh * K, -1),
+            cu_seqlens=cu_seqlens, backend=self.backend,
+        )
+        q, k, v = qkv.reshape(batch, seq_len, 3, nh, K).unbind(2)
+        o, _ = kda(
+            q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk],
+            lower_bound=self.kda_config.gate_lower_bound, l2norm_eps=self.kda_config.l2norm_eps,
+            cu_seqlens=cu_seqlens, backend=self.backend,
+        )
+        o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),
+                           self.kda_config.norm_eps)
+        o = o.reshape(batch, seq_len, nh * K).transpose(0, 1)
+        out, bias = self.o_proj(self.exchange.to_sequence(o, layout))
+        return out, bias

@@ -1,0 +1,80 @@
+"""Where each row of a CP rank's shard sits in the natural (whole-sequence) token order.
+
+Megatron's load-balanced CP layout cuts every sequence into ``2*cp`` equal chunks; CP rank ``r``
+holds chunks ``r`` and ``2cp-1-r`` of each sequence, sequences one after the other (packed THD is
+zigzagged per sequence). Under sequence parallelism TP rank ``t`` holds the ``t``-th contiguous
+slice of its CP rank's rows. Every exchange reduces to one index map built here, so the layout
+logic lives in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def zigzag_positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
+    """Natural token position of every local row of every CP rank: LongTensor ``[cp, T/cp]``.
+
+    ``cu_seqlens`` [N+1] are the global (natural) sequence boundaries; each length must divide
+    by ``2*cp``.
+    """
+    cu = cu_seqlens.to(torch.long)
+    lens = cu.diff()
+    if bool((lens % (2 * cp)).any()):
+        raise ValueError(
+            f"every sequence length must divide by 2*cp={2 * cp} for the load-balanced CP layout; "
+            f"got lengths {lens.tolist()}"
+        )
+    total = int(cu[-1])
+    pos = torch.arange(total, device=cu.device)
+    seq = torch.bucketize(pos, cu[1:], right=True)
+    chunk_len = (lens // (2 * cp))[seq]
+    offset = pos - cu[:-1][seq]
+    chunk = offset // chunk_len  # natural chunk index in [0, 2cp)
+    rank = torch.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
+    second_half = (chunk >= cp).long()
+    # Row on its rank: the rank's earlier sequences, then (front chunk, back chunk) of this one.
+    local_row = cu[:-1][seq] // cp + second_half * chunk_len + offset % chunk_len
+    out = torch.empty(cp, total // cp, dtype=torch.long, device=cu.device)
+    out[rank, local_row] = pos
+    return out
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """Index maps between this mesh's shard layouts and natural token order, built once per batch.
+
+    ``positions[c, j]`` is the natural position of row ``j`` of CP rank ``c`` (all its TP ranks
+    together); ``cu_seqlens`` are the natural boundaries the kernel needs.
+    """
+
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    cp: int
+    tp: int
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, cp: int, tp: int) -> "CPLayout":
+        return cls(cu_seqlens, zigzag_positions(cu_seqlens, cp), cp, tp)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.positions.numel()
+
+    def rank_major_positions(self) -> torch.Tensor:
+        """Positions of rows laid out CP rank after CP rank (what a CP all-to-all or all-gather of
+        whole CP-rank shards produces)."""
+        return self.positions.reshape(-1)
+
+    def gathered_positions(self) -> torch.Tensor:
+        """Positions of rows after an all-gather over CP and then over TP of SP shards: TP rank
+        major, then CP rank, then the row within the SP shard."""
+        per_tp = self.positions.view(self.cp, self.tp, -1).transpose(0, 1)
+        return per_tp.reshape(-1)
+
+
+def sort_index(positions: torch.Tensor) -> torch.Tensor:
+    """Index that puts rows carrying ``positions`` into natural order: ``rows[sort_index(p)]``."""
+    return torch.argsort(positions)

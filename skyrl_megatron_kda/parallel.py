@@ -1,0 +1,66 @@
+"""Glue between our config and megatron-core: its TransformerConfig, and loading full (unsharded)
+weights into a TP-sharded module."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .config import LayerRecipe
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformer_config(recipe: LayerRecipe, *, use_cpu: bool) -> TransformerConfig:
+    """Megatron's config for a model built from ``recipe``.
+
+    On CPU, weights are initialised as full tensors and then sliced (``use_cpu_initialization``),
+    which also makes the model independent of the TP size for a given seed.
+    """
+    dtype = _DTYPES[recipe.model.params_dtype]
+    par = recipe.parallel
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=recipe.model.hidden_size,
+        num_attention_heads=recipe.kda.num_heads,
+        tensor_model_parallel_size=par.tp,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp,
+        sequence_parallel=par.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=use_cpu,
+        gradient_accumulation_fusion=False,
+    )
+
+
+@torch.no_grad()
+def load_full_state(module: torch.nn.Module, full_state: dict[str, torch.Tensor], tp_rank: int, tp: int) -> None:
+    """Copy unsharded tensors into ``module``, slicing TP-parallel parameters along their
+    ``partition_dim`` (the attribute megatron-core sets on every TP-sharded parameter)."""
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(full_state))
+    if missing:
+        raise KeyError(f"full state lacks parameters {missing}")
+    for name, param in params.items():
+        full = full_state[name]
+        if getattr(param, "tensor_model_parallel", False):
+            full = full.chunk(tp, dim=param.partition_dim)[tp_rank]
+        if full.shape != param.shape:
+            raise ValueError(f"{name}: expected shard shape {tuple(param.shape)}, got {tuple(full.shape)}")
+        param.copy_(full)
+
+
+def gather_full_grads(module: torch.nn.Module, tp_group) -> dict[str, torch.Tensor]:
+    """Unsharded gradients: TP-parallel gradients are all-gathered along ``partition_dim``."""
+    out = {}
+    tp = tp_group.size()
+    for name, param in module.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(grad) for _ in range(tp)]
+            torch.distributed.all_gather(parts, grad.contiguous(), group=tp_group)
+            grad = torch.cat(parts, dim=param.partition_dim)
+        out[name] = grad
+    return out

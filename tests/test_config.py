@@ -1,0 +1,282 @@
+"""Config validation: one test per accepted or rejected combination, env override, CLI overrides."""
+
+import logging
+
+import pytest
+from pydantic import ValidationError
+
+from skyrl_megatron_kda.config import (
+    CP_EXCHANGE_ENV,
+    DataConfig,
+    KDAConfig,
+    LayerRecipe,
+    ModelConfig,
+    ParallelConfig,
+    apply_env_overrides,
+    load_layer_recipe,
+    merge,
+    parse_overrides,
+)
+
+
+def recipe(**sections) -> LayerRecipe:
+    return LayerRecipe.model_validate(sections)
+
+
+# --- defaults --------------------------------------------------------------------------------
+
+
+def test_defaults_are_glm53_flash():
+    r = LayerRecipe()
+    # reference/glm53-flash.md sections 2-3.
+    assert r.model == ModelConfig(hidden_size=4096, params_dtype="bfloat16")
+    assert r.kda.num_heads == 64
+    assert r.kda.head_dim == 128
+    assert r.kda.conv_size == 4
+    assert r.kda.gate_lower_bound == -5.0
+    assert r.kda.gate_low_rank == 128
+    assert r.kda.output_gate_low_rank == 128
+    assert r.kda.l2norm_eps == 1e-6
+    assert r.kda.norm_eps == 1e-5
+    assert r.kda.chunk_size == 64
+    assert r.kda.cp_exchange == "a2a"
+    assert r.kda.kernel == "auto"
+    assert r.parallel == ParallelConfig(tp=1, cp=1, ep=1, etp=1, pp=1, sequence_parallel=False)
+    assert r.data == DataConfig(seq_len=8192, micro_batch_size=1)
+
+
+def test_every_field_has_a_docstring():
+    for model in (ParallelConfig, KDAConfig, ModelConfig, DataConfig, LayerRecipe):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no docstring"
+
+
+def test_frozen():
+    r = LayerRecipe()
+    with pytest.raises(ValidationError, match="frozen"):
+        r.kda.num_heads = 8
+
+
+# --- accepted combinations -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "parallel, kda, seq_len",
+    [
+        # The seed's 1M-token layout: TP8 x CP2, SP on, allgather.
+        ({"tp": 8, "cp": 2, "sequence_parallel": True}, {"cp_exchange": "allgather"}, 2**20),
+        # Pure CP with the all-to-all exchange.
+        ({"tp": 1, "cp": 4}, {"cp_exchange": "a2a"}, 8192),
+        # TP2 x CP2 with SP, default exchange.
+        ({"tp": 2, "cp": 2, "sequence_parallel": True}, {}, 8192),
+        # allgather at tp=1 needs no SP (there is no TP group to shard over).
+        ({"tp": 1, "cp": 2}, {"cp_exchange": "allgather"}, 8192),
+        # cp=1: no zigzag split, so an odd length is fine.
+        ({}, {"num_heads": 3}, 7),
+    ],
+    ids=[
+        "tp8-cp2-sp-allgather-1M",
+        "tp1-cp4-a2a",
+        "tp2-cp2-sp",
+        "tp1-cp2-allgather",
+        "cp1-odd-len",
+    ],
+)
+def test_accepted(parallel, kda, seq_len):
+    r = recipe(parallel=parallel, kda=kda, data={"seq_len": seq_len})
+    assert r.parallel.tp == parallel.get("tp", 1)
+    assert r.data.seq_len == seq_len
+
+
+# --- rejected combinations -------------------------------------------------------------------
+
+
+def test_sequence_parallel_needs_tp():
+    with pytest.raises(ValidationError, match=r"sequence_parallel needs tp > 1"):
+        ParallelConfig(sequence_parallel=True)
+
+
+def test_pipeline_parallel_refused():
+    with pytest.raises(ValidationError, match=r"pp=2: pipeline parallelism is not supported yet"):
+        ParallelConfig(pp=2)
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_parallel_sizes_positive(size):
+    with pytest.raises(ValidationError, match=r"cp\n.*greater than 0"):
+        ParallelConfig(cp=size)
+
+
+def test_parallel_size_not_a_bool():
+    with pytest.raises(ValidationError, match=r"tp\n.*valid integer"):
+        ParallelConfig(tp=True)
+
+
+def test_heads_divisible_by_tp():
+    with pytest.raises(ValidationError, match=r"num_heads=64 must be divisible by tp=3"):
+        recipe(parallel={"tp": 3})
+
+
+def test_local_heads_divisible_by_cp():
+    # 64 heads / tp8 = 8 local heads, not divisible by cp=3.
+    with pytest.raises(ValidationError, match=r"64/8 = 8 must be divisible by cp=3"):
+        recipe(parallel={"tp": 8, "cp": 3, "sequence_parallel": True}, data={"seq_len": 48})
+
+
+def test_allgather_with_tp_needs_sequence_parallel():
+    with pytest.raises(
+        ValidationError,
+        match=r"allgather with tp=2 needs sequence parallelism.*"
+        r"set parallel.sequence_parallel=true, or use kda.cp_exchange=a2a",
+    ):
+        recipe(parallel={"tp": 2, "cp": 2}, kda={"cp_exchange": "allgather"})
+
+
+def test_seq_len_divisible_by_two_cp():
+    with pytest.raises(ValidationError, match=r"seq_len=8196 must be divisible by 2\*cp=8"):
+        recipe(parallel={"cp": 4}, data={"seq_len": 8196})
+
+
+def test_cp_shard_divisible_by_tp_under_sequence_parallel():
+    # 8200 / cp2 = 4100 tokens per CP rank, not divisible by tp8.
+    with pytest.raises(ValidationError, match=r"4100 tokens per CP rank must be divisible by tp=8"):
+        recipe(parallel={"tp": 8, "cp": 2, "sequence_parallel": True}, data={"seq_len": 8200})
+
+
+@pytest.mark.parametrize("bound", [-5.5, 0.0, 1.0])
+def test_gate_lower_bound_range(bound):
+    with pytest.raises(ValidationError, match=r"must be in \[-5, 0\): fla's safe gate requires it"):
+        KDAConfig(gate_lower_bound=bound)
+
+
+def test_chunk_size_choices():
+    assert KDAConfig(chunk_size=32).chunk_size == 32
+    with pytest.raises(ValidationError, match="chunk_size"):
+        KDAConfig(chunk_size=128)
+
+
+@pytest.mark.parametrize(
+    "field", ["num_heads", "head_dim", "conv_size", "gate_low_rank", "output_gate_low_rank"]
+)
+def test_kda_sizes_positive(field):
+    with pytest.raises(ValidationError, match=rf"{field}\n.*greater than 0"):
+        KDAConfig(**{field: 0})
+
+
+def test_unknown_cp_exchange():
+    with pytest.raises(ValidationError, match=r"'a2a' or 'allgather'"):
+        KDAConfig(cp_exchange="ring")
+
+
+def test_unknown_key_refused():
+    extra = r"\n.*Extra inputs are not permitted"
+    with pytest.raises(ValidationError, match=r"kda\.cp_exchnage" + extra):
+        recipe(kda={"cp_exchnage": "allgather"})
+    with pytest.raises(ValidationError, match=r"trainer" + extra):
+        recipe(trainer={})
+
+
+# --- environment override --------------------------------------------------------------------
+
+
+def test_env_override_applies_and_logs(caplog):
+    raw = {"parallel": {"tp": 2, "cp": 2, "sequence_parallel": True}, "kda": {"cp_exchange": "a2a"}}
+    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.config"):
+        r = load_layer_recipe(raw, environ={CP_EXCHANGE_ENV: "allgather"})
+    assert r.kda.cp_exchange == "allgather"
+    assert raw["kda"]["cp_exchange"] == "a2a", "the input dict must not be mutated"
+    [record] = caplog.records
+    assert "SKYRL_KDA_CP_EXCHANGE=allgather" in record.getMessage()
+    assert "config value: a2a" in record.getMessage()
+
+
+def test_env_override_without_kda_section_logs_default(caplog):
+    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.config"):
+        r = load_layer_recipe({"parallel": {"cp": 2}}, environ={CP_EXCHANGE_ENV: "allgather"})
+    assert r.kda.cp_exchange == "allgather"
+    assert "config value: a2a (default)" in caplog.text
+
+
+def test_env_unset_or_empty_changes_nothing(caplog):
+    raw = {"kda": {"cp_exchange": "allgather"}}
+    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.config"):
+        assert apply_env_overrides(raw, environ={}) == raw
+        assert apply_env_overrides(raw, environ={CP_EXCHANGE_ENV: ""}) == raw
+    assert not caplog.records
+
+
+def test_env_defaults_to_os_environ(monkeypatch):
+    monkeypatch.setenv(CP_EXCHANGE_ENV, "allgather")
+    assert load_layer_recipe({}).kda.cp_exchange == "allgather"
+    monkeypatch.delenv(CP_EXCHANGE_ENV)
+    assert load_layer_recipe({}).kda.cp_exchange == "a2a"
+
+
+def test_env_invalid_value_refused():
+    match = r"SKYRL_KDA_CP_EXCHANGE='foo' is not a KDA CP exchange; allowed values: a2a, allgather"
+    with pytest.raises(ValueError, match=match):
+        load_layer_recipe({}, environ={CP_EXCHANGE_ENV: "foo"})
+
+
+def test_env_override_that_breaks_config_refused():
+    raw = {"parallel": {"tp": 2, "cp": 2}}  # valid with the default a2a
+    assert load_layer_recipe(raw, environ={}).kda.cp_exchange == "a2a"
+    with pytest.raises(ValidationError, match=r"allgather with tp=2 needs sequence parallelism"):
+        load_layer_recipe(raw, environ={CP_EXCHANGE_ENV: "allgather"})
+
+
+# --- CLI overrides and merge -----------------------------------------------------------------
+
+
+def test_parse_overrides_nested_and_typed():
+    got = parse_overrides(
+        ["kda.cp_exchange=allgather", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    )
+    assert got == {
+        "kda": {"cp_exchange": "allgather"},
+        "parallel": {"tp": 2, "sequence_parallel": True},
+    }
+
+
+def test_parse_overrides_last_wins_and_value_may_contain_equals():
+    assert parse_overrides(["parallel.tp=2", "parallel.tp=4"]) == {"parallel": {"tp": 4}}
+    assert parse_overrides(["a.b=x=y"]) == {"a": {"b": "x=y"}}
+
+
+@pytest.mark.parametrize("pair", ["parallel.tp", "=2", "parallel..tp=2", "parallel.=2"])
+def test_parse_overrides_malformed(pair):
+    with pytest.raises(ValueError, match=rf"override '{pair}' is not of the form"):
+        parse_overrides([pair])
+
+
+def test_parse_overrides_conflict():
+    with pytest.raises(ValueError, match=r"'kda.cp_exchange=a2a': kda was already set"):
+        parse_overrides(["kda=1", "kda.cp_exchange=a2a"])
+
+
+def test_merge_deep_and_pure():
+    base = {"parallel": {"tp": 2, "cp": 2}, "kda": {"cp_exchange": "a2a"}}
+    over = {"parallel": {"cp": 4}, "data": {"seq_len": 64}}
+    got = merge(base, over)
+    assert got == {
+        "parallel": {"tp": 2, "cp": 4},
+        "kda": {"cp_exchange": "a2a"},
+        "data": {"seq_len": 64},
+    }
+    assert base == {"parallel": {"tp": 2, "cp": 2}, "kda": {"cp_exchange": "a2a"}}
+    assert over == {"parallel": {"cp": 4}, "data": {"seq_len": 64}}
+    got["data"]["seq_len"] = 1
+    assert over["data"]["seq_len"] == 64
+
+
+def test_overrides_end_to_end():
+    base = {"parallel": {"cp": 2}, "data": {"seq_len": 4096}}
+    pairs = ["kda.cp_exchange=allgather", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    r = load_layer_recipe(merge(base, parse_overrides(pairs)), environ={})
+    assert (r.parallel.tp, r.parallel.cp, r.parallel.sequence_parallel) == (2, 2, True)
+    assert r.kda.cp_exchange == "allgather"
+
+
+def test_unknown_key_from_override_refused():
+    with pytest.raises(ValidationError, match=r"parallel\.tpp\n.*Extra inputs are not permitted"):
+        load_layer_recipe(parse_overrides(["parallel.tpp=2"]), environ={})

@@ -1,0 +1,86 @@
+"""Every KDA CP exchange equals the CP=1 layer: outputs, input grads and param grads, on CPU.
+
+One spawn of 8 gloo ranks runs the whole matrix (importing megatron-core costs seconds per
+process); the tests below read its results. fp32 throughout: the exchanges only move and reorder
+rows and heads, so the only differences allowed are fp32 summation order (~1e-7); a layout bug
+gives errors of order 1 (see the negative controls).
+"""
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.kda_parity import Case, parity_matrix
+
+TOLERANCE = 1e-5
+
+MESHES = [
+    # (tp, cp, sequence_parallel)
+    (1, 2, False),  # CP only
+    (1, 4, False),
+    (2, 2, True),  # TP x CP with SP: the production layout
+    (2, 4, True),  # 8 ranks
+]
+CASES = [
+    Case(exchange, tp, cp, sp, fmt)
+    for exchange in ("a2a", "allgather")
+    for tp, cp, sp in MESHES
+    for fmt in ("sbhd", "thd")
+]
+CASES += [
+    Case("a2a", 2, 2, False, "sbhd"),  # a2a also works with TP but without SP
+    Case("a2a", 2, 2, False, "thd"),
+    Case("allgather", 2, 1, True, "thd"),  # CP=1 runs the same code path (TP/SP only)
+]
+CONTROLS = [
+    Case("a2a", 1, 2, False, "sbhd", corrupt="contiguous_shards"),
+    Case("allgather", 2, 2, True, "thd", corrupt="contiguous_shards"),
+    Case("a2a", 2, 2, True, "thd", corrupt="skip_reorder"),
+    Case("allgather", 1, 4, False, "sbhd", corrupt="skip_reorder"),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    per_rank = run_ranks(8, parity_matrix, CASES + CONTROLS)
+    merged = {}
+    for rank_results in per_rank:
+        for case_id, result in rank_results.items():
+            merged.setdefault(case_id, []).append(result)
+    return merged
+
+
+def _worst(results, case):
+    worst = {}
+    for r in results[case.id]:
+        for key, err in r.errors.items():
+            worst[key] = max(worst.get(key, 0.0), err)
+    return worst
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_exchange_equals_cp1(results, case):
+    assert len(results[case.id]) == case.tp * case.cp, "every rank of the mesh reported"
+    worst = _worst(results, case)
+    assert {"out", "dx"} <= worst.keys() and any(k.startswith("grad.A_log") for k in worst)
+    bad = {k: v for k, v in worst.items() if not v <= TOLERANCE}
+    assert not bad, f"relative errors above {TOLERANCE} (a layout bug gives ~1): {bad}"
+
+
+@pytest.mark.parametrize("case", CONTROLS, ids=lambda c: c.id)
+def test_negative_control_is_caught(results, case):
+    worst = _worst(results, case)
+    assert max(worst["out"], worst["dx"]) > 1e-2, (
+        f"a deliberately wrong layout ({case.corrupt}) went unnoticed: {worst}"
+    )
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.cp > 1], ids=lambda c: c.id)
+def test_measured_bytes_equal_model(results, case):
+    for r in results[case.id]:
+        for group in ("cp", "tp"):
+            for phase in ("fwd", "bwd"):
+                measured = r.measured_bytes.get(f"{group}/{phase}", {"sent": 0, "received": 0})
+                assert measured["sent"] == measured["received"] == r.model_bytes[group], (
+                    f"{group}/{phase}: measured {measured}, model {r.model_bytes[group]}"
+                )
+        assert r.model_bytes["cp"] > 0
