@@ -11,11 +11,12 @@ from .config import LayerRecipe
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def transformer_config(recipe: LayerRecipe, *, use_cpu: bool) -> TransformerConfig:
+def transformer_config(recipe: LayerRecipe, *, use_cpu: bool, initialize: bool = True) -> TransformerConfig:
     """Megatron's config for a model built from ``recipe``.
 
     On CPU, weights are initialised as full tensors and then sliced (``use_cpu_initialization``),
-    which also makes the model independent of the TP size for a given seed.
+    which also makes the model independent of the TP size for a given seed. ``initialize=False``
+    skips random initialisation (for weights that are loaded right after).
     """
     dtype = _DTYPES[recipe.model.params_dtype]
     par = recipe.parallel
@@ -31,6 +32,7 @@ def transformer_config(recipe: LayerRecipe, *, use_cpu: bool) -> TransformerConf
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=use_cpu,
+        perform_initialization=initialize,
         gradient_accumulation_fusion=False,
     )
 

@@ -1,11 +1,3 @@
-"""Test-only shim that lets megatron-core's CUDA-minded code run on CPU ranks (never used by the
-package). megatron-core allocates collective buffers on ``torch.cuda.current_device()``; on a CPU
-machine we point that at the CPU."""
+"""Test processes run megatron-core on CPU the way CPU workers do (see workers/cpu.py)."""
 
-import torch
-
-
-def install() -> None:
-    if torch.cuda.is_available():
-        return
-    torch.cuda.current_device = lambda: "cpu"
+from skyrl_megatron_kda.workers.cpu import redirect_cuda_device_queries as install  # noqa: F401

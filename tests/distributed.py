@@ -1,5 +1,5 @@
-"""Spawned gloo ranks for CPU tests: run ``fn(rank, world, *args)`` on every rank and collect what
-each returns (picklable)."""
+"""Spawned ranks for tests: run ``fn(rank, world, *args)`` on every rank and collect what each
+returns (picklable). gloo on CPU; NCCL with one GPU per rank."""
 
 from __future__ import annotations
 
@@ -19,13 +19,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
-    from tests import cpu_shim
+def _entry(rank: int, world: int, port: int, out_dir: str, backend: str, fn, args) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        from tests import cpu_shim
 
-    cpu_shim.install()
-    torch.set_num_threads(1)
+        cpu_shim.install()
+        torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
         result = ("ok", fn(rank, world, *args))
@@ -35,10 +38,10 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
     dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args) -> list:
+def run_ranks(world: int, fn, *args, backend: str = "gloo") -> list:
     """Results of ``fn`` on each rank, in rank order; a failing rank raises with its traceback."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, _free_port(), out_dir, fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, _free_port(), out_dir, backend, fn, args), nprocs=world, join=True)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     errors = [f"rank {r}:\n{payload}" for r, (status, payload) in enumerate(results) if status == "error"]
     if errors:

@@ -99,7 +99,7 @@ def test_chunk_matches_fla_naive_chunk_fp32(T):
     assert rel_err(S, S_ref) < 1e-5
 
 
-@pytest.mark.parametrize("T,chunk_size", [(7, 64), (130, 64), (130, 16), (100, 32)])
+@pytest.mark.parametrize("T,chunk_size", [(7, 64), (130, 64), (130, 16), (100, 32), (50, 24)])
 def test_chunk_matches_recurrence_fp64(T, chunk_size):
     q, k, v, g, beta, h0 = make_inputs(T, dtype=torch.float64, seed=2)
     o, S = chunk_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
@@ -197,6 +197,16 @@ def test_varlen_equals_separate_runs():
         assert rel_err(o_packed, o_i) < 1e-6, f"seq {i} (len {n})"
         assert rel_err(S[i : i + 1], S_i) < 1e-6, f"seq {i} (len {n})"
         assert rel_err(o_packed, o_ref) < 1e-5 and rel_err(S[i : i + 1], S_ref) < 1e-5
+
+
+def test_low_precision_inputs():
+    """bf16 in -> bf16 out, fp32 state, and the same result as fp32 inputs holding the same values."""
+    q, k, v, g, beta, h0 = make_inputs(70, seed=18)
+    lowp = [x.to(torch.bfloat16) for x in (q, k, v, g, beta)]
+    o, S = chunk_kda_torch(*lowp, initial_state=h0, output_final_state=True)
+    o32, S32 = chunk_kda_torch(*(x.float() for x in lowp), initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    assert torch.equal(o, o32.to(torch.bfloat16)) and torch.equal(S, S32)
 
 
 def test_varlen_requires_batch_one():

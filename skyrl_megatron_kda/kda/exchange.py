@@ -128,7 +128,7 @@ class _HeadParallelExchange:
     name: str
 
     @staticmethod
-    def _output_bytes(s: ExchangeShape) -> int:
+    def output_bytes(s: ExchangeShape) -> int:
         """The gated-norm output's all-to-all back to sequence shards (per rank, one pass)."""
         return s.rows_bytes(s.tokens // s.cp, s.num_heads * s.head_dim // s.tp) * (s.cp - 1) // s.cp
 
@@ -186,7 +186,7 @@ class A2AExchange(_HeadParallelExchange):
         """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it."""
         tp_in = s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
         cp_in = s.rows_bytes(s.tokens // s.cp, s.projected_width // s.tp) * (s.cp - 1) // s.cp
-        return {"cp": cp_in + cls._output_bytes(s), "tp": tp_in}
+        return {"cp": cp_in + cls.output_bytes(s), "tp": tp_in}
 
     def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
         fused, widths = project(self._tp_rows(x), slice(0, num_local_heads))
@@ -219,7 +219,7 @@ class AllGatherExchange(_HeadParallelExchange):
         sp = s.tp if s.sequence_parallel else 1
         cp_in = s.rows_bytes(s.tokens // (s.cp * sp), s.hidden) * (s.cp - 1)
         tp_in = s.rows_bytes(s.tokens // s.tp, s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
-        return {"cp": cp_in + cls._output_bytes(s), "tp": tp_in}
+        return {"cp": cp_in + cls.output_bytes(s), "tp": tp_in}
 
     def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
         # CP first: when CP spans nodes, only the narrow SP shards cross the slow link.

@@ -3,8 +3,8 @@
 The KDA layer calls :func:`kda` (and :func:`causal_conv_silu`) with a backend picked by
 :func:`resolve_backend`. The torch path is our own chunked implementation of the delta rule with a
 per-channel decay (math: glm53-flash.md section 1). It is differentiable by autograd, computes in
-fp32 and is the CPU oracle/fallback for fla's ``chunk_kda``; it is not meant to be fast at scale
-(it materialises a ``[C, C, K]`` decay tensor per chunk).
+fp32 and is the CPU path and oracle for fla's ``chunk_kda``; it is sized for tests and CPU runs, not
+for production shapes (it materialises per-chunk ``[C, C/16, K]`` decay tensors for autograd).
 """
 
 from __future__ import annotations
@@ -94,6 +94,43 @@ def _unpad(o_NPHV: torch.Tensor, T: int, valid_NP: torch.Tensor | None) -> torch
     return o_NPHV[valid_NP].unsqueeze(0)  # boolean indexing keeps sequence-major order = packed order
 
 
+def _causal_decay_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int = 16) -> torch.Tensor:
+    """A[t, j] = sum_d x[t,d] exp(G[t,d] - G[j,d]) k[j,d] for j <= t, else 0; x, k, G [..., C, D].
+
+    e^{G_t} e^{-G_j} would overflow (G reaches ~ -320 over a 64-token chunk at lower_bound = -5), so
+    the exponent is only ever a difference with t after the subtracted point. Within sub-blocks of
+    ``sub`` tokens the masked pairwise difference is exponentiated directly; across sub-blocks the
+    decay factors through r = the last token of j's sub-block (j <= r < t):
+    e^{G_t - G_j} = e^{G_t - G_r} e^{G_r - G_j}, both <= 1, turning that part into matmuls and
+    avoiding a [C, C, D] tensor.
+    """
+    C, D = G.shape[-2:]
+    if C % sub:
+        sub = C
+    nb = C // sub
+    t_C = torch.arange(C, device=G.device)
+
+    # Diagonal sub-blocks: exp of the masked pairwise difference, [.., nb, sub(t), sub(j), D].
+    Gb = G.unflatten(-2, (nb, sub))
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=G.device).tril().unsqueeze(-1)
+    decay_in = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill(~causal, float("-inf")).exp()
+    xb, kb = x.unflatten(-2, (nb, sub)), k.unflatten(-2, (nb, sub))
+    A_in = torch.einsum("...btjd,...bjd->...btj", xb.unsqueeze(-2) * decay_in, kb)
+    eye = torch.eye(nb, dtype=A_in.dtype, device=G.device)
+    A = (A_in.unsqueeze(-2) * eye[:, None, :, None]).reshape(*A_in.shape[:-3], C, C)
+    if nb == 1:
+        return A
+
+    # Earlier sub-blocks: left factor e^{G_t - G_r(b)} (only where t's block is after b), right e^{G_r - G_j}.
+    G_ref = G[..., sub - 1 :: sub, :]  # [.., nb, D]
+    after_Cb1 = ((t_C // sub)[:, None] > torch.arange(nb, device=G.device)[None, :]).unsqueeze(-1)
+    left = (G.unsqueeze(-2) - G_ref.unsqueeze(-3)).masked_fill(~after_Cb1, float("-inf")).exp()  # [.., C, nb, D]
+    right = (G_ref.repeat_interleave(sub, dim=-2) - G).exp()  # [.., C, D]
+    k_right = (k * right).unflatten(-2, (nb, sub))  # [.., nb, sub, D]
+    A_off = torch.einsum("...tbd,...bjd->...tbj", x.unsqueeze(-2) * left, k_right)
+    return A + A_off.reshape(*A_off.shape[:-3], C, C)
+
+
 def chunk_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -122,9 +159,14 @@ def chunk_kda_torch(
     B, T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"q, k, g must share shape [B,T,H,K]; got q={tuple(q.shape)} k={tuple(k.shape)} g={tuple(g.shape)}")
+        raise ValueError(
+            f"q, k, g must share shape [B,T,H,K]; got q={tuple(q.shape)} k={tuple(k.shape)} g={tuple(g.shape)}"
+        )
     if v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
-        raise ValueError(f"v must be [B,T,H,V] and beta [B,T,H] with B,T,H={B, T, H}; got v={tuple(v.shape)} beta={tuple(beta.shape)}")
+        raise ValueError(
+            f"v must be [B,T,H,V] and beta [B,T,H] with B,T,H={B, T, H}; "
+            f"got v={tuple(v.shape)} beta={tuple(beta.shape)}"
+        )
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens needs packed input with batch size 1, got B={B}")
     if chunk_size < 1:
@@ -156,15 +198,11 @@ def chunk_kda_torch(
     beta_c = chunked(b_p.unsqueeze(-1))  # [N, H, NT, C, 1]
     G_c = g_c.cumsum(-2)  # cumulative log decay inside each chunk, <= 0
 
-    # exp(G_t - G_j) for j <= t only: mask the exponent to -inf first, since e^{G_t} e^{-G_j} would
-    # overflow (G reaches ~ -320 over a chunk with lower_bound = -5).
-    causal_CC1 = torch.ones(C, C, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)
-    diff_CCK = G_c.unsqueeze(-2) - G_c.unsqueeze(-3)  # [N, H, NT, C(t), C(j), K]
-    decay_CCK = diff_CCK.masked_fill(~causal_CC1, float("-inf")).exp()
-    A_qk = torch.einsum("...tjd,...jd->...tj", q_c.unsqueeze(-2) * decay_CCK, k_c)  # causal incl. diagonal
+    # Decay-weighted scores <x_t e^{G_t - G_j}, k_j> (j <= t) for x = q and x = k in one pass.
+    A = _causal_decay_scores(torch.stack([q_c, k_c]), k_c, G_c)
+    A_qk = A[0]  # causal incl. diagonal
     strict_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
-    A_kk = torch.einsum("...tjd,...jd->...tj", k_c.unsqueeze(-2) * decay_CCK, k_c)
-    A_kk = (beta_c * A_kk).masked_fill(~strict_CC, 0.0)
+    A_kk = (beta_c * A[1]).masked_fill(~strict_CC, 0.0)
 
     # (I + A_kk)^{-1} applied to both right-hand sides at once; the unit diagonal is implicit.
     rhs = beta_c * torch.cat([k_c * G_c.exp(), v_c], dim=-1)

@@ -108,7 +108,7 @@ class KimiDeltaAttention(MegatronModule):
         )
 
         hidden, width = config.hidden_size, kda.num_heads * kda.head_dim
-        device = torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda")
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
         self.backend = resolve_backend(kda.kernel, device)
 
         def column(spec, in_size, out_size, name):
@@ -144,7 +144,8 @@ class KimiDeltaAttention(MegatronModule):
             torch.empty(self.num_local_heads, device=device, dtype=torch.float32)), dim=0)
         self.dt_bias = _tp_attrs(torch.nn.Parameter(
             torch.empty(local_width, device=device, dtype=torch.float32)), dim=0)
-        self.reset_parameters()
+        if config.perform_initialization:
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

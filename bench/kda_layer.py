@@ -1,0 +1,241 @@
+"""Benchmark one GLM-5.3-Flash KDA layer on GPU: kernel floor, CP1 layer, CP2 exchanges.
+
+Reports ratios measured in one run (never a lone absolute time):
+- layer / floor, where floor = fla ``chunk_kda`` alone at the rank's head share + the rank's
+  projection GEMM FLOPs at 790 TFLOP/s (the H200's measured bf16 GEMM ceiling);
+- CP1 / CP2 time per exchange (real NCCL run when 2 GPUs are visible);
+- peak memory per rank vs CP1.
+
+Usage (on a CUDA machine):  python bench/kda_layer.py --tokens 262144 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GEMM_FLOPS_PER_S = 790e12
+_T0 = time.time()
+
+
+def log(msg: str) -> None:
+    """Progress line with elapsed seconds (the first calls spend minutes in Triton autotuning)."""
+    print(f"[{time.time() - _T0:6.1f}s] {msg}", flush=True)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=262144, help="sequence length T (one sequence)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=8, help="KDA heads on the rank (8 = GLM's TP8 share)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--low-rank", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--exchanges", default="a2a,allgather")
+    p.add_argument("--json", default=None, help="write all measurements here")
+    p.add_argument("--stack-dump-after", type=float, default=900, help="seconds; print stacks if still running")
+    return p.parse_args()
+
+
+def _recipe(args, exchange: str, cp: int):
+    from skyrl_megatron_kda.config import LayerRecipe
+
+    return LayerRecipe(
+        model={"hidden_size": args.hidden, "params_dtype": "bfloat16"},
+        parallel={"tp": 1, "cp": cp},
+        kda={"cp_exchange": exchange, "kernel": "fla", "num_heads": args.heads,
+             "head_dim": args.head_dim, "gate_low_rank": args.low_rank,
+             "output_gate_low_rank": args.low_rank},
+        data={"seq_len": args.tokens},
+    )
+
+
+def projection_flops(args, exchange: str, cp: int) -> float:
+    """Forward+backward GEMM FLOPs of one rank (backward = 2x forward)."""
+    T, D, H, K, r = args.tokens, args.hidden, args.heads, args.head_dim, args.low_rank
+    if exchange == "allgather" and cp > 1:
+        rows, heads = T, H // cp  # every row, this rank's head slice
+    else:
+        rows, heads = T // cp, H  # this rank's rows, every head
+    fwd = 2 * rows * D * (3 * heads * K + heads)  # q, k, v, beta
+    fwd += 2 * rows * D * 2 * r + 2 * rows * 2 * r * heads * K  # f_a, g_a, f_b, g_b
+    fwd += 2 * (T // cp) * H * K * D  # o_proj on this rank's rows, all heads
+    return 3.0 * fwd
+
+
+def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
+    """Median milliseconds of ``fn`` and peak GiB allocated during the timed runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def kernel_fwd_bwd(args, heads: int):
+    from skyrl_megatron_kda.kda.kernel import kda
+
+    T, K, dev = args.tokens, args.head_dim, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def leaf(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=dev, dtype=dtype, generator=g).requires_grad_()
+
+    q, k, v, f = (leaf(1, T, heads, K) for _ in range(4))
+    b = leaf(1, T, heads)
+    a_log = torch.rand(heads, device=dev).mul(15).add(1).log().requires_grad_()
+    dt_bias = leaf(heads * K, dtype=torch.float32)
+    do = torch.randn(1, T, heads, K, device=dev, dtype=torch.bfloat16, generator=g)
+
+    def step():
+        o, _ = kda(q, k, v, f, b, a_log, dt_bias, lower_bound=-5.0, backend="fla")
+        o.backward(do)
+        for t in (q, k, v, f, b, a_log, dt_bias):
+            t.grad = None
+
+    return step
+
+
+def layer_fwd_bwd(args, exchange: str, tp_group, cp_group):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from skyrl_megatron_kda.kda.exchange import CommLedger
+    from skyrl_megatron_kda.kda.layer import KDASubmodules, KimiDeltaAttention
+    from skyrl_megatron_kda.kda.layout import zigzag_positions
+    from skyrl_megatron_kda.parallel import transformer_config
+
+    cp = cp_group.size()
+    recipe = _recipe(args, exchange, cp)
+    torch.manual_seed(0)
+    ledger = CommLedger()
+    layer = KimiDeltaAttention(
+        transformer_config(recipe, use_cpu=False, initialize=False), KDASubmodules(),
+        layer_number=1, kda=recipe.kda, pg_collection=ProcessGroupCollection(tp=tp_group, cp=cp_group),
+        ledger=ledger,
+    )
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+        layer.A_log.uniform_(0, 2.7)
+        layer.o_norm_weight.fill_(1.0)
+    rows = zigzag_positions(torch.tensor([0, args.tokens], device="cuda"), cp)[cp_group.rank()]
+    x = torch.randn(rows.numel(), 1, args.hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+
+    def step():
+        out, _ = layer(x)
+        out.backward(dy)
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+
+    return step, ledger
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cp2_rank(rank: int, port: int, args, queue) -> None:
+    faulthandler.dump_traceback_later(args.stack_dump_after, exit=False)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    single = [dist.new_group([r]) for r in range(2)][rank]
+    cp_group = dist.new_group([0, 1])
+    out = {}
+    for exchange in args.exchanges.split(","):
+        step, ledger = layer_fwd_bwd(args, exchange, single, cp_group)
+        ms, gib = timed(step, args.warmup, args.iters)
+        log(f"rank {rank} CP2 {exchange}: {ms:.1f} ms, {gib:.1f} GiB")
+        calls = args.warmup + args.iters
+        out[exchange] = {"ms": ms, "peak_gib": gib,
+                         "cp_bytes_fwd_per_step": ledger.received("cp", "fwd") // calls}
+        del step
+        torch.cuda.empty_cache()
+    queue.put((rank, out))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    faulthandler.dump_traceback_later(args.stack_dump_after, exit=False)
+    port = _free_port()
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    single = dist.new_group([0])
+    results = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
+
+    for heads in (args.heads, args.heads // 2):
+        ms, gib = timed(kernel_fwd_bwd(args, heads), args.warmup, args.iters)
+        results[f"kernel_{heads}h"] = {"ms": ms, "peak_gib": gib}
+        log(f"kernel alone, {heads} heads: {ms:.1f} ms, {gib:.1f} GiB")
+        torch.cuda.empty_cache()
+    step, _ = layer_fwd_bwd(args, "a2a", single, single)
+    ms, gib = timed(step, args.warmup, args.iters)
+    results["layer_cp1"] = {"ms": ms, "peak_gib": gib}
+    log(f"layer CP1: {ms:.1f} ms, {gib:.1f} GiB")
+    del step
+    torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+    if torch.cuda.device_count() >= 2:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        cp2_port = _free_port()
+        procs = [ctx.Process(target=_cp2_rank, args=(r, cp2_port, args, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        per_rank = dict(queue.get() for _ in procs)
+        for p in procs:
+            p.join()
+        for exchange in args.exchanges.split(","):
+            results[f"layer_cp2_{exchange}"] = {
+                "ms": max(per_rank[r][exchange]["ms"] for r in per_rank),
+                "peak_gib": max(per_rank[r][exchange]["peak_gib"] for r in per_rank),
+                "cp_bytes_fwd": per_rank[0][exchange]["cp_bytes_fwd_per_step"],
+            }
+    report(args, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def report(args, results) -> None:
+    cp1 = results["layer_cp1"]
+    floor1 = results[f"kernel_{args.heads}h"]["ms"] + projection_flops(args, "a2a", 1) / GEMM_FLOPS_PER_S * 1e3
+    rows = [("CP1 layer", cp1["ms"], floor1, 1.0, cp1["peak_gib"])]
+    for exchange in args.exchanges.split(","):
+        r = results.get(f"layer_cp2_{exchange}")
+        if r is None:
+            continue
+        floor = results[f"kernel_{args.heads // 2}h"]["ms"] + projection_flops(args, exchange, 2) / GEMM_FLOPS_PER_S * 1e3
+        rows.append((f"CP2 {exchange}", r["ms"], floor, cp1["ms"] / r["ms"], r["peak_gib"]))
+    print(f"\nKDA layer fwd+bwd, T={args.tokens}, {args.heads} heads x {args.head_dim}, hidden {args.hidden}, bf16")
+    print(f"{'run':<16}{'ms':>9}{'floor ms':>10}{'x floor':>9}{'speedup vs CP1':>16}{'peak GiB':>10}{'mem vs CP1':>11}")
+    for name, ms, floor, speedup, gib in rows:
+        print(f"{name:<16}{ms:>9.1f}{floor:>10.1f}{ms / floor:>9.2f}{speedup:>16.2f}{gib:>10.1f}{gib / cp1['peak_gib']:>11.2f}")
+    if torch.cuda.device_count() < 2:
+        print("(CP2 rows need 2 GPUs; only one is visible)")
+
+
+if __name__ == "__main__":
+    main()

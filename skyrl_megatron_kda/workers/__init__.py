@@ -1,0 +1,1 @@
+"""Ray actors that each own one torch.distributed rank."""

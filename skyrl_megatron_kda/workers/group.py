@@ -1,0 +1,98 @@
+"""Ray actors, one per rank, sharing one torch.distributed world (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class WorkerError(RuntimeError):
+    """A rank failed or died; names the rank and carries the cause."""
+
+    def __init__(self, rank: int, cause: BaseException):
+        super().__init__(f"rank {rank} failed: {cause}")
+        self.rank = rank
+
+
+@ray.remote
+class RankActor:
+    """One process, one rank: initialises torch.distributed and runs functions sent to it."""
+
+    def __init__(self, rank: int, world: int, device: str):
+        self.rank, self.world, self.device = rank, world, device
+
+    def free_address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, address: str, port: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.device == "cpu":
+            from .cpu import redirect_cuda_device_queries
+
+            redirect_cuda_device_queries()
+            backend = "gloo"
+        else:
+            torch.cuda.set_device(0)  # Ray exposes exactly the GPU of this actor's bundle
+            backend = "nccl"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}",
+                                rank=self.rank, world_size=self.world)
+
+    def call(self, fn: Callable, *args) -> Any:
+        return fn(self.rank, self.world, *args)
+
+
+class ActorGroup:
+    """``world`` rank actors packed into one placement group (one CPU or GPU slot each)."""
+
+    def __init__(self, world: int, device: str = "cpu", ready_timeout_s: float = 120):
+        bundle = {"CPU": 1} if device == "cpu" else {"CPU": 1, "GPU": 1}
+        self.placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        ready, _ = ray.wait([self.placement.ready()], timeout=ready_timeout_s)
+        if not ready:
+            remove_placement_group(self.placement)
+            raise RuntimeError(
+                f"Ray could not place {world} workers with {bundle} each within {ready_timeout_s:.0f} s; "
+                f"cluster resources: {ray.cluster_resources()}"
+            )
+        self.actors = [
+            RankActor.options(
+                num_cpus=1, num_gpus=0 if device == "cpu" else 1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
+            ).remote(r, world, device)
+            for r in range(world)
+        ]
+        address, port = ray.get(self.actors[0].free_address.remote())
+        self._gather([a.init_distributed.remote(address, port) for a in self.actors])
+
+    def run(self, fn: Callable, *args) -> list:
+        """``fn(rank, world, *args)`` on every rank; results in rank order."""
+        return self._gather([a.call.remote(fn, *args) for a in self.actors])
+
+    def _gather(self, refs) -> list:
+        # Wait for whichever finishes first, so a failed rank ends the run instead of leaving the
+        # others blocked in a collective.
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
+        while pending:
+            (done,), _ = ray.wait(list(pending), num_returns=1)
+            rank = pending.pop(done)
+            try:
+                results[rank] = ray.get(done)
+            except ray.exceptions.RayError as err:
+                self.shutdown()
+                raise WorkerError(rank, err) from err
+        return results
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.placement)

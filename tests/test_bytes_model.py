@@ -1,0 +1,56 @@
+"""The analytic byte model of the exchanges at GLM-5.3-Flash dims (reference/kda-cp.md section 4).
+
+The measured bytes of real runs are checked against this same model in test_kda_parity.py."""
+
+import pytest
+
+from skyrl_megatron_kda.kda.exchange import A2AExchange, AllGatherExchange, ExchangeShape
+
+T = 2**20
+GiB = 2**30
+
+
+def shape(tp, cp, heads=64, hidden=4096):
+    return ExchangeShape(tokens=T, batch=1, hidden=hidden, num_heads=heads, head_dim=128,
+                         tp=tp, cp=cp, sequence_parallel=tp > 1)
+
+
+def input_bytes(cls, s):
+    return cls.bytes_moved(s)["cp"] - cls.output_bytes(s)
+
+
+def test_glm_tp8_cp2_matches_reference_table():
+    s = shape(8, 2)
+    assert input_bytes(A2AExchange, s) / GiB == pytest.approx(2.504, abs=1e-3)
+    assert input_bytes(AllGatherExchange, s) / GiB == pytest.approx(0.5)
+    assert A2AExchange.output_bytes(s) / GiB == pytest.approx(0.5)
+    a2a, ag = A2AExchange.bytes_moved(s)["cp"], AllGatherExchange.bytes_moved(s)["cp"]
+    assert ag <= a2a / 3, f"allgather {ag / GiB:.3f} GiB vs a2a {a2a / GiB:.3f} GiB"
+    assert a2a / ag == pytest.approx(3.0, abs=0.01)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_input_ratio_is_projected_width_over_cp_hidden_whatever_tp(tp, cp):
+    s = shape(tp, cp)
+    ratio = input_bytes(A2AExchange, s) / input_bytes(AllGatherExchange, s)
+    assert ratio == pytest.approx(s.projected_width / (cp * s.hidden))
+    assert ratio == pytest.approx(10.0 / cp, rel=0.01)
+
+
+def test_few_heads_make_a2a_cheaper():
+    s = shape(1, 2, heads=8)
+    ratio = input_bytes(A2AExchange, s) / input_bytes(AllGatherExchange, s)
+    assert ratio == pytest.approx(0.63, abs=0.005)
+    assert A2AExchange.bytes_moved(s)["cp"] < AllGatherExchange.bytes_moved(s)["cp"]
+
+
+def test_allgather_edge_shrinks_as_cp_grows():
+    ratios = [A2AExchange.bytes_moved(shape(8, cp))["cp"] / AllGatherExchange.bytes_moved(shape(8, cp))["cp"]
+              for cp in (2, 4, 8)]
+    assert ratios == sorted(ratios, reverse=True) and ratios[-1] < 1.25
+
+
+def test_cp1_moves_nothing_over_cp():
+    for cls in (A2AExchange, AllGatherExchange):
+        assert cls.bytes_moved(shape(8, 1))["cp"] == 0

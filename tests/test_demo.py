@@ -1,0 +1,15 @@
+"""The README's main job: the demo runs on Ray CPU ranks and every exchange passes."""
+
+from skyrl_megatron_kda.cli import main
+
+
+def test_demo_passes_on_ray_cpu_ranks(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" OK (") == 4  # progress line and table row for each of the two exchanges
+    assert "TP8xCP2" in out and "FAIL" not in out
+
+
+def test_bytes_command_prints_the_glm_table(capsys):
+    assert main(["bytes"]) == 0
+    assert "3.00" in capsys.readouterr().out
