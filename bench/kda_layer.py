@@ -43,6 +43,8 @@ def parse_args():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--exchanges", default="a2a,allgather")
     p.add_argument("--json", default=None, help="write all measurements here")
+    p.add_argument("--profile", action="store_true",
+                   help="only profile the CP1 layer and print the top CUDA kernels")
     p.add_argument("--stack-dump-after", type=float, default=900, help="seconds; print stacks if still running")
     return p.parse_args()
 
@@ -182,6 +184,9 @@ def main() -> None:
     port = _free_port()
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     single = dist.new_group([0])
+    if args.profile:
+        profile_cp1(args, single)
+        return
     results = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
 
     for heads in (args.heads, args.heads // 2):
@@ -217,6 +222,18 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def profile_cp1(args, group) -> None:
+    """Where the CP1 layer's fwd+bwd time goes, by CUDA kernel (after a warm-up step)."""
+    step, _ = layer_fwd_bwd(args, "a2a", group, group)
+    ms, _ = timed(step, args.warmup, 1)
+    log(f"layer CP1: {ms:.1f} ms; profiling {args.iters} steps")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.iters):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 
 
 def report(args, results) -> None:
