@@ -304,6 +304,16 @@ def test_kda_torch_entry_point():
     assert S_none is None and o_none.shape == (B, T, H, K)
 
 
+def test_kda_entry_point_chunk_size_is_used_and_does_not_change_the_math():
+    q, k, v, f_raw, b_raw, A_log, dt_bias, h0 = _kda_inputs(100, B, seed=16)
+    args = (q, k, v, f_raw, b_raw, A_log, dt_bias)
+    o64, _ = kda(*args, lower_bound=LOWER_BOUND, chunk_size=64, backend="torch")
+    o32, _ = kda(*args, lower_bound=LOWER_BOUND, chunk_size=32, backend="torch")
+    assert rel_err(o32, o64) < 1e-5
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda(*args, lower_bound=LOWER_BOUND, chunk_size=0, backend="torch")
+
+
 def test_kda_torch_entry_point_varlen():
     lens = [1, 40, 70]
     N, Tmax = len(lens), max(lens)

@@ -288,6 +288,7 @@ def kda(
     cu_seqlens: torch.LongTensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    chunk_size: int = 64,
     backend: Backend,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA core as the layer uses it: L2-norm q/k, lower-bound gate, sigmoid beta, chunked delta rule.
@@ -321,6 +322,7 @@ def kda(
             safe_gate=True,
             lower_bound=lower_bound,
             cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size,
         )
     if backend != "torch":
         raise ValueError(f"unknown kernel backend {backend!r}")
@@ -335,4 +337,5 @@ def kda(
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
     )

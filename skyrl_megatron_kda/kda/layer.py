@@ -231,7 +231,7 @@ class KimiDeltaAttention(MegatronModule):
         o, _ = kda(
             q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk],
             lower_bound=self.kda_config.gate_lower_bound, l2norm_eps=self.kda_config.l2norm_eps,
-            cu_seqlens=cu_seqlens, backend=self.backend,
+            cu_seqlens=cu_seqlens, chunk_size=self.kda_config.chunk_size, backend=self.backend,
         )
         o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),
                            self.kda_config.norm_eps)
