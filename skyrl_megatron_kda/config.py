@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # Strict so that YAML `true` or "2" is not silently read as an int.
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 
-CPExchange = Literal["a2a", "allgather"]
+CPExchange = Literal["a2a", "allgather", "state"]
 """How KDA layers exchange data across the CP group (DESIGN.md section 2); add new ones here."""
 
 CP_EXCHANGE_ENV = "SKYRL_KDA_CP_EXCHANGE"
@@ -148,10 +148,11 @@ class LayerRecipe(_Config):
     def _local_heads_divisible_by_cp(self) -> LayerRecipe:
         heads, tp, cp = self.kda.num_heads, self.parallel.tp, self.parallel.cp
         local_heads = heads // tp
-        if local_heads % cp:
+        if self.kda.cp_exchange != "state" and local_heads % cp:
             raise ValueError(
                 f"local heads kda.num_heads/tp = {heads}/{tp} = {local_heads} must be divisible "
-                f"by cp={cp}: every CP exchange splits each TP rank's heads over the CP group"
+                f"by cp={cp}: kda.cp_exchange={self.kda.cp_exchange} splits each TP rank's heads "
+                "over the CP group (kda.cp_exchange=state keeps all heads on every rank)"
             )
         return self
 

@@ -37,8 +37,8 @@ class Case:
     tp: int
     cp: int
     sequence_parallel: bool
-    fmt: str  # "sbhd" or "thd"
-    corrupt: str | None = None  # negative controls: "contiguous_shards", "skip_reorder"
+    fmt: str  # "sbhd", "sbhd8" (8x longer sequences) or "thd"
+    corrupt: str | None = None  # negative controls, see run_case
 
     @property
     def id(self) -> str:
@@ -64,8 +64,9 @@ def batch_for(fmt: str, setup: Setup):
     from skyrl_megatron_kda.kda.parity import make_batch
 
     dtype = getattr(torch, setup.dtype)
-    if fmt == "sbhd":
-        return make_batch(setup.hidden, tokens=SBHD_TOKENS, batch=SBHD_BATCH, device=setup.device, dtype=dtype)
+    if fmt.startswith("sbhd"):
+        tokens = SBHD_TOKENS * (8 if fmt == "sbhd8" else 1)
+        return make_batch(setup.hidden, tokens=tokens, batch=SBHD_BATCH, device=setup.device, dtype=dtype)
     return make_batch(setup.hidden, lengths=THD_LENGTHS, device=setup.device, dtype=dtype)
 
 
@@ -75,20 +76,42 @@ def _contiguous_rows(cu_seqlens, cp, tp, cp_rank, tp_rank, sequence_parallel):
     return rows.chunk(tp)[tp_rank] if sequence_parallel else rows
 
 
+def _chain_in_rank_order(M, L, cp, cp_rank):
+    """The state-passing bug: chain back pieces in ascending instead of descending rank order."""
+    M, L = M.clone(), L.clone()
+    P = M.shape[1]
+    for t in (M, L):
+        backs = t.view((cp, P // 2, 2) + t.shape[2:])[:, :, 1]
+        backs.copy_(backs.flip(0))
+    return _saved_chain(M, L, cp, cp_rank)
+
+
+_saved_chain = None
+
+
 def run_case(case: Case, tp_group, cp_group, single_group, setup: Setup = CPU):
-    from skyrl_megatron_kda.kda import exchange, parity
+    """Negative controls (``case.corrupt``): ``contiguous_shards`` feeds plain contiguous CP
+    shards; ``skip_reorder`` leaves exchanged rows out of natural order; ``chain_order`` composes
+    back pieces in the wrong order; ``no_halo`` drops the conv halo of the state exchange."""
+    global _saved_chain
+    from skyrl_megatron_kda.kda import exchange, parity, state
 
     batch = batch_for(case.fmt, setup)
     recipe = recipe_for(case, setup, batch.x.shape[0])
-    saved = parity.shard_rows, exchange.sort_index
+    saved = parity.shard_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows
+    _saved_chain = state.chain_entry_states
     if case.corrupt == "contiguous_shards":
         parity.shard_rows = _contiguous_rows
-    elif case.corrupt == "skip_reorder":  # forget to put exchanged rows into natural order
+    elif case.corrupt == "skip_reorder":
         exchange.sort_index = lambda p: torch.arange(p.numel(), device=p.device)
+    elif case.corrupt == "chain_order":
+        state.chain_entry_states = _chain_in_rank_order
+    elif case.corrupt == "no_halo":
+        state.halo_rows = lambda tails, pos, pieces, width: saved[3](tails, pos, pieces, width) * 0
     try:
         return parity.check_exchange(recipe, batch, tp_group, cp_group, single_group)
     finally:
-        parity.shard_rows, exchange.sort_index = saved
+        parity.shard_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows = saved
 
 
 def mesh_groups(rank: int, meshes):

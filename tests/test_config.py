@@ -164,7 +164,7 @@ def test_kda_sizes_positive(field):
 
 
 def test_unknown_cp_exchange():
-    with pytest.raises(ValidationError, match=r"'a2a' or 'allgather'"):
+    with pytest.raises(ValidationError, match=r"Input should be 'a2a', 'allgather'"):
         KDAConfig(cp_exchange="ring")
 
 

@@ -30,6 +30,8 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from . import state as state_passing
+from .kernel import causal_conv_silu, kda
 from .layout import CPLayout, sort_index
 
 # project(rows [s, b, D], heads) -> (fused [s, b, W(heads)], widths of its sections)
@@ -112,6 +114,8 @@ class ExchangeShape:
     cp: int
     sequence_parallel: bool
     element_size: int = 2  # bytes per activation element (bf16)
+    sequences: int = 1  # sequences per batch row (packed THD)
+    conv_size: int = 4
 
     @property
     def projected_width(self) -> int:
@@ -122,15 +126,12 @@ class ExchangeShape:
         return rows * self.batch * width * self.element_size
 
 
-class _HeadParallelExchange:
-    """Shared parts: TP row gather, the CP all-to-all back to sequence shards, head slicing."""
+class _Exchange:
+    """Shared parts: the TP row gather, counted row all-gathers, and the plain conv / recurrence
+    on whatever rows and heads the exchange hands the layer."""
 
     name: str
-
-    @staticmethod
-    def output_bytes(s: ExchangeShape) -> int:
-        """The gated-norm output's all-to-all back to sequence shards (per rank, one pass)."""
-        return s.rows_bytes(s.tokens // s.cp, s.num_heads * s.head_dim // s.tp) * (s.cp - 1) // s.cp
+    splits_heads: bool  # whether each CP rank runs a 1/cp slice of the TP-local heads
 
     def __init__(self, groups: ExchangeGroups, ledger: CommLedger | None = None):
         self.groups = groups
@@ -138,11 +139,6 @@ class _HeadParallelExchange:
         self.cp = groups.cp.size()
         self.tp = groups.tp.size()
         self.cp_rank = groups.cp.rank()
-
-    def heads(self, num_local_heads: int) -> slice:
-        """This CP rank's slice of the TP-local heads, run on the whole sequence."""
-        per_rank = num_local_heads // self.cp
-        return slice(self.cp_rank * per_rank, (self.cp_rank + 1) * per_rank)
 
     def _gather_rows(self, x: torch.Tensor, group: dist.ProcessGroup, name: str) -> torch.Tensor:
         """All-gather along rows (backward: reduce-scatter), counted."""
@@ -159,6 +155,31 @@ class _HeadParallelExchange:
         if self.tp > 1:
             return copy_to_tensor_model_parallel_region(x, group=self.groups.tp)
         return x
+
+    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, *, backend: str):
+        """Causal short conv + SiLU on whole sequences in natural order ([b, T, C])."""
+        return causal_conv_silu(qkv, weight, cu_seqlens=layout.kernel_cu_seqlens, backend=backend)
+
+    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, **kernel_args):
+        """The KDA recurrence on whole sequences in natural order."""
+        o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=layout.kernel_cu_seqlens, **kernel_args)
+        return o
+
+
+class _HeadParallelExchange(_Exchange):
+    """Head-parallel exchanges: whole sequences, 1/cp of the local heads, all-to-all back."""
+
+    splits_heads = True
+
+    @staticmethod
+    def output_bytes(s: ExchangeShape) -> int:
+        """The gated-norm output's all-to-all back to sequence shards (per rank, one pass)."""
+        return s.rows_bytes(s.tokens // s.cp, s.num_heads * s.head_dim // s.tp) * (s.cp - 1) // s.cp
+
+    def heads(self, num_local_heads: int) -> slice:
+        """This CP rank's slice of the TP-local heads, run on the whole sequence."""
+        per_rank = num_local_heads // self.cp
+        return slice(self.cp_rank * per_rank, (self.cp_rank + 1) * per_rank)
 
     def _a2a(self, x: torch.Tensor, to_heads: bool) -> torch.Tensor:
         payload = _nbytes(x) * (self.cp - 1) // self.cp
@@ -230,7 +251,80 @@ class AllGatherExchange(_HeadParallelExchange):
         return fused.index_select(0, sort_index(layout.gathered_positions()))
 
 
-EXCHANGES = {cls.name: cls for cls in (A2AExchange, AllGatherExchange)}
+class StateExchange(_Exchange):
+    """The sequence stays sharded; only fp32 state summaries and conv halos cross the CP group.
+
+    Not bitwise equal to CP=1: the incoming state is composed in fp32 from the summaries.
+    """
+
+    name = "state"
+    splits_heads = False
+
+    @classmethod
+    def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
+        """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it.
+
+        Independent of T: per piece (two per sequence per rank) one fp32 [H_loc, K, K+V] summary
+        and ``conv_size - 1`` rows of the q/k/v projections."""
+        tp_in = s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
+        if s.cp == 1:
+            return {"cp": 0, "tp": tp_in}
+        pieces = 2 * s.sequences * s.batch
+        heads, K = s.num_heads // s.tp, s.head_dim
+        summaries = pieces * heads * K * 2 * K * 4
+        halo = pieces * (s.conv_size - 1) * 3 * heads * K * s.element_size
+        return {"cp": (s.cp - 1) * (summaries + halo), "tp": tp_in}
+
+    def heads(self, num_local_heads: int) -> slice:
+        return slice(0, num_local_heads)
+
+    def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
+        fused, _ = project(self._tp_rows(x), slice(0, num_local_heads))
+        return fused
+
+    def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+        return o
+
+    def _pieces(self, layout: CPLayout, batch: int, cp_rank: int) -> state_passing.Pieces:
+        return state_passing.rank_pieces(layout.cu_seqlens, self.cp, cp_rank, batch)
+
+    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, *, backend: str):
+        if self.cp == 1:
+            return super().conv(qkv, weight, layout, backend=backend)
+        batch, rows, channels = qkv.shape
+        width = weight.shape[-1] - 1
+        x = qkv.reshape(batch * rows, channels)
+        mine = self._pieces(layout, batch, self.cp_rank)
+        all_tails = self._gather_rows(state_passing.piece_tails(x, mine, width), self.groups.cp, "cp")
+        # Every rank's pieces follow from the layout, so the tails' positions need no exchange.
+        all_positions = torch.cat([state_passing.tail_positions(self._pieces(layout, batch, r), width)
+                                   for r in range(self.cp)])
+        halo = state_passing.halo_rows(all_tails, all_positions, mine, width)
+        padded, cu, keep = state_passing.with_halo(x, halo, mine)
+        y = causal_conv_silu(padded.unsqueeze(0), weight, cu_seqlens=cu, backend=backend)[0]
+        return y[keep].reshape(batch, rows, channels)
+
+    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, **kernel_args):
+        if self.cp == 1:
+            return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, **kernel_args)
+        batch, rows, heads, K = q.shape
+        pieces = self._pieces(layout, batch, self.cp_rank)
+        flat = [t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b)]
+        q, k, v, f, b = flat
+        # Summaries of this rank's pieces: S_out = M S_in + S_local.
+        _, local = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=pieces.cu, output_final_state=True,
+                       **kernel_args)
+        eye = torch.eye(K, device=q.device, dtype=torch.float32).expand(pieces.count, heads, K, K)
+        _, transition = kda(q, k, torch.zeros_like(k), f, b, A_log, dt_bias, cu_seqlens=pieces.cu,
+                            initial_state=eye.contiguous(), output_final_state=True, **kernel_args)
+        summary = self._gather_rows(torch.cat([transition, local], dim=-1), self.groups.cp, "cp")
+        summary = summary.view((self.cp, pieces.count) + summary.shape[1:])
+        entry = state_passing.chain_entry_states(summary[..., :K], summary[..., K:], self.cp, self.cp_rank)
+        o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=pieces.cu, initial_state=entry, **kernel_args)
+        return o.reshape(batch, rows, heads, -1)
+
+
+EXCHANGES = {cls.name: cls for cls in (A2AExchange, AllGatherExchange, StateExchange)}
 
 
 def build_exchange(name: str, groups: ExchangeGroups, ledger: CommLedger | None = None):

@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import KDAConfig
 from .exchange import CommLedger, ExchangeGroups, build_exchange
-from .kernel import causal_conv_silu, kda, resolve_backend
+from .kernel import resolve_backend
 from .layout import CPLayout
 
 
@@ -95,10 +95,6 @@ class KimiDeltaAttention(MegatronModule):
         if kda.num_heads % tp:
             raise ValueError(f"num_heads={kda.num_heads} must be divisible by tp={tp}")
         self.num_local_heads = kda.num_heads // tp
-        if self.num_local_heads % cp:
-            raise ValueError(
-                f"local heads ({self.num_local_heads} = num_heads/tp) must be divisible by cp={cp}"
-            )
         self.head_dim = kda.head_dim
         self.sp_size = tp if config.sequence_parallel else 1
         self.exchange = build_exchange(
@@ -106,6 +102,11 @@ class KimiDeltaAttention(MegatronModule):
             ExchangeGroups(self.tp_group, self.cp_group, config.sequence_parallel),
             ledger,
         )
+        if self.exchange.splits_heads and self.num_local_heads % cp:
+            raise ValueError(
+                f"local heads ({self.num_local_heads} = num_heads/tp) must be divisible by cp={cp} "
+                f"for cp_exchange={kda.cp_exchange!r}"
+            )
 
         hidden, width = config.hidden_size, kda.num_heads * kda.head_dim
         device = torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
@@ -182,7 +183,7 @@ class KimiDeltaAttention(MegatronModule):
         fused = torch.cat([qkvb[..., : 3 * n], f, g, qkvb[..., 3 * n :]], dim=-1)
         return fused, [n, n, n, n, n, nh]
 
-    def _layout(self, hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None):
+    def _layout(self, hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> CPLayout:
         """Natural sequence boundaries (global) and the CP layout of this batch's rows."""
         rows, batch = hidden_states.shape[:2]
         total = rows * self.sp_size * self.cp_group.size()
@@ -193,11 +194,11 @@ class KimiDeltaAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             if int(cu[-1]) != total:
                 raise ValueError(f"cu_seqlens end at {int(cu[-1])} but the CP/SP shards hold {total} tokens")
-            kernel_cu = cu.to(device=hidden_states.device, dtype=torch.long)
+            packed = True
         else:
-            cu, kernel_cu = torch.tensor([0, total]), None
-        layout = CPLayout.build(cu.to(device=hidden_states.device), self.cp_group.size(), self.tp_group.size())
-        return layout, kernel_cu
+            cu, packed = torch.tensor([0, total]), False
+        cu = cu.to(device=hidden_states.device, dtype=torch.long)
+        return CPLayout.build(cu, self.cp_group.size(), self.tp_group.size(), packed)
 
     def forward(
         self,
@@ -214,7 +215,7 @@ class KimiDeltaAttention(MegatronModule):
         """
         if inference_context is not None:
             raise NotImplementedError("KimiDeltaAttention has no inference (decode) path yet")
-        layout, cu_seqlens = self._layout(hidden_states, packed_seq_params)
+        layout = self._layout(hidden_states, packed_seq_params)
         fused = self.exchange.to_heads(hidden_states, layout, self.project, self.num_local_heads)
         heads = self.exchange.heads(self.num_local_heads)
         nh, K = heads.stop - heads.start, self.head_dim
@@ -223,15 +224,13 @@ class KimiDeltaAttention(MegatronModule):
 
         fused = fused.transpose(0, 1)  # [b, T, W]: the kernels' layout
         qkv, f, g, b = fused.split([3 * nh * K, nh * K, nh * K, nh], dim=-1)
-        qkv = causal_conv_silu(
-            qkv, self.conv_weight[:, hk].reshape(3 * nh * K, -1),
-            cu_seqlens=cu_seqlens, backend=self.backend,
-        )
+        qkv = self.exchange.conv(qkv, self.conv_weight[:, hk].reshape(3 * nh * K, -1), layout,
+                                 backend=self.backend)
         q, k, v = qkv.reshape(batch, seq_len, 3, nh, K).unbind(2)
-        o, _ = kda(
-            q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk],
+        o = self.exchange.recurrence(
+            q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk], layout,
             lower_bound=self.kda_config.gate_lower_bound, l2norm_eps=self.kda_config.l2norm_eps,
-            cu_seqlens=cu_seqlens, chunk_size=self.kda_config.chunk_size, backend=self.backend,
+            chunk_size=self.kda_config.chunk_size, backend=self.backend,
         )
         o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),
                            self.kda_config.norm_eps)

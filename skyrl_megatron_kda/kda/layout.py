@@ -54,10 +54,16 @@ class CPLayout:
     positions: torch.Tensor
     cp: int
     tp: int
+    packed: bool  # THD: one row of several sequences; else each batch row is one sequence
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, cp: int, tp: int) -> "CPLayout":
-        return cls(cu_seqlens, zigzag_positions(cu_seqlens, cp), cp, tp)
+    def build(cls, cu_seqlens: torch.Tensor, cp: int, tp: int, packed: bool) -> "CPLayout":
+        return cls(cu_seqlens, zigzag_positions(cu_seqlens, cp), cp, tp, packed)
+
+    @property
+    def kernel_cu_seqlens(self) -> torch.Tensor | None:
+        """Natural sequence boundaries for varlen kernels (None for [s, b, h] batches)."""
+        return self.cu_seqlens if self.packed else None
 
     @property
     def total_tokens(self) -> int:

@@ -130,6 +130,7 @@ def check_exchange(recipe: LayerRecipe, batch: Batch, tp_group, cp_group, single
     shape = ExchangeShape(tokens=tokens, batch=b, hidden=recipe.model.hidden_size,
                           num_heads=recipe.kda.num_heads, head_dim=recipe.kda.head_dim,
                           tp=par.tp, cp=par.cp, sequence_parallel=par.sequence_parallel,
-                          element_size=batch.x.element_size())
+                          element_size=batch.x.element_size(),
+                          sequences=batch.cu_seqlens.numel() - 1, conv_size=recipe.kda.conv_size)
     result.model_bytes = EXCHANGES[recipe.kda.cp_exchange].bytes_moved(shape)
     return result
