@@ -5,8 +5,56 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import parse_overrides
+from .config import load_layer_recipe, merge, parse_overrides
 from .demo import byte_table, run_demo
+
+# The full GLM-5.3-Flash setting the `plan` command starts from (model and KDA dims are the
+# config defaults): TP8 x CP2 with sequence parallelism, 1M-token sequences, auto exchange.
+PLAN_DEFAULTS = {
+    "model": {"params_dtype": "bfloat16"},
+    "parallel": {"tp": 8, "cp": 2, "sequence_parallel": True},
+    "kda": {"cp_exchange": "auto"},
+    "data": {"seq_len": 2**20},
+}
+
+
+def plan_lines(overrides: dict, state_prepass: float | None = None) -> list[str]:
+    """The cost model's table of the three exchanges for a recipe, and the choice with its reason."""
+    from .kda.cost import DEFAULT_CALIBRATION, Calibration, choose
+
+    recipe = load_layer_recipe(merge(PLAN_DEFAULTS, overrides))
+    calibration = DEFAULT_CALIBRATION
+    if state_prepass is not None:
+        calibration = Calibration(state_prepass=state_prepass)
+    _, reason, table = choose(recipe, calibration)
+    p, k, c = recipe.parallel, recipe.kda, recipe.cluster
+    spans = c.cp_spans_nodes(p.tp, p.cp)
+    link = c.inter_node if spans else c.intra_node
+    where = f"{c.inter_node_kind} between nodes" if spans else "NVLink inside one node"
+    lines = [
+        f"KDA layer: {k.num_heads} heads x {k.head_dim}, hidden {recipe.model.hidden_size}, "
+        f"TP{p.tp} x CP{p.cp}{' +SP' if p.sequence_parallel else ''}, "
+        f"T={recipe.data.seq_len} x {recipe.data.micro_batch_size}, bf16 activations",
+        f"CP group: ranks {p.tp} apart over {p.tp * p.cp} consecutive ranks, {c.gpus_per_node} GPUs "
+        f"per node -> {where} ({link.bandwidth_gib_s:g} GiB/s all-gather, "
+        f"{link.a2a_bandwidth_gib_s:g} GiB/s all-to-all, {link.latency_us:g} us); "
+        f"state pre-pass +{calibration.state_prepass:.2f}x",
+        "per rank per KDA layer: bytes one forward pass (backward mirrors it), "
+        "time forward+backward",
+        f"{'exchange':<10}{'CP in GiB':>10}{'CP out GiB':>11}{'TP GiB':>8}{'comm ms':>9}"
+        f"{'compute ms':>11}{'total ms':>10}{'extra mem GiB':>14}  exact",
+    ]
+    for e in table:
+        lines.append(
+            f"{e.name:<10}{e.cp_in_bytes / 2**30:>10.3f}{e.cp_out_bytes / 2**30:>11.3f}"
+            f"{e.tp_bytes / 2**30:>8.3f}{e.comm_s * 1e3:>9.1f}{e.compute_s * 1e3:>11.1f}"
+            f"{e.total_s * 1e3:>10.1f}{e.extra_memory_bytes / 2**30:>14.2f}  "
+            f"{'yes' if e.exact else 'no'}")
+    if k.cp_exchange == "auto":
+        lines.append(f"choice: {reason}")
+    else:
+        lines.append(f"choice: {k.cp_exchange} (configured); auto would pick {reason}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,10 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override the tiny layer recipe, e.g. --set parallel.cp=4 "
                            "--set parallel.tp=2 --set parallel.sequence_parallel=true")
-    demo.add_argument("--exchanges", default=",".join(("a2a", "allgather")),
+    demo.add_argument("--exchanges", default="a2a,allgather,state",
                       help="comma-separated exchanges to check (default: all)")
     sub.add_parser("bytes", help="analytic CP bytes per exchange at GLM-5.3-Flash dims")
+    plan = sub.add_parser(
+        "plan", help="cost model of the three CP exchanges for a recipe, and what auto picks")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override the GLM-5.3-Flash TP8 x CP2 1M-token recipe, e.g. "
+                           "--set cluster.inter_node_kind=efa --set kda.allow_inexact=false")
+    plan.add_argument("--state-prepass", type=float, default=None, metavar="FACTOR",
+                      help="extra kernel time of state over its shard alone "
+                           "(default: fla's measured 1.45)")
     args = parser.parse_args(argv)
+
+    if args.command == "plan":
+        print("\n".join(plan_lines(parse_overrides(args.overrides), args.state_prepass)))
+        return 0
 
     if args.command == "bytes":
         print("\n".join(byte_table()))

@@ -22,8 +22,15 @@ logger = logging.getLogger(__name__)
 # Strict so that YAML `true` or "2" is not silently read as an int.
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 
-CPExchange = Literal["a2a", "allgather", "state"]
-"""How KDA layers exchange data across the CP group (DESIGN.md section 2); add new ones here."""
+CPExchange = Literal["a2a", "allgather", "state", "auto"]
+"""How KDA layers exchange data across the CP group (DESIGN.md section 2); add new ones here.
+``auto`` is resolved to one of the others by ``kda.cost.resolve_cp_exchange`` at model build."""
+
+EXACT_EXCHANGES = ("a2a", "allgather")
+"""Exchanges whose outputs and gradients equal CP=1 bitwise (up to fp32 summation order)."""
+
+InterNodeKind = Literal["nvlink", "infiniband", "efa", "tcp"]
+"""Named link presets for the hop between nodes (``nvlink``: a multi-node NVLink domain)."""
 
 CP_EXCHANGE_ENV = "SKYRL_KDA_CP_EXCHANGE"
 """Environment variable (the seed pull request's) that overrides ``kda.cp_exchange``."""
@@ -94,6 +101,21 @@ class KDAConfig(_Config):
     """Epsilon of the per-head gated RMSNorm on the output."""
     chunk_size: Literal[32, 64] = 64
     """Tokens per chunk of the chunked KDA (the sizes fla's kernels allow)."""
+    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """How the model lays tokens over CP ranks: Megatron's load-balanced zigzag (what softmax
+    attention layers need), or contiguous slices of the packed row."""
+    allow_inexact: bool = Field(default=True, strict=True)
+    """Let auto pick an exchange not bitwise equal to CP=1 (state); false also refuses state."""
+
+    @model_validator(mode="after")
+    def _state_needs_allow_inexact(self) -> KDAConfig:
+        if self.cp_exchange == "state" and not self.allow_inexact:
+            raise ValueError(
+                "kda.cp_exchange=state is not bitwise equal to CP=1 (fp32 state chain) but "
+                "kda.allow_inexact=false forbids that; use a2a, allgather or auto, or set "
+                "kda.allow_inexact=true"
+            )
+        return self
 
     @field_validator("gate_lower_bound")
     @classmethod
@@ -123,6 +145,105 @@ class DataConfig(_Config):
     """Sequences per micro-batch on each data-parallel rank."""
 
 
+class LinkConfig(_Config):
+    """One kind of link as the cost model of ``auto`` sees it; the presets are defaults to override
+    with the numbers of your own cluster (nccl-tests on it)."""
+
+    bandwidth_gib_s: float
+    """Per-GPU all-gather bandwidth: bytes each rank receives from the others per second (GiB/s)."""
+    all_to_all_bandwidth_gib_s: float | None = None
+    """Per-GPU all-to-all bandwidth, bytes received from other ranks per second (GiB/s); None: same."""
+    latency_us: float
+    """Fixed cost per collective (microseconds)."""
+
+    @field_validator("bandwidth_gib_s", "all_to_all_bandwidth_gib_s")
+    @classmethod
+    def _bandwidth_positive(cls, value: float | None, info) -> float | None:
+        if value is not None and not value > 0:
+            raise ValueError(f"{info.field_name}={value} must be > 0 (GiB/s per GPU)")
+        return value
+
+    @field_validator("latency_us")
+    @classmethod
+    def _latency_not_negative(cls, value: float) -> float:
+        if not value >= 0:
+            raise ValueError(f"latency_us={value} must be >= 0 (microseconds per collective)")
+        return value
+
+    @property
+    def a2a_bandwidth_gib_s(self) -> float:
+        """The all-to-all bandwidth, falling back to the all-gather one."""
+        if self.all_to_all_bandwidth_gib_s is None:
+            return self.bandwidth_gib_s
+        return self.all_to_all_bandwidth_gib_s
+
+
+# Defaults, to override with measurements of the target cluster.
+LINK_PRESETS: dict[str, dict[str, float]] = {
+    # NVLink 4 (H200 NV18), measured with NCCL on two H200s (reference/environment.md), 512 MiB
+    # per rank: all-gather 250 GiB/s; all-to-all 537 GiB/s algorithm bandwidth over the whole
+    # per-rank buffer, of which half stays on the rank at 2 ranks, so 268 GiB/s received from the
+    # peer (537 GiB/s across would exceed NV18's 450 GB/s per direction).
+    "nvlink": {"bandwidth_gib_s": 250.0, "all_to_all_bandwidth_gib_s": 268.0, "latency_us": 10.0},
+    # One 400 Gb/s NIC per GPU (8x ConnectX-7): 46.6 GiB/s line rate, about 45 achieved.
+    "infiniband": {"bandwidth_gib_s": 45.0, "latency_us": 20.0},
+    # AWS EFA on p5 (3200 Gb/s per 8 GPUs): about 40 GiB/s per GPU, higher latency than IB.
+    "efa": {"bandwidth_gib_s": 40.0, "latency_us": 40.0},
+    # Plain TCP sockets (NCCL's socket transport): a few GiB/s per GPU.
+    "tcp": {"bandwidth_gib_s": 3.0, "latency_us": 100.0},
+}
+"""Link defaults by kind (GiB/s per GPU, microseconds); ``nvlink`` is also the intra-node default."""
+
+
+class ClusterConfig(_Config):
+    """The machines the mesh runs on, for the ``auto`` cost model only (nothing else reads it).
+
+    Megatron orders ranks tp-cp-ep-dp with TP fastest, so a CP group spans ``tp * cp``
+    consecutive ranks and crosses nodes iff ``tp * cp > gpus_per_node``.
+    A partial ``intra_node`` / ``inter_node`` mapping overrides only the keys it names on top of
+    the preset (``nvlink`` inside a node, ``inter_node_kind`` between nodes).
+    """
+
+    gpus_per_node: PositiveInt = 8
+    """GPUs per node connected by NVLink (ranks per node)."""
+    inter_node_kind: InterNodeKind = "infiniband"
+    """Preset for the link between nodes; inter_node overrides its numbers."""
+    intra_node: LinkConfig
+    """Link between GPUs of one node (default: the NVLink preset)."""
+    inter_node: LinkConfig
+    """Link between nodes, per GPU (default: the inter_node_kind preset)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_link_presets(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        kind = out.get("inter_node_kind", cls.model_fields["inter_node_kind"].default)
+        if not isinstance(kind, str) or kind not in LINK_PRESETS:
+            raise ValueError(
+                f"cluster.inter_node_kind={kind!r} is not a link preset; expected one of "
+                f"{', '.join(LINK_PRESETS)} (and override cluster.inter_node for other numbers)"
+            )
+        for field, preset in (("intra_node", "nvlink"), ("inter_node", kind)):
+            value = out.get(field)
+            if isinstance(value, LinkConfig):
+                continue
+            if value is None:
+                out[field] = dict(LINK_PRESETS[preset])
+            elif isinstance(value, Mapping):
+                out[field] = {**LINK_PRESETS[preset], **value}
+        return out
+
+    def cp_spans_nodes(self, tp: int, cp: int) -> bool:
+        """Whether a CP group (stride tp, size cp) holds ranks of more than one node."""
+        return cp > 1 and tp * cp > self.gpus_per_node
+
+    def tp_spans_nodes(self, tp: int) -> bool:
+        """Whether a TP group (tp consecutive ranks) holds ranks of more than one node."""
+        return tp > self.gpus_per_node
+
+
 class LayerRecipe(_Config):
     """Everything needed to build and run one KDA layer on a mesh, with the cross-section checks."""
 
@@ -134,6 +255,8 @@ class LayerRecipe(_Config):
     """The KDA layer and its CP exchange."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Batch shape."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Nodes and links, read only by the cost model of kda.cp_exchange=auto."""
 
     @model_validator(mode="after")
     def _heads_divisible_by_tp(self) -> LayerRecipe:
@@ -148,7 +271,14 @@ class LayerRecipe(_Config):
     def _local_heads_divisible_by_cp(self) -> LayerRecipe:
         heads, tp, cp = self.kda.num_heads, self.parallel.tp, self.parallel.cp
         local_heads = heads // tp
-        if self.kda.cp_exchange != "state" and local_heads % cp:
+        if self.kda.cp_exchange == "auto" and local_heads % cp and not self.kda.allow_inexact:
+            raise ValueError(
+                f"kda.cp_exchange=auto has no exchange to pick: local heads kda.num_heads/tp = "
+                f"{heads}/{tp} = {local_heads} are not divisible by cp={cp}, which a2a and "
+                "allgather need, and kda.allow_inexact=false forbids state; change tp or cp, or "
+                "set kda.allow_inexact=true"
+            )
+        if self.kda.cp_exchange not in ("state", "auto") and local_heads % cp:
             raise ValueError(
                 f"local heads kda.num_heads/tp = {heads}/{tp} = {local_heads} must be divisible "
                 f"by cp={cp}: kda.cp_exchange={self.kda.cp_exchange} splits each TP rank's heads "
@@ -172,7 +302,12 @@ class LayerRecipe(_Config):
     def _seq_len_fits_cp_layout(self) -> LayerRecipe:
         seq_len, cp = self.data.seq_len, self.parallel.cp
         # At cp=1 nothing is split, so any length works (tiny CPU tests use odd ones).
-        if cp > 1 and seq_len % (2 * cp):
+        if cp > 1 and self.kda.cp_layout == "contiguous" and seq_len % cp:
+            raise ValueError(
+                f"data.seq_len={seq_len} must be divisible by cp={cp}: the contiguous CP layout "
+                "gives each rank an equal slice"
+            )
+        if cp > 1 and self.kda.cp_layout == "zigzag" and seq_len % (2 * cp):
             raise ValueError(
                 f"data.seq_len={seq_len} must be divisible by 2*cp={2 * cp}: Megatron's "
                 "load-balanced (zigzag) CP layout cuts each sequence into 2*cp chunks"

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 SBHD_TOKENS, SBHD_BATCH = 96, 2
 THD_LENGTHS = (40, 16, 72, 8)  # uneven; each divides by 2*cp for cp in (1, 2, 4)
+# Contiguous layout only: a sequence shorter than the conv halo, and pieces cut anywhere.
+THD_SHORT_LENGTHS = (40, 2, 14, 72, 8)
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,16 @@ class Case:
     tp: int
     cp: int
     sequence_parallel: bool
-    fmt: str  # "sbhd", "sbhd8" (8x longer sequences) or "thd"
+    fmt: str  # "sbhd", "sbhd8" (8x longer sequences), "thd" or "thd_short"
     corrupt: str | None = None  # negative controls, see run_case
+    layout: str = "zigzag"  # how the model lays tokens over CP ranks
 
     @property
     def id(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
         bad = f"-{self.corrupt}" if self.corrupt else ""
-        return f"{self.exchange}-tp{self.tp}{sp}-cp{self.cp}-{self.fmt}{bad}"
+        lay = "" if self.layout == "zigzag" else f"-{self.layout}"
+        return f"{self.exchange}-tp{self.tp}{sp}-cp{self.cp}-{self.fmt}{lay}{bad}"
 
 
 def recipe_for(case: Case, setup: Setup, tokens: int):
@@ -53,7 +57,8 @@ def recipe_for(case: Case, setup: Setup, tokens: int):
     return LayerRecipe(
         model={"hidden_size": setup.hidden, "params_dtype": setup.dtype},
         parallel={"tp": case.tp, "cp": case.cp, "sequence_parallel": case.sequence_parallel},
-        kda={"cp_exchange": case.exchange, "kernel": setup.kernel, "num_heads": setup.heads,
+        kda={"cp_exchange": case.exchange, "cp_layout": case.layout, "kernel": setup.kernel,
+             "num_heads": setup.heads,
              "head_dim": setup.head_dim, "gate_low_rank": setup.low_rank,
              "output_gate_low_rank": setup.low_rank},
         data={"seq_len": tokens},
@@ -67,23 +72,24 @@ def batch_for(fmt: str, setup: Setup):
     if fmt.startswith("sbhd"):
         tokens = SBHD_TOKENS * (8 if fmt == "sbhd8" else 1)
         return make_batch(setup.hidden, tokens=tokens, batch=SBHD_BATCH, device=setup.device, dtype=dtype)
-    return make_batch(setup.hidden, lengths=THD_LENGTHS, device=setup.device, dtype=dtype)
+    lengths = THD_SHORT_LENGTHS if fmt == "thd_short" else THD_LENGTHS
+    return make_batch(setup.hidden, lengths=lengths, device=setup.device, dtype=dtype)
 
 
-def _contiguous_rows(cu_seqlens, cp, tp, cp_rank, tp_rank, sequence_parallel):
+def _contiguous_rows(cu_seqlens, cp, tp, cp_rank, tp_rank, sequence_parallel, kind):
     """The layout bug a CP test must catch: plain contiguous CP shards instead of zigzag."""
     rows = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device).view(cp, -1)[cp_rank]
     return rows.chunk(tp)[tp_rank] if sequence_parallel else rows
 
 
-def _chain_in_rank_order(M, L, cp, cp_rank):
+def _chain_in_rank_order(M, L, cp, cp_rank, kind):
     """The state-passing bug: chain back pieces in ascending instead of descending rank order."""
     M, L = M.clone(), L.clone()
     P = M.shape[1]
     for t in (M, L):
         backs = t.view((cp, P // 2, 2) + t.shape[2:])[:, :, 1]
         backs.copy_(backs.flip(0))
-    return _saved_chain(M, L, cp, cp_rank)
+    return _saved_chain(M, L, cp, cp_rank, kind)
 
 
 _saved_chain = None

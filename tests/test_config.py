@@ -7,9 +7,12 @@ from pydantic import ValidationError
 
 from skyrl_megatron_kda.config import (
     CP_EXCHANGE_ENV,
+    LINK_PRESETS,
+    ClusterConfig,
     DataConfig,
     KDAConfig,
     LayerRecipe,
+    LinkConfig,
     ModelConfig,
     ParallelConfig,
     apply_env_overrides,
@@ -40,13 +43,21 @@ def test_defaults_are_glm53_flash():
     assert r.kda.norm_eps == 1e-5
     assert r.kda.chunk_size == 64
     assert r.kda.cp_exchange == "a2a"
+    assert r.kda.allow_inexact is True
     assert r.kda.kernel == "auto"
     assert r.parallel == ParallelConfig(tp=1, cp=1, ep=1, etp=1, pp=1, sequence_parallel=False)
     assert r.data == DataConfig(seq_len=8192, micro_batch_size=1)
+    # Cost-model defaults: 8-GPU nodes, NVLink inside (measured on H200), InfiniBand between.
+    assert r.cluster.gpus_per_node == 8
+    assert r.cluster.inter_node_kind == "infiniband"
+    assert r.cluster.intra_node == LinkConfig(bandwidth_gib_s=250.0, all_to_all_bandwidth_gib_s=268.0,
+                                              latency_us=10.0)
+    assert r.cluster.inter_node == LinkConfig(bandwidth_gib_s=45.0, latency_us=20.0)
 
 
 def test_every_field_has_a_docstring():
-    for model in (ParallelConfig, KDAConfig, ModelConfig, DataConfig, LayerRecipe):
+    for model in (ParallelConfig, KDAConfig, ModelConfig, DataConfig, LinkConfig, ClusterConfig,
+                  LayerRecipe):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no docstring"
 
@@ -73,6 +84,12 @@ def test_frozen():
         ({"tp": 1, "cp": 2}, {"cp_exchange": "allgather"}, 8192),
         # cp=1: no zigzag split, so an odd length is fine.
         ({}, {"num_heads": 3}, 7),
+        # state keeps all local heads on every rank: 8 local heads need not divide by cp=3.
+        ({"tp": 8, "cp": 3, "sequence_parallel": True}, {"cp_exchange": "state"}, 48),
+        # auto may pick state, so the same mesh is fine for it while inexact is allowed.
+        ({"tp": 8, "cp": 3, "sequence_parallel": True}, {"cp_exchange": "auto"}, 48),
+        # auto at TP2 without SP: allgather is just not a candidate.
+        ({"tp": 2, "cp": 2}, {"cp_exchange": "auto", "allow_inexact": False}, 8192),
     ],
     ids=[
         "tp8-cp2-sp-allgather-1M",
@@ -80,6 +97,9 @@ def test_frozen():
         "tp2-cp2-sp",
         "tp1-cp2-allgather",
         "cp1-odd-len",
+        "tp8-cp3-state",
+        "tp8-cp3-auto",
+        "tp2-cp2-no-sp-auto-exact",
     ],
 )
 def test_accepted(parallel, kda, seq_len):
@@ -176,6 +196,60 @@ def test_unknown_key_refused():
         recipe(trainer={})
 
 
+# --- cluster (cost model of auto) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["nvlink", "infiniband", "efa", "tcp"])
+def test_inter_node_presets(kind):
+    c = ClusterConfig(inter_node_kind=kind)
+    assert c.inter_node == LinkConfig(**LINK_PRESETS[kind])
+    assert c.intra_node == LinkConfig(**LINK_PRESETS["nvlink"])
+
+
+def test_link_partial_override_keeps_the_preset():
+    c = recipe(cluster={"inter_node_kind": "efa", "inter_node": {"latency_us": 30},
+                        "intra_node": {"bandwidth_gib_s": 300}}).cluster
+    assert c.inter_node == LinkConfig(bandwidth_gib_s=40.0, latency_us=30.0)
+    assert c.intra_node == LinkConfig(bandwidth_gib_s=300.0, all_to_all_bandwidth_gib_s=268.0,
+                                      latency_us=10.0)
+    # Without an all-to-all figure a link uses its all-gather bandwidth for both.
+    assert c.inter_node.a2a_bandwidth_gib_s == 40.0 and c.intra_node.a2a_bandwidth_gib_s == 268.0
+
+
+def test_cluster_from_overrides_round_trips():
+    r = load_layer_recipe(parse_overrides(["cluster.inter_node_kind=tcp", "cluster.gpus_per_node=4",
+                                           "cluster.inter_node.bandwidth_gib_s=2.5"]), environ={})
+    assert (r.cluster.gpus_per_node, r.cluster.inter_node.bandwidth_gib_s) == (4, 2.5)
+    assert LayerRecipe.model_validate(r.model_dump()) == r
+
+
+@pytest.mark.parametrize(
+    "cluster, match",
+    [
+        ({"intra_node": {"bandwidth_gib_s": 0}},
+         r"intra_node.bandwidth_gib_s\n.*bandwidth_gib_s=0.0 must be > 0"),
+        ({"inter_node": {"bandwidth_gib_s": -45}}, r"bandwidth_gib_s=-45.0 must be > 0 \(GiB/s per GPU\)"),
+        ({"intra_node": {"all_to_all_bandwidth_gib_s": 0}}, r"all_to_all_bandwidth_gib_s=0.0 must be > 0"),
+        ({"inter_node": {"latency_us": -1}}, r"latency_us=-1.0 must be >= 0 \(microseconds per collective\)"),
+        ({"inter_node_kind": "roce"}, r"inter_node_kind='roce' is not a link preset; expected one of "
+                                      r"nvlink, infiniband, efa, tcp"),
+        ({"gpus_per_node": 0}, r"gpus_per_node\n.*greater than 0"),
+        ({"inter_node": {"bandwith_gib_s": 1}}, r"bandwith_gib_s\n.*Extra inputs are not permitted"),
+    ],
+    ids=["zero-bandwidth", "negative-bandwidth", "zero-a2a-bandwidth", "negative-latency",
+         "unknown-kind", "zero-gpus", "typo"],
+)
+def test_cluster_bad_values(cluster, match):
+    with pytest.raises(ValidationError, match=match):
+        recipe(cluster=cluster)
+
+
+def test_cluster_spans_nodes():
+    c = ClusterConfig(gpus_per_node=8)
+    assert c.cp_spans_nodes(tp=8, cp=2) and not c.cp_spans_nodes(tp=4, cp=2)
+    assert not c.cp_spans_nodes(tp=16, cp=1), "no CP group to span"
+
+
 # --- environment override --------------------------------------------------------------------
 
 
@@ -205,6 +279,11 @@ def test_env_unset_or_empty_changes_nothing(caplog):
     assert not caplog.records
 
 
+def test_env_override_auto(monkeypatch):
+    monkeypatch.setenv(CP_EXCHANGE_ENV, "auto")
+    assert load_layer_recipe({"kda": {"cp_exchange": "a2a"}}).kda.cp_exchange == "auto"
+
+
 def test_env_defaults_to_os_environ(monkeypatch):
     monkeypatch.setenv(CP_EXCHANGE_ENV, "allgather")
     assert load_layer_recipe({}).kda.cp_exchange == "allgather"
@@ -213,7 +292,8 @@ def test_env_defaults_to_os_environ(monkeypatch):
 
 
 def test_env_invalid_value_refused():
-    match = r"SKYRL_KDA_CP_EXCHANGE='foo' is not a KDA CP exchange; allowed values: a2a, allgather"
+    match = (r"SKYRL_KDA_CP_EXCHANGE='foo' is not a KDA CP exchange; "
+             r"allowed values: a2a, allgather, state, auto")
     with pytest.raises(ValueError, match=match):
         load_layer_recipe({}, environ={CP_EXCHANGE_ENV: "foo"})
 

@@ -6,7 +6,7 @@ from skyrl_megatron_kda.cli import main
 def test_demo_passes_on_ray_cpu_ranks(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" OK (") == 4  # progress line and table row for each of the two exchanges
+    assert out.count(" OK (") == 6  # progress line and table row for each of the three exchanges
     assert "TP8xCP2" in out and "FAIL" not in out
 
 

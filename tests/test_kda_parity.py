@@ -9,10 +9,10 @@ move and reorder rows and heads, so the only differences allowed are fp32 summat
 
 import pytest
 
+from skyrl_megatron_kda.kda.parity import fp32_tolerance
 from tests.distributed import run_ranks
 from tests.kda_parity import Case, parity_matrix
 
-TOLERANCE = {"a2a": 1e-5, "allgather": 1e-5, "state": 1e-4}
 
 MESHES = [
     # (tp, cp, sequence_parallel)
@@ -35,6 +35,18 @@ CASES += [
     Case("state", 1, 2, False, "sbhd8"),  # 8x longer sequences: same CP bytes
     Case("state", 2, 4, True, "sbhd8"),
 ]
+# The contiguous CP layout (rank r holds rows [r*T/cp, (r+1)*T/cp) of the packed row): state
+# passing through ranks in order, sequences cut anywhere, one shorter than the conv halo.
+CASES += [
+    Case("state", tp, cp, sp, fmt, layout="contiguous")
+    for tp, cp, sp in MESHES
+    for fmt in ("sbhd", "thd_short")
+]
+CASES += [
+    Case(exchange, tp, cp, sp, "thd_short", layout="contiguous")
+    for exchange in ("a2a", "allgather")
+    for tp, cp, sp in ((1, 4, False), (2, 2, True))
+]
 CONTROLS = [
     Case("a2a", 1, 2, False, "sbhd", corrupt="contiguous_shards"),
     Case("allgather", 2, 2, True, "thd", corrupt="contiguous_shards"),
@@ -43,6 +55,7 @@ CONTROLS = [
     Case("state", 1, 4, False, "thd", corrupt="contiguous_shards"),
     Case("state", 1, 2, False, "sbhd", corrupt="chain_order"),
     Case("state", 2, 4, True, "thd", corrupt="no_halo"),
+    Case("state", 1, 4, False, "thd_short", corrupt="no_halo", layout="contiguous"),
 ]
 
 
@@ -69,7 +82,7 @@ def test_exchange_equals_cp1(results, case):
     assert len(results[case.id]) == case.tp * case.cp, "every rank of the mesh reported"
     worst = _worst(results, case)
     assert {"out", "dx"} <= worst.keys() and any(k.startswith("grad.A_log") for k in worst)
-    tolerance = TOLERANCE[case.exchange]
+    tolerance = fp32_tolerance(case.exchange)
     bad = {k: v for k, v in worst.items() if not v <= tolerance}
     assert not bad, f"relative errors above {tolerance} (a layout bug gives 1e-1..1): {bad}"
 

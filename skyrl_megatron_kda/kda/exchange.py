@@ -116,6 +116,7 @@ class ExchangeShape:
     element_size: int = 2  # bytes per activation element (bf16)
     sequences: int = 1  # sequences per batch row (packed THD)
     conv_size: int = 4
+    layout: str = "zigzag"  # CP layout of the tokens: "zigzag" or "contiguous"
 
     @property
     def projected_width(self) -> int:
@@ -132,6 +133,7 @@ class _Exchange:
 
     name: str
     splits_heads: bool  # whether each CP rank runs a 1/cp slice of the TP-local heads
+    exact: bool  # equal to CP=1 up to fp32 summation order (else: within a stated tolerance)
 
     def __init__(self, groups: ExchangeGroups, ledger: CommLedger | None = None):
         self.groups = groups
@@ -170,6 +172,7 @@ class _HeadParallelExchange(_Exchange):
     """Head-parallel exchanges: whole sequences, 1/cp of the local heads, all-to-all back."""
 
     splits_heads = True
+    exact = True  # the same kernel on the same rows and heads; only data movement differs
 
     @staticmethod
     def output_bytes(s: ExchangeShape) -> int:
@@ -259,17 +262,19 @@ class StateExchange(_Exchange):
 
     name = "state"
     splits_heads = False
+    exact = False  # the incoming state is composed from fp32 summaries
 
     @classmethod
     def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
         """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it.
 
-        Independent of T: per piece (two per sequence per rank) one fp32 [H_loc, K, K+V] summary
-        and ``conv_size - 1`` rows of the q/k/v projections."""
+        Independent of T: per slot (two per sequence per rank in the zigzag layout, one in the
+        contiguous one) one fp32 [H_loc, K, K+V] summary and ``conv_size - 1`` rows of the q/k/v
+        projections."""
         tp_in = s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
         if s.cp == 1:
             return {"cp": 0, "tp": tp_in}
-        pieces = 2 * s.sequences * s.batch
+        pieces = (2 if s.layout == "zigzag" else 1) * s.sequences * s.batch
         heads, K = s.num_heads // s.tp, s.head_dim
         summaries = pieces * heads * K * 2 * K * 4
         halo = pieces * (s.conv_size - 1) * 3 * heads * K * s.element_size
@@ -286,7 +291,7 @@ class StateExchange(_Exchange):
         return o
 
     def _pieces(self, layout: CPLayout, batch: int, cp_rank: int) -> state_passing.Pieces:
-        return state_passing.rank_pieces(layout.cu_seqlens, self.cp, cp_rank, batch)
+        return state_passing.rank_pieces(layout.cu_seqlens, self.cp, cp_rank, batch, layout.kind)
 
     def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, *, backend: str):
         if self.cp == 1:
@@ -319,7 +324,8 @@ class StateExchange(_Exchange):
                             initial_state=eye.contiguous(), output_final_state=True, **kernel_args)
         summary = self._gather_rows(torch.cat([transition, local], dim=-1), self.groups.cp, "cp")
         summary = summary.view((self.cp, pieces.count) + summary.shape[1:])
-        entry = state_passing.chain_entry_states(summary[..., :K], summary[..., K:], self.cp, self.cp_rank)
+        entry = state_passing.chain_entry_states(summary[..., :K], summary[..., K:], self.cp,
+                                                 self.cp_rank, layout.kind)
         o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=pieces.cu, initial_state=entry, **kernel_args)
         return o.reshape(batch, rows, heads, -1)
 
@@ -329,6 +335,9 @@ EXCHANGES = {cls.name: cls for cls in (A2AExchange, AllGatherExchange, StateExch
 
 def build_exchange(name: str, groups: ExchangeGroups, ledger: CommLedger | None = None):
     """The exchange object for a concrete ``cp_exchange`` value (``auto`` is resolved earlier)."""
+    if name == "auto":
+        raise ValueError("cp_exchange='auto' must be resolved to a concrete exchange before the layer "
+                         "is built: use kda.cost.resolve_cp_exchange(recipe)")
     if name not in EXCHANGES:
         raise ValueError(f"unknown cp_exchange {name!r}; expected one of {sorted(EXCHANGES)}")
     return EXCHANGES[name](groups, ledger)

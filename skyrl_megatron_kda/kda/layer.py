@@ -198,7 +198,8 @@ class KimiDeltaAttention(MegatronModule):
         else:
             cu, packed = torch.tensor([0, total]), False
         cu = cu.to(device=hidden_states.device, dtype=torch.long)
-        return CPLayout.build(cu, self.cp_group.size(), self.tp_group.size(), packed)
+        return CPLayout.build(cu, self.cp_group.size(), self.tp_group.size(), packed,
+                              self.kda_config.cp_layout)
 
     def forward(
         self,

@@ -42,6 +42,18 @@ def zigzag_positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
     return out
 
 
+def contiguous_positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
+    """Positions ``[cp, T/cp]`` of the contiguous layout: rank ``r`` holds rows
+    ``[r*T/cp, (r+1)*T/cp)`` of the packed row, cutting sequences anywhere."""
+    total = int(cu_seqlens[-1])
+    if total % cp:
+        raise ValueError(f"{total} tokens do not split evenly over cp={cp} (contiguous CP layout)")
+    return torch.arange(total, device=cu_seqlens.device).view(cp, -1)
+
+
+LAYOUTS = {"zigzag": zigzag_positions, "contiguous": contiguous_positions}
+
+
 @dataclass(frozen=True)
 class CPLayout:
     """Index maps between this mesh's shard layouts and natural token order, built once per batch.
@@ -55,10 +67,13 @@ class CPLayout:
     cp: int
     tp: int
     packed: bool  # THD: one row of several sequences; else each batch row is one sequence
+    kind: str = "zigzag"  # a key of LAYOUTS
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, cp: int, tp: int, packed: bool) -> "CPLayout":
-        return cls(cu_seqlens, zigzag_positions(cu_seqlens, cp), cp, tp, packed)
+    def build(cls, cu_seqlens: torch.Tensor, cp: int, tp: int, packed: bool, kind: str = "zigzag") -> "CPLayout":
+        if kind not in LAYOUTS:
+            raise ValueError(f"unknown CP layout {kind!r}; expected one of {sorted(LAYOUTS)}")
+        return cls(cu_seqlens, LAYOUTS[kind](cu_seqlens, cp), cp, tp, packed, kind)
 
     @property
     def kernel_cu_seqlens(self) -> torch.Tensor | None:

@@ -8,7 +8,9 @@ chain order to get the state entering each of its pieces. The short convolution 
 
 Megatron's zigzag layout gives each rank two pieces of every sequence (chunks ``r`` and
 ``2cp-1-r``); a sequence's chain runs through chunks ``0 .. 2cp-1``, i.e. front pieces in
-ascending rank order, then back pieces in descending rank order. Autograd carries the backward:
+ascending rank order, then back pieces in descending rank order. In the contiguous layout
+(rank ``r`` holds rows ``[r*T/cp, (r+1)*T/cp)`` of the packed row) the chain runs through the
+ranks in order. Both work on the shards as they are: no relayout of tokens. Autograd carries the backward:
 the all-gathers' backward reduce-scatters send each summary's and tail's gradient to its owner.
 
 This is the reference implementation (our torch kernel; it builds ``M`` with a second pass); it
@@ -26,57 +28,79 @@ import torch
 class Pieces:
     """This rank's pieces as a packed varlen batch of a ``[b, s_local]`` row layout.
 
-    Pieces are ordered (batch element, sequence, front/back); ``cu`` are their boundaries in the
-    flattened ``b * s_local`` rows, ``natural_start`` their first natural position (offset by
-    ``batch_index * T`` so positions are unique across the batch) and ``seq_start`` the natural
-    start of their sequence (same offset).
+    One slot per (batch element, sequence, part), where the parts are (front, back) in the
+    zigzag layout and a single one in the contiguous layout; a sequence that misses this rank
+    (contiguous layout) has an empty slot, whose summary is the identity map. ``cu`` are the
+    slots' boundaries in the flattened ``b * s_local`` rows, ``natural_start`` their first natural
+    position (offset by ``batch_index * T`` so positions are unique across the batch) and
+    ``seq_start`` the natural start of their sequence (same offset; equal to ``natural_start``
+    for empty slots, so they ask for no conv halo).
     """
 
     cu: torch.Tensor
     natural_start: torch.Tensor
     seq_start: torch.Tensor
+    parts: int
 
     @property
     def count(self) -> int:
         return self.cu.numel() - 1
 
 
-def rank_pieces(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, batch: int) -> Pieces:
-    """The zigzag pieces of ``cp_rank`` for ``batch`` rows of sequences ``cu_seqlens``."""
+def rank_pieces(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, batch: int, kind: str) -> Pieces:
+    """The pieces ``cp_rank`` holds of ``batch`` rows of sequences ``cu_seqlens`` in layout
+    ``kind`` ("zigzag": chunks r and 2cp-1-r of every sequence; "contiguous": rows
+    [r*T/cp, (r+1)*T/cp) of the packed row)."""
     cu = cu_seqlens.to(torch.long)
     total = int(cu[-1])
-    chunk = cu.diff() // (2 * cp)
-    front = cu[:-1] + cp_rank * chunk
-    back = cu[:-1] + (2 * cp - 1 - cp_rank) * chunk
-    natural = torch.stack([front, back], 1).reshape(-1)  # (sequence, front/back)
-    seq_start = cu[:-1].repeat_interleave(2)
-    lengths = chunk.repeat_interleave(2)
-    offsets = torch.arange(batch, device=cu.device).repeat_interleave(natural.numel()) * total
-    lengths_all = lengths.repeat(batch)
-    cu_pieces = torch.zeros(lengths_all.numel() + 1, dtype=torch.long, device=cu.device)
-    cu_pieces[1:] = lengths_all.cumsum(0)
-    return Pieces(cu_pieces, natural.repeat(batch) + offsets, seq_start.repeat(batch) + offsets)
+    if kind == "zigzag":
+        chunk = cu.diff() // (2 * cp)
+        starts = torch.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp - 1 - cp_rank) * chunk], 1)
+        lengths = torch.stack([chunk, chunk], 1)
+    elif kind == "contiguous":
+        lo, hi = cp_rank * total // cp, (cp_rank + 1) * total // cp
+        first = cu[:-1].clamp(lo, hi)
+        lengths = (cu[1:].clamp(lo, hi) - first).unsqueeze(1)
+        starts = first.unsqueeze(1)
+    else:
+        raise ValueError(f"unknown CP layout {kind!r}; expected 'zigzag' or 'contiguous'")
+    parts = starts.shape[1]
+    seq_start = torch.where(lengths > 0, cu[:-1].unsqueeze(1), starts).reshape(-1)
+    starts, lengths = starts.reshape(-1), lengths.reshape(-1)
+    offsets = torch.arange(batch, device=cu.device).repeat_interleave(starts.numel()) * total
+    cu_pieces = torch.zeros(batch * starts.numel() + 1, dtype=torch.long, device=cu.device)
+    cu_pieces[1:] = lengths.repeat(batch).cumsum(0)
+    return Pieces(cu_pieces, starts.repeat(batch) + offsets, seq_start.repeat(batch) + offsets, parts)
 
 
-def chain_entry_states(M: torch.Tensor, L: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+def chain_order(cp: int, kind: str) -> list[tuple[int, int]]:
+    """(rank, part) of each piece of a sequence, in natural order."""
+    if kind == "zigzag":  # chunks 0..cp-1 are front parts, cp..2cp-1 back parts of descending ranks
+        return [(r, 0) for r in range(cp)] + [(r, 1) for r in range(cp - 1, -1, -1)]
+    return [(r, 0) for r in range(cp)]
+
+
+def chain_entry_states(M: torch.Tensor, L: torch.Tensor, cp: int, cp_rank: int, kind: str) -> torch.Tensor:
     """State entering each of this rank's pieces, from every rank's summaries.
 
-    ``M`` [cp, P, H, K, K], ``L`` [cp, P, H, K, V]: the all-gathered summaries, pieces ordered
-    (batch, sequence, front/back) on every rank. Returns [P, H, K, V] fp32.
+    ``M`` [cp, P, H, K, K], ``L`` [cp, P, H, K, V]: the all-gathered summaries, slots ordered as
+    in ``Pieces`` on every rank. Returns [P, H, K, V] fp32.
     """
-    # Chain position j of each sequence: front piece of rank j (j < cp), back piece of rank 2cp-1-j.
-    owners = list(range(cp)) + list(range(cp - 1, -1, -1))
-    halves = [0] * cp + [1] * cp
+    order = chain_order(cp, kind)
+    parts = max(part for _, part in order) + 1
     P = M.shape[1]
-    shape = (cp, P // 2, 2) + M.shape[2:]
-    M = M.reshape(shape)
-    L = L.reshape((cp, P // 2, 2) + L.shape[2:])
-    state = torch.zeros_like(L[0, :, 0])
-    entries = []
-    for owner, half in zip(owners, halves):
-        entries.append(state)
-        state = M[owner, :, half] @ state + L[owner, :, half]
-    mine = torch.stack([entries[cp_rank], entries[2 * cp - 1 - cp_rank]], dim=1)  # front, back
+    M = M.reshape((cp, P // parts, parts) + M.shape[2:])
+    L = L.reshape((cp, P // parts, parts) + L.shape[2:])
+    # Zero state derived from the gathered summaries, not zeros_like: every rank's entry states
+    # then depend on the all-gather, so its backward (a collective) runs on every rank even when
+    # this rank's pieces come first in every chain.
+    state = L[0, :, 0] * 0.0
+    entry = [None] * parts
+    for rank, part in order:
+        if rank == cp_rank:
+            entry[part] = state
+        state = M[rank, :, part] @ state + L[rank, :, part]
+    mine = torch.stack(entry, dim=1)
     return mine.reshape((P,) + mine.shape[2:])
 
 
@@ -119,10 +143,10 @@ def with_halo(x: torch.Tensor, halo: torch.Tensor, pieces: Pieces) -> tuple[torc
     """Interleave ``halo`` [P, w, C] before each piece of ``x`` [rows, C]: (rows, cu, keep index)."""
     P, width = halo.shape[:2]
     lengths = pieces.cu.diff()
-    parts = []
+    rows = []
     for p in range(P):
-        parts += [halo[p], x[pieces.cu[p]: pieces.cu[p + 1]]]
+        rows += [halo[p], x[pieces.cu[p]: pieces.cu[p + 1]]]
     cu = torch.zeros(P + 1, dtype=torch.long, device=x.device)
     cu[1:] = (lengths + width).cumsum(0)
     keep = torch.cat([torch.arange(int(cu[p]) + width, int(cu[p + 1]), device=x.device) for p in range(P)])
-    return torch.cat(parts), cu, keep
+    return torch.cat(rows), cu, keep

@@ -1,0 +1,309 @@
+"""The cost model behind ``kda.cp_exchange=auto``: per KDA layer and per rank, what each exchange
+moves, how long it takes and what extra memory it holds.
+
+No single exchange wins everywhere (reference/kda-cp.md sections 4, 7, 8): the winner moves with
+the CP degree, the heads per rank, the sequence length and whether the CP group leaves the node.
+So ``auto`` estimates all three for the recipe and takes the fastest one it is allowed to use.
+
+Time per layer, forward + backward, with communication and compute serialised (the layer issues
+its collectives synchronously, nothing overlaps them):
+
+- communication: the bytes of each exchange's own byte model (``bytes_moved``, one pass; the
+  backward mirrors it) over the link each group crosses, plus one latency per collective;
+- KDA kernel: fla ``chunk_kda`` at the rank's heads and tokens, slower per head-token when a rank
+  has few heads (head-parallel exchanges split the heads over CP); ``state`` pays a summary
+  pre-pass over its shard on top;
+- projection GEMMs: the rank's FLOPs at the measured dense bf16 rate.
+
+Terms that are the same for every exchange (the o_proj reduce-scatter under SP, the gated norm,
+the conv, elementwise work) are left out: they do not change the ranking, so ``total_s`` is a
+floor, not a prediction of the layer's wall time (at the shape measured on two H200s, 8 heads,
+TP1 x CP2, T = 256K, the layer ran 1.75x this model's a2a and 1.96x its allgather estimate, in the
+same order, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..config import EXACT_EXCHANGES, ClusterConfig, LayerRecipe, LinkConfig, load_layer_recipe, merge
+from .exchange import EXCHANGES, ExchangeShape
+
+logger = logging.getLogger(__name__)
+
+CONCRETE = ("a2a", "allgather", "state")
+"""The exchanges ``auto`` chooses from, in order of preference on a tie (exact ones first)."""
+
+GiB = 2**30
+
+# --- calibration: measured on H200 (reference/environment.md, docs/benchmarks.md) -----------------
+
+KDA_CALL_OVERHEAD_S = 1.0e-3
+"""Fixed cost of one kernel forward+backward (launches, small per-call passes): the intercept of
+the 32-head T = 64K / 256K line (46.7 ms, 184 ms); the T = 8K point (7.9 ms) sits 1.2 ms above it."""
+
+KDA_HEAD_TOKENS_PER_S = 8 * 2**20 / (197.7e-3 - KDA_CALL_OVERHEAD_S)
+"""fla 0.6.0 chunk_kda forward+backward at 8 heads (GLM dims, gate in kernel): T = 1M on one H200
+in 197.7 ms, i.e. 42.6 M head-tokens/s. T = 512K ran 97.5 ms (the model says 99.4) and 32 heads
+at T = 256K 184 ms (the model: 198): at 8 heads per GPU the kernel is close to saturated."""
+
+KDA_SATURATED_HEADS = 8
+"""Heads per GPU at and above which the kernel runs at ``KDA_HEAD_TOKENS_PER_S``."""
+
+KDA_EFFICIENCY_AT_4_HEADS = (4 / (134.1 - 1.0)) / (8 / (197.7 - 1.0))
+"""Per-head-token throughput at 4 heads (the head-parallel CP2 share of TP8) relative to 8 heads:
+T = 1M with 4 heads ran 134.1 ms against 197.7 ms with 8 (0.74 after the call overhead). The
+"68%" quoted beside these runs is the T = 256K pair (34.8 vs 46.8 ms), whose 8-head run was 5%
+faster per head-token than the 1M one this model's rate comes from; against that rate the 256K
+4-head run is 0.73 too (the model gives 34.3 ms, measured 34.0-34.8)."""
+
+GEMM_FLOP_PER_S = 790e12
+"""Dense bf16 GEMM on one H200 with random data (reference/environment.md); the profiled CP1
+layer's projections ran at this floor (8.8 ms measured vs 9.0 ms predicted at T = 64K)."""
+
+STATE_PREPASS = 239.0 / 97.5 - 1.0
+"""Extra kernel time of ``state`` relative to running its shard alone: fla 0.6.0's cp_context path
+at CP2, T = 1M, 8 heads took 239.0 ms per rank against 97.5 ms for the 512K shard alone (+1.45x).
+Our own GPU path aims at +0.15 (issue 3); lower this when it is measured."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The measured constants above, bundled so a caller (``plan``, a benchmark) can swap one."""
+
+    kda_head_tokens_per_s: float = KDA_HEAD_TOKENS_PER_S
+    kda_efficiency_at_4_heads: float = KDA_EFFICIENCY_AT_4_HEADS
+    kda_call_overhead_s: float = KDA_CALL_OVERHEAD_S
+    gemm_flop_per_s: float = GEMM_FLOP_PER_S
+    state_prepass: float = STATE_PREPASS
+
+    def __post_init__(self) -> None:
+        if not 0.5 < self.kda_efficiency_at_4_heads <= 1.0:
+            raise ValueError(
+                f"kda_efficiency_at_4_heads={self.kda_efficiency_at_4_heads} must be in (0.5, 1]: "
+                "4 heads cannot take longer than 8 heads")
+        for name in ("kda_head_tokens_per_s", "gemm_flop_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        for name in ("kda_call_overhead_s", "state_prepass"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+
+
+DEFAULT_CALIBRATION = Calibration()
+
+
+def kda_efficiency(heads: float, at_4_heads: float = KDA_EFFICIENCY_AT_4_HEADS) -> float:
+    """Kernel throughput per head-token at ``heads`` heads per GPU, relative to 8 or more heads.
+
+    Model: the kernel's time per token is ``c * (h + h0)`` below saturation: a part proportional to
+    the heads plus a part ``h0`` (in head units) that does not shrink with fewer heads (the serial
+    state pass over T/64 chunks runs on few SMs whatever the head count). Hence
+
+        efficiency(h) = min(1, [h / (h + h0)] / [8 / (8 + h0)]),  h0 = 8 (e - 1) / (1 - 2e)
+
+    with e = efficiency(4) measured (0.74 -> h0 = 4.4, efficiency(2) = 0.49, efficiency(1) = 0.29).
+    """
+    h0 = KDA_SATURATED_HEADS * (at_4_heads - 1.0) / (1.0 - 2.0 * at_4_heads)
+    sat = KDA_SATURATED_HEADS
+    return min(1.0, heads * (sat + h0) / (sat * (heads + h0)))
+
+
+def kda_kernel_s(heads: float, tokens: int, calibration: Calibration = DEFAULT_CALIBRATION) -> float:
+    """Forward+backward seconds of one chunk_kda call over ``tokens`` tokens of ``heads`` heads."""
+    c = calibration
+    rate = c.kda_head_tokens_per_s * kda_efficiency(heads, c.kda_efficiency_at_4_heads)
+    return c.kda_call_overhead_s + heads * tokens / rate
+
+
+def projection_flops(name: str, shape: ExchangeShape, gate_ranks: tuple[int, int] = (128, 128)) -> float:
+    """Forward+backward GEMM FLOPs of one rank (backward = 2x forward).
+
+    ``allgather`` projects every row of the sequence for its 1/cp head slice; ``a2a`` and
+    ``state`` project this CP rank's rows for all TP-local heads. The low-rank f_a/g_a are
+    duplicated over TP and head-independent, so every rank runs them on all the rows it projects:
+    this is where ``allgather`` does more work. o_proj runs on this CP rank's rows in every case.
+    """
+    s, (rf, rg) = shape, gate_ranks
+    local_heads = s.num_heads / s.tp
+    rows_cp = s.tokens * s.batch / s.cp
+    if name == "allgather" and s.cp > 1:
+        rows, heads = s.tokens * s.batch, local_heads / s.cp
+    else:
+        rows, heads = rows_cp, local_heads
+    K, D = s.head_dim, s.hidden
+    fwd = 2 * rows * D * (3 * heads * K + heads)  # q, k, v, beta
+    fwd += 2 * rows * D * (rf + rg)  # f_a, g_a
+    fwd += 2 * rows * (rf + rg) * heads * K  # f_b, g_b
+    fwd += 2 * rows_cp * local_heads * K * D  # o_proj
+    return 3.0 * fwd
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One exchange's cost per rank per KDA layer. Bytes are one forward pass (what each rank
+    sends, equal to what it receives; backward mirrors it); times are forward + backward."""
+
+    name: str
+    exact: bool  # outputs and gradients bitwise equal to CP=1 (up to fp32 summation order)
+    cp_in_bytes: int  # over CP into the exchange's layout (heads or state summaries + halo)
+    cp_out_bytes: int  # over CP: the output back to sequence shards
+    tp_bytes: int  # over TP: the row gather under sequence parallelism
+    cp_comm_s: float  # CP collectives: bytes over the CP link plus one latency each
+    tp_comm_s: float  # the TP row gather (and its reduce-scatter in backward)
+    kernel_s: float  # chunk_kda at this rank's heads and tokens (state: with its pre-pass)
+    gemm_s: float  # this rank's projection GEMMs
+    extra_memory_bytes: int  # buffers only this exchange allocates (see ``extra_memory_bytes``)
+    total_s: float  # comm + kernel + GEMMs: the quantity auto minimises
+
+    @property
+    def comm_s(self) -> float:
+        return self.cp_comm_s + self.tp_comm_s
+
+    @property
+    def compute_s(self) -> float:
+        return self.kernel_s + self.gemm_s
+
+
+def extra_memory_bytes(name: str, shape: ExchangeShape) -> int:
+    """Buffers per rank per layer that a sequence-sharded layer with no exchange would not hold.
+
+    ``allgather``: the full-length [T, D] hidden rows (saved for the projection's weight gradient;
+    its head-slice projections have the size a sequence shard's would). ``a2a``: the projected
+    tensors received in head layout next to the sequence-layout ones it sent. ``state``: the
+    gathered fp32 summaries and conv halos of all CP ranks.
+    """
+    s = shape
+    if s.cp == 1:
+        return 0
+    if name == "allgather":
+        return s.rows_bytes(s.tokens, s.hidden)
+    if name == "a2a":
+        return s.rows_bytes(s.tokens // s.cp, s.projected_width // s.tp)
+    return EXCHANGES[name].bytes_moved(s)["cp"] * s.cp // (s.cp - 1)
+
+
+def _seconds(nbytes: int, bandwidth_gib_s: float) -> float:
+    return nbytes / (bandwidth_gib_s * GiB)
+
+
+def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: ClusterConfig, *,
+             gate_ranks: tuple[int, int] = (128, 128),
+             calibration: Calibration = DEFAULT_CALIBRATION) -> Estimate:
+    """Bytes, time and extra memory of exchange ``name`` for one KDA layer on one rank.
+
+    ``spans_nodes``: whether the CP group crosses nodes (``ClusterConfig.cp_spans_nodes``); then
+    all its traffic is costed at the inter-node link, since ring all-gathers and all-to-alls run
+    at the pace of their slowest hop. The TP group crosses nodes only when tp > gpus_per_node.
+    """
+    if name not in CONCRETE:
+        raise ValueError(f"no cost model for cp_exchange {name!r}; expected one of {CONCRETE}")
+    s = shape
+    moved = EXCHANGES[name].bytes_moved(s)
+    cp_out = EXCHANGES[name].output_bytes(s) if getattr(EXCHANGES[name], "splits_heads", False) else 0
+    cp_in = moved["cp"] - cp_out
+    tp_bytes = moved["tp"]
+
+    cp_link: LinkConfig = cluster.inter_node if spans_nodes else cluster.intra_node
+    tp_link: LinkConfig = cluster.inter_node if cluster.tp_spans_nodes(s.tp) else cluster.intra_node
+    cp_pass = tp_pass = 0.0
+    if s.cp > 1:
+        # Two CP collectives per pass each: a2a = all-to-all in and out; allgather = all-gather in,
+        # all-to-all out; state = all-gather of conv halo tails and one of the summaries.
+        in_bw = cp_link.a2a_bandwidth_gib_s if name == "a2a" else cp_link.bandwidth_gib_s
+        cp_pass = _seconds(cp_in, in_bw) + _seconds(cp_out, cp_link.a2a_bandwidth_gib_s)
+        cp_pass += 2 * cp_link.latency_us * 1e-6
+    if tp_bytes:
+        tp_pass = _seconds(tp_bytes, tp_link.bandwidth_gib_s) + tp_link.latency_us * 1e-6
+
+    local_heads = s.num_heads / s.tp
+    if name == "state":
+        kernel = kda_kernel_s(local_heads, s.tokens * s.batch // s.cp, calibration)
+        if s.cp > 1:
+            kernel *= 1.0 + calibration.state_prepass
+    else:
+        kernel = kda_kernel_s(local_heads / s.cp, s.tokens * s.batch, calibration)
+    gemm = projection_flops(name, s, gate_ranks) / calibration.gemm_flop_per_s
+
+    cp_comm, tp_comm = 2 * cp_pass, 2 * tp_pass
+    return Estimate(
+        name=name, exact=name in EXACT_EXCHANGES, cp_in_bytes=cp_in, cp_out_bytes=cp_out,
+        tp_bytes=tp_bytes, cp_comm_s=cp_comm, tp_comm_s=tp_comm, kernel_s=kernel, gemm_s=gemm,
+        extra_memory_bytes=extra_memory_bytes(name, s),
+        total_s=cp_comm + tp_comm + kernel + gemm,
+    )
+
+
+def shape_of(recipe: LayerRecipe) -> ExchangeShape:
+    """The byte model's view of a recipe: one micro-batch, bf16 activations."""
+    return ExchangeShape(
+        tokens=recipe.data.seq_len, batch=recipe.data.micro_batch_size,
+        hidden=recipe.model.hidden_size, num_heads=recipe.kda.num_heads,
+        head_dim=recipe.kda.head_dim, tp=recipe.parallel.tp, cp=recipe.parallel.cp,
+        sequence_parallel=recipe.parallel.sequence_parallel, element_size=2,
+        conv_size=recipe.kda.conv_size, layout=recipe.kda.cp_layout,
+    )
+
+
+def exclusions(recipe: LayerRecipe) -> dict[str, str]:
+    """Why ``auto`` may not pick an exchange for this recipe (absent: allowed)."""
+    out: dict[str, str] = {}
+    p, kda = recipe.parallel, recipe.kda
+    local_heads = kda.num_heads // p.tp
+    if local_heads % p.cp:
+        for name in ("a2a", "allgather"):
+            out[name] = f"local heads {local_heads} not divisible by cp={p.cp}"
+    if "allgather" not in out and p.tp > 1 and not p.sequence_parallel:
+        out["allgather"] = f"needs sequence parallelism at tp={p.tp}"
+    if not kda.allow_inexact:
+        out["state"] = "not exact, kda.allow_inexact=false"
+    return out
+
+
+def _where(recipe: LayerRecipe, spans_nodes: bool) -> str:
+    c = recipe.cluster
+    return (f"CP spans nodes over {c.inter_node_kind}" if spans_nodes
+            else "CP inside one node over NVLink")
+
+
+def choose(recipe: LayerRecipe, calibration: Calibration = DEFAULT_CALIBRATION
+           ) -> tuple[str, str, list[Estimate]]:
+    """The fastest allowed exchange for ``recipe``, a one-line reason, and all three estimates.
+
+    At cp=1 nothing crosses a CP group and every exchange runs the same code: a2a.
+    """
+    p = recipe.parallel
+    spans = recipe.cluster.cp_spans_nodes(p.tp, p.cp)
+    shape = shape_of(recipe)
+    ranks = (recipe.kda.gate_low_rank, recipe.kda.output_gate_low_rank)
+    table = [estimate(n, shape, spans, recipe.cluster, gate_ranks=ranks, calibration=calibration)
+             for n in CONCRETE]
+    if p.cp == 1:
+        return "a2a", "a2a: cp=1, no CP exchange (every exchange runs the same code)", table
+    excluded = exclusions(recipe)
+    allowed = [e for e in table if e.name not in excluded]
+    if not allowed:
+        raise ValueError(f"kda.cp_exchange=auto has no exchange to pick: {excluded}")
+    best = min(allowed, key=lambda e: e.total_s)  # ties keep CONCRETE order: exact first
+    others = [f"{e.name} {e.total_s * 1e3:.1f} ms" for e in allowed if e is not best]
+    others += [f"{name} excluded ({why})" for name, why in excluded.items()]
+    reason = (f"{best.name}: {best.total_s * 1e3:.1f} ms vs {', '.join(others)} "
+              f"({_where(recipe, spans)}, T={recipe.data.seq_len})")
+    return best.name, reason, table
+
+
+def resolve_cp_exchange(recipe: LayerRecipe, calibration: Calibration = DEFAULT_CALIBRATION
+                        ) -> tuple[LayerRecipe, str]:
+    """Resolve ``kda.cp_exchange=auto`` to a concrete exchange once, at model build, and log why.
+
+    Returns the recipe (re-validated with the choice) and the reason; a recipe with a concrete
+    exchange comes back unchanged with the reason "configured".
+    """
+    if recipe.kda.cp_exchange != "auto":
+        return recipe, "configured"
+    choice, reason, _ = choose(recipe, calibration)
+    logger.info("kda.cp_exchange=auto -> %s", reason)
+    resolved = load_layer_recipe(merge(recipe.model_dump(), {"kda": {"cp_exchange": choice}}),
+                                 environ={})
+    return resolved, reason
