@@ -1,7 +1,8 @@
 """The KDA layer with fla's Triton kernels on CUDA (skips without a GPU; run by hand on the device).
 
 - One GPU: the layer with fla kernels (bf16) against the same layer with our torch KDA (fp32).
-- Two GPUs: each exchange at CP2 over NCCL against CP1, both with fla kernels.
+- Two GPUs: each exchange (both CP layouts for state) at CP2 over NCCL against CP1, both with
+  fla kernels.
 bf16 tolerances: rounding gives ~1e-2 relative at most; a layout bug gives ~1.
 """
 
@@ -62,8 +63,8 @@ def test_fla_layer_matches_torch_reference(fmt):
     assert not bad, f"fla (bf16) vs torch KDA (fp32) above tolerance: {bad}"
 
 
-CP2_CASES = [Case(ex, 1, 2, False, fmt) for ex in ("a2a", "allgather") for fmt in ("sbhd", "thd")]
-CP2_CASES += [Case("allgather", 2, 1, True, "thd")]
+CP2_CASES = [Case(ex, 1, 2, False, fmt) for ex in ("a2a", "allgather", "state") for fmt in ("sbhd", "thd")]
+CP2_CASES += [Case("allgather", 2, 1, True, "thd"), Case("state", 1, 2, False, "thd_short", layout="contiguous")]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CP2 over NCCL needs 2 GPUs (NCCL runs one rank per GPU)")
