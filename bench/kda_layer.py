@@ -63,16 +63,13 @@ def _recipe(args, exchange: str, cp: int):
 
 
 def projection_flops(args, exchange: str, cp: int) -> float:
-    """Forward+backward GEMM FLOPs of one rank (backward = 2x forward)."""
-    T, D, H, K, r = args.tokens, args.hidden, args.heads, args.head_dim, args.low_rank
-    if exchange == "allgather" and cp > 1:
-        rows, heads = T, H // cp  # every row, this rank's head slice
-    else:
-        rows, heads = T // cp, H  # this rank's rows, every head
-    fwd = 2 * rows * D * (3 * heads * K + heads)  # q, k, v, beta
-    fwd += 2 * rows * D * 2 * r + 2 * rows * 2 * r * heads * K  # f_a, g_a, f_b, g_b
-    fwd += 2 * (T // cp) * H * K * D  # o_proj on this rank's rows, all heads
-    return 3.0 * fwd
+    """Forward+backward GEMM FLOPs of one rank: the cost model's count (one definition)."""
+    from skyrl_megatron_kda.kda.cost import projection_flops as flops
+    from skyrl_megatron_kda.kda.exchange import ExchangeShape
+
+    shape = ExchangeShape(tokens=args.tokens, batch=1, hidden=args.hidden, num_heads=args.heads,
+                          head_dim=args.head_dim, tp=1, cp=cp, sequence_parallel=False)
+    return flops(exchange, shape, (args.low_rank, args.low_rank))
 
 
 def timed(fn, warmup: int, iters: int) -> tuple[float, float]:

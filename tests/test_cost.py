@@ -334,3 +334,11 @@ def test_plan_configured_exchange(capsys):
 def test_plan_refuses_bad_values():
     with pytest.raises(ValidationError, match=r"bandwidth_gib_s=0.0 must be > 0"):
         cli.main(["plan", "--set", "cluster.inter_node.bandwidth_gib_s=0"])
+
+
+def test_exactness_is_declared_once_per_exchange():
+    """config.EXACT_EXCHANGES (torch-free, for validation) agrees with the exchange classes."""
+    from skyrl_megatron_kda.config import EXACT_EXCHANGES
+    from skyrl_megatron_kda.kda.exchange import EXCHANGES
+
+    assert set(EXACT_EXCHANGES) == {name for name, cls in EXCHANGES.items() if cls.exact}

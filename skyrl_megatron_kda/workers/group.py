@@ -13,8 +13,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 class WorkerError(RuntimeError):
     """A rank failed or died; names the rank and carries the cause."""
 
-    def __init__(self, rank: int, cause: BaseException):
-        super().__init__(f"rank {rank} failed: {cause}")
+    def __init__(self, rank: int, error: BaseException):
+        # A task error carries the worker's own exception; a dead actor only Ray's account of it.
+        cause = getattr(error, "cause", None) or error
+        what = "died" if isinstance(error, ray.exceptions.RayActorError) else "failed"
+        super().__init__(f"rank {rank} {what}: {type(cause).__name__}: {cause}")
         self.rank = rank
 
 
