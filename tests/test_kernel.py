@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from skyrl_megatron_kda.kda.kernel import (
+    gated_rms_norm,
     causal_conv_silu,
     chunk_kda_torch,
     kda,
@@ -481,4 +482,23 @@ def test_gpu_causal_conv_fla_vs_torch(varlen):
         (y.float() * dy.float()).sum().backward()
         outs.append((y, x.grad, w.grad))
     checks = [_err_msg(n, a, b) for n, a, b in zip(["y", "dx", "dweight"], outs[0], outs[1])]
+    assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_gated_rms_norm_fla_vs_torch():
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    shape = (2, 300, GPU_H, GPU_K)
+    x0 = torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+    g0 = torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+    w0 = 1 + 0.1 * torch.randn(GPU_K, generator=gen, device="cuda")
+    dy = torch.randn(*shape, generator=gen, device="cuda")
+    outs = []
+    for backend in ("fla", "torch"):
+        x, g, w = (t.detach().requires_grad_() for t in (x0, g0, w0))
+        y = gated_rms_norm(x, g, w, 1e-5, backend=backend)
+        (y.float() * dy).sum().backward()
+        outs.append((y, x.grad, g.grad, w.grad))
+    checks = [_err_msg(n, a, b) for n, a, b in zip(["y", "dx", "dgate", "dweight"], outs[0], outs[1])]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)

@@ -274,6 +274,22 @@ def causal_conv_silu(
     return F.silu(y).to(x.dtype)
 
 
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   backend: Backend) -> torch.Tensor:
+    """Per-head RMSNorm of ``x`` [..., K], times ``weight`` [K], times sigmoid(``gate``); fp32 inside,
+    output in x's dtype (GLM's ``o_norm``). 'fla': fla's fused Triton kernel (one pass instead of
+    about ten elementwise torch kernels forward and backward); 'torch': the same in torch."""
+    if backend == "fla":
+        from fla.modules.fused_norm_gate import rms_norm_gated
+
+        return rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=eps)
+    if backend != "torch":
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
 def kda(
     q: torch.Tensor,
     k: torch.Tensor,

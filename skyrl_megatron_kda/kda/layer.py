@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import KDAConfig
 from .exchange import CommLedger, ExchangeGroups, build_exchange
-from .kernel import resolve_backend
+from .kernel import gated_rms_norm, resolve_backend
 from .layout import CPLayout
 
 
@@ -61,13 +61,6 @@ def _tp_attrs(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
     param.partition_dim = dim
     param.partition_stride = 1
     return param
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Per-head RMSNorm times sigmoid(gate), in fp32 (GLM's ``o_norm``)."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return (y * torch.sigmoid(gate.float())).to(x.dtype)
 
 
 class KimiDeltaAttention(MegatronModule):
@@ -234,7 +227,7 @@ class KimiDeltaAttention(MegatronModule):
             chunk_size=self.kda_config.chunk_size, backend=self.backend,
         )
         o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),
-                           self.kda_config.norm_eps)
+                           self.kda_config.norm_eps, backend=self.backend)
         o = o.reshape(batch, seq_len, nh * K).transpose(0, 1)
         out, bias = self.o_proj(self.exchange.to_sequence(o, layout))
         return out, bias
