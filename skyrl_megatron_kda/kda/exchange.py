@@ -1,18 +1,20 @@
 """How a KDA layer's data crosses the context-parallel (CP) group.
 
-KDA is a recurrence over the whole sequence, so a CP rank cannot run it on its shard alone. Both
-exchanges here switch from sequence parallelism to head parallelism: after ``to_heads`` this rank
-holds the whole sequence, in natural token order, for its ``1/cp`` slice of the TP-local heads;
-``to_sequence`` returns the gated-norm output to this rank's rows for all local heads.
+KDA is a recurrence over the whole sequence, so a CP rank cannot run it on its shard alone.
 
-- ``A2AExchange``: project on this CP rank's (TP-gathered) rows, then one all-to-all of the
-  projected q/k/v/f/g/beta over CP.
-- ``AllGatherExchange``: all-gather the hidden-state shards over CP, then TP, and project only
-  this rank's head slice; the projected tensors are narrower than the hidden state when the model
-  has many heads per rank.
+- ``A2AExchange`` (head-parallel): project on this CP rank's (TP-gathered) rows, then one
+  all-to-all of the projected q/k/v/f/g/beta over CP; this rank then holds whole sequences, in
+  natural token order, for its ``1/cp`` slice of the TP-local heads.
+- ``AllGatherExchange`` (head-parallel): all-gather the hidden-state shards over CP, then TP, and
+  project only this rank's head slice; the projected tensors are narrower than the hidden state
+  when the model has many heads per rank.
+- ``StateExchange`` (sequence-parallel): the rows stay where they are; fp32 state summaries and
+  conv halos cross the CP group (``state.py``).
 
-At CP=1 both are the identity on the sequence axis, so CP=1 runs the same code. Each collective
-is one megatron-core autograd mapping, wrapped so that a ``CommLedger`` counts the bytes it moves
+The layer calls ``to_heads`` (rows and heads this rank computes), ``conv`` and ``recurrence`` (on
+them), and ``to_sequence`` (back to this rank's rows, all local heads). At CP=1 every exchange is
+the identity on the sequence axis, so CP=1 runs the same code. Each collective is one
+megatron-core autograd mapping, wrapped so that a ``CommLedger`` counts the bytes it moves
 forward and backward.
 """
 
@@ -142,6 +144,11 @@ class _Exchange:
         self.tp = groups.tp.size()
         self.cp_rank = groups.cp.rank()
 
+    @staticmethod
+    def _tp_gather_bytes(s: ExchangeShape) -> int:
+        """The SP row gather of this CP rank's shard over TP (``_tp_rows``), per rank, one pass."""
+        return s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
+
     def _gather_rows(self, x: torch.Tensor, group: dist.ProcessGroup, name: str) -> torch.Tensor:
         """All-gather along rows (backward: reduce-scatter), counted."""
         n = group.size()
@@ -208,9 +215,8 @@ class A2AExchange(_HeadParallelExchange):
     @classmethod
     def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
         """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it."""
-        tp_in = s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
         cp_in = s.rows_bytes(s.tokens // s.cp, s.projected_width // s.tp) * (s.cp - 1) // s.cp
-        return {"cp": cp_in + cls.output_bytes(s), "tp": tp_in}
+        return {"cp": cp_in + cls.output_bytes(s), "tp": cls._tp_gather_bytes(s)}
 
     def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
         fused, widths = project(self._tp_rows(x), slice(0, num_local_heads))
@@ -271,7 +277,7 @@ class StateExchange(_Exchange):
         Independent of T: per slot (two per sequence per rank in the zigzag layout, one in the
         contiguous one) one fp32 [H_loc, K, K+V] summary and ``conv_size - 1`` rows of the q/k/v
         projections."""
-        tp_in = s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
+        tp_in = cls._tp_gather_bytes(s)
         if s.cp == 1:
             return {"cp": 0, "tp": tp_in}
         pieces = (2 if s.layout == "zigzag" else 1) * s.sequences * s.batch

@@ -76,10 +76,11 @@ class KimiDeltaAttention(MegatronModule):
         pg_collection: ProcessGroupCollection,
         ledger: CommLedger | None = None,
         cp_comm_type: str | None = None,
-        **unused_attention_kwargs,
+        pp_layer_offset: int | None = None,
+        name: str | None = None,
     ):
-        # cp_comm_type and the other attention kwargs concern softmax attention's CP; KDA's CP is
-        # the exchange chosen in ``kda.cp_exchange``.
+        # TransformerLayer passes cp_comm_type (softmax attention's CP scheme; KDA's CP is the
+        # exchange in ``kda.cp_exchange``), pp_layer_offset and name; KDA needs none of them.
         super().__init__(config)
         self.kda_config = kda
         self.layer_number = layer_number
@@ -200,15 +201,23 @@ class KimiDeltaAttention(MegatronModule):
         attention_mask: torch.Tensor | None = None,
         inference_context=None,
         packed_seq_params: PackedSeqParams | None = None,
-        **position_kwargs,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        sequence_len_offset=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states [s, b, D] (this rank's CP/SP shard) -> (output [s, b, D], None).
 
-        KDA has no positional embedding and is causal by construction: rotary arguments and the
-        attention mask that TransformerLayer passes are not used.
+        KDA is causal by construction and has no positional embedding: the attention mask and
+        the rotary tensors that TransformerLayer passes to every layer are not used. An attention
+        bias or a decode offset would change the result, so they are refused.
         """
-        if inference_context is not None:
+        if inference_context is not None or sequence_len_offset is not None:
             raise NotImplementedError("KimiDeltaAttention has no inference (decode) path yet")
+        if attention_bias is not None:
+            raise ValueError("KimiDeltaAttention takes no attention bias")
         layout = self._layout(hidden_states, packed_seq_params)
         fused = self.exchange.to_heads(hidden_states, layout, self.project, self.num_local_heads)
         heads = self.exchange.heads(self.num_local_heads)
