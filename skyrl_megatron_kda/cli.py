@@ -5,24 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import load_layer_recipe, merge, parse_overrides
+from .config import LayerRecipe, Recipe, parse_overrides
 from .demo import byte_table, run_demo
 
-# The full GLM-5.3-Flash setting the `plan` command starts from (model and KDA dims are the
-# config defaults): TP8 x CP2 with sequence parallelism, 1M-token sequences, auto exchange.
-PLAN_DEFAULTS = {
-    "model": {"params_dtype": "bfloat16"},
-    "parallel": {"tp": 8, "cp": 2, "sequence_parallel": True},
-    "kda": {"cp_exchange": "auto"},
-    "data": {"seq_len": 2**20},
-}
-
-
-def plan_lines(overrides: dict, state_prepass: float | None = None) -> list[str]:
-    """The cost model's table of the three exchanges for a recipe, and the choice with its reason."""
+def plan_lines(recipe: LayerRecipe, state_prepass: float | None = None) -> list[str]:
+    """The cost model's table of the three exchanges for a recipe, and the choice with its reason;
+    a whole ``Recipe`` gets a first line with its model and mesh."""
     from .kda.cost import DEFAULT_CALIBRATION, Calibration, choose
 
-    recipe = load_layer_recipe(merge(PLAN_DEFAULTS, overrides))
     calibration = DEFAULT_CALIBRATION
     if state_prepass is not None:
         calibration = Calibration(state_prepass=state_prepass)
@@ -31,7 +21,8 @@ def plan_lines(overrides: dict, state_prepass: float | None = None) -> list[str]
     spans = c.cp_spans_nodes(p.tp, p.cp)
     link = c.inter_node if spans else c.intra_node
     where = f"{c.inter_node_kind} between nodes" if spans else "NVLink inside one node"
-    lines = [
+    lines = [recipe_line(recipe)] if isinstance(recipe, Recipe) else []
+    lines += [
         f"KDA layer: {k.num_heads} heads x {k.head_dim}, hidden {recipe.model.hidden_size}, "
         f"TP{p.tp} x CP{p.cp}{' +SP' if p.sequence_parallel else ''}, "
         f"T={recipe.data.seq_len} x {recipe.data.micro_batch_size}, bf16 activations",
@@ -57,6 +48,19 @@ def plan_lines(overrides: dict, state_prepass: float | None = None) -> list[str]
     return lines
 
 
+def recipe_line(recipe: Recipe) -> str:
+    """One line: the model's layers and the mesh of a whole recipe."""
+    m, p = recipe.model, recipe.parallel
+    kinds = m.layer_types()
+    return (
+        f"model: {m.num_layers} layers ({kinds.count('kda')} KDA, {kinds.count('dsa')} DSA; "
+        f"{m.num_dense_layers} dense FFN, {m.moe.num_experts} experts top-{m.moe.top_k}), "
+        f"hidden {m.hidden_size}, vocab {m.vocab_size}; {recipe.run.num_workers} "
+        f"{recipe.run.device.upper()} ranks = TP{p.tp} x CP{p.cp} x DP{recipe.data_parallel_size}"
+        f", EP{p.ep} x ETP{p.etp}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="skyrl-kda", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,18 +72,33 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--exchanges", default="a2a,allgather,state",
                       help="comma-separated exchanges to check (default: all)")
     sub.add_parser("bytes", help="analytic CP bytes per exchange at GLM-5.3-Flash dims")
+    sub.add_parser("recipes", help="the registered recipes and what each is for")
     plan = sub.add_parser(
         "plan", help="cost model of the three CP exchanges for a recipe, and what auto picks")
+    plan.add_argument("recipe", nargs="?", default="glm53_flash_1m", metavar="RECIPE",
+                      help="registered recipe name (skyrl-kda recipes) or YAML path "
+                           "(default: glm53_flash_1m)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override the GLM-5.3-Flash TP8 x CP2 1M-token recipe, e.g. "
+                      help="override the recipe, e.g. "
                            "--set cluster.inter_node_kind=efa --set kda.allow_inexact=false")
     plan.add_argument("--state-prepass", type=float, default=None, metavar="FACTOR",
                       help="extra kernel time of state over its shard alone "
                            "(default: fla's measured 1.45)")
     args = parser.parse_args(argv)
 
+    if args.command == "recipes":
+        from .recipes import list_recipes
+
+        recipes = list_recipes()
+        width = max(map(len, recipes), default=0)
+        print("\n".join(f"{name:<{width}}  {text}" for name, text in recipes.items()))
+        return 0
+
     if args.command == "plan":
-        print("\n".join(plan_lines(parse_overrides(args.overrides), args.state_prepass)))
+        from .recipes import load_recipe
+
+        recipe = load_recipe(args.recipe, args.overrides)
+        print("\n".join(plan_lines(recipe, args.state_prepass)))
         return 0
 
     if args.command == "bytes":

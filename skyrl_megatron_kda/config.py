@@ -127,13 +127,144 @@ class KDAConfig(_Config):
         return value
 
 
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+
+LayerType = Literal["kda", "dsa"]
+"""Token mixer of one trunk layer: KDA linear attention or DSA (MLA + lightning indexer)."""
+
+MLPType = Literal["dense", "moe"]
+"""Feed-forward block of one trunk layer."""
+
+
+class MoEConfig(_Config):
+    """The routed experts of the sparse layers; defaults are GLM-5.3-Flash's."""
+
+    num_experts: PositiveInt = 288
+    """Routed experts per MoE layer."""
+    top_k: PositiveInt = 8
+    """Routed experts each token is sent to."""
+    ffn_hidden_size: PositiveInt = 2048
+    """Intermediate width of one expert (SwiGLU); the shared expert has the same width."""
+    num_shared_experts: NonNegativeInt = 1
+    """Always-on shared experts added to the routed output (0: none)."""
+    routed_scaling_factor: float = Field(default=2.5, gt=0)
+    """Multiplier on the combined routed output (after top-k normalisation)."""
+    score_function: Literal["sigmoid", "softmax"] = "sigmoid"
+    """Router score function (GLM-5.3-Flash: sigmoid)."""
+    score_correction_bias: bool = Field(default=True, strict=True)
+    """Per-expert bias added to the scores for top-k selection only (aux-loss-free, noaux_tc)."""
+    norm_topk_prob: bool = Field(default=True, strict=True)
+    """Renormalise the selected top-k scores to sum to 1."""
+    swiglu_limit: float | None = Field(default=10.0, gt=0)
+    """SwiGLU clamp: gate <= limit, up in [-limit, limit] (None: no clamp); dense FFN too."""
+
+    @model_validator(mode="after")
+    def _top_k_fits_experts(self) -> MoEConfig:
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} must be <= model.moe.num_experts="
+                f"{self.num_experts}: a token cannot pick more experts than there are"
+            )
+        return self
+
+
+class DSAConfig(_Config):
+    """The DSA layers: MLA without RoPE plus the lightning indexer; defaults are GLM-5.3-Flash's."""
+
+    num_heads: PositiveInt = 64
+    """Attention heads of the MLA (query and key/value heads alike)."""
+    q_lora_rank: PositiveInt = 1536
+    """Rank of the low-rank query projection."""
+    kv_lora_rank: PositiveInt = 512
+    """Rank of the compressed key/value latent."""
+    qk_nope_head_dim: PositiveInt = 256
+    """Per-head query/key width without positional rotation."""
+    qk_rope_head_dim: NonNegativeInt = 0
+    """Per-head query/key width with RoPE (GLM-5.3-Flash's text tower: 0, no RoPE)."""
+    v_head_dim: PositiveInt = 256
+    """Per-head value width."""
+    index_num_heads: PositiveInt = 32
+    """Heads of the lightning indexer that scores keys for each query."""
+    index_head_dim: PositiveInt = 128
+    """Per-head width of the lightning indexer."""
+    index_topk: PositiveInt = 2048
+    """Keys each query attends to, chosen by the indexer (tokens; the tail is always selected)."""
+    index_kpool: PositiveInt = 4
+    """Keys pooled into one indexer block (tokens per pooled key)."""
+
+    @model_validator(mode="after")
+    def _topk_divisible_by_kpool(self) -> DSAConfig:
+        if self.index_topk % self.index_kpool:
+            raise ValueError(
+                f"model.dsa.index_topk={self.index_topk} must be divisible by "
+                f"model.dsa.index_kpool={self.index_kpool}: the indexer selects whole pooled blocks"
+            )
+        return self
+
+
+class HyperConnectionConfig(_Config):
+    """mHC (manifold-constrained hyper-connections) around every layer; defaults are GLM-5.3-Flash's."""
+
+    num_streams: PositiveInt = 4
+    """Parallel residual streams (hc_mult); the final collapse is their unweighted mean."""
+    sinkhorn_iterations: PositiveInt = 20
+    """Sinkhorn normalisation steps making the stream-mixing matrix doubly stochastic."""
+    eps: float = Field(default=1e-6, gt=0)
+    """Epsilon of the Sinkhorn normalisation (hc_eps)."""
+
+
 class ModelConfig(_Config):
-    """Model-wide sizes the KDA layer depends on."""
+    """The GLM-5.3-Flash text model (trunk without the MTP layer); defaults are the full model's.
+
+    The KDA layers' own sizes live in the recipe's ``kda`` section (``KDAConfig``)."""
 
     hidden_size: PositiveInt = 4096
     """Width of the residual stream (the layer's input and output)."""
     params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter dtype as a torch dtype name; the model builder resolves it (no torch here)."""
+    num_layers: PositiveInt = 45
+    """Trunk layers (the MTP layer is not counted)."""
+    vocab_size: PositiveInt = 154880
+    """Token vocabulary of the embedding and the output layer."""
+    dsa_every: PositiveInt = 4
+    """Layer i is DSA where i % dsa_every == dsa_offset, KDA otherwise."""
+    dsa_offset: NonNegativeInt = 3
+    """See dsa_every (GLM-5.3-Flash: DSA at layers 3, 7, ..., 43)."""
+    num_dense_layers: NonNegativeInt = 3
+    """The first num_dense_layers layers have a dense FFN, the others MoE."""
+    dense_ffn_hidden_size: PositiveInt = 12288
+    """Intermediate width of the dense SwiGLU FFN."""
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    """Epsilon of the RMSNorms (layer inputs, final norm, mHC input norm)."""
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    """Routed and shared experts of the MoE layers."""
+    dsa: DSAConfig = Field(default_factory=DSAConfig)
+    """MLA and lightning indexer of the DSA layers."""
+    hyper_connections: HyperConnectionConfig = Field(default_factory=HyperConnectionConfig)
+    """mHC residual streams."""
+
+    @model_validator(mode="after")
+    def _layer_pattern_fits(self) -> ModelConfig:
+        if self.dsa_offset >= self.dsa_every:
+            raise ValueError(
+                f"model.dsa_offset={self.dsa_offset} must be < model.dsa_every={self.dsa_every}: "
+                "layer i is DSA where i % dsa_every == dsa_offset"
+            )
+        if self.num_dense_layers > self.num_layers:
+            raise ValueError(
+                f"model.num_dense_layers={self.num_dense_layers} must be <= model.num_layers="
+                f"{self.num_layers}"
+            )
+        return self
+
+    def layer_types(self) -> list[LayerType]:
+        """Token mixer of each trunk layer, in order (GLM-5.3-Flash: 34 KDA, 11 DSA)."""
+        return ["dsa" if i % self.dsa_every == self.dsa_offset else "kda"
+                for i in range(self.num_layers)]
+
+    def mlp_types(self) -> list[MLPType]:
+        """Feed-forward block of each trunk layer, in order (GLM-5.3-Flash: 3 dense, 42 MoE)."""
+        return ["dense" if i < self.num_dense_layers else "moe" for i in range(self.num_layers)]
 
 
 class DataConfig(_Config):
@@ -143,6 +274,16 @@ class DataConfig(_Config):
     """Tokens per sequence (for packed batches, per packed row)."""
     micro_batch_size: PositiveInt = 1
     """Sequences per micro-batch on each data-parallel rank."""
+    path: str | None = None
+    """A JSONL file or a directory of *.jsonl files (read in name order); None: synthetic data."""
+    tokenizer_path: str | None = None
+    """Local Hugging Face tokenizer directory; required when records carry "text"."""
+    on_bad_record: Literal["skip", "stop"] = "stop"
+    """What a bad record does: stop with file:line and reason, or skip it and count the reason."""
+    shuffle_buffer: PositiveInt = 1024
+    """Documents held by the seeded shuffle buffer (1: keep file order)."""
+    append_eos: bool = Field(default=True, strict=True)
+    """Append the tokenizer's EOS token to every "text" document (input_ids are taken as given)."""
 
 
 class LinkConfig(_Config):
@@ -326,6 +467,127 @@ class LayerRecipe(_Config):
         return self
 
 
+class TrainConfig(_Config):
+    """The optimisation loop."""
+
+    steps: PositiveInt = 10
+    """Optimizer steps to run."""
+    lr: float = Field(default=3e-4, gt=0)
+    """Peak learning rate (Adam)."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Decoupled (AdamW) weight decay."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value (None: no clipping)."""
+    seed: int = Field(default=1234, strict=True, ge=0)
+    """Seed of parameter init and synthetic data; the same seed gives the same first loss."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation (Megatron's recompute_granularity; none keeps all activations)."""
+    log_every: PositiveInt = 1
+    """Log metrics every this many steps."""
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> TrainConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} must be <= train.lr={self.lr}")
+        return self
+
+
+class RunConfig(_Config):
+    """Where and on what a run executes."""
+
+    output_dir: str = "runs/default"
+    """Folder for metrics.jsonl and the resolved recipe (relative to the working directory)."""
+    device: Literal["cpu", "gpu"] = "cpu"
+    """One rank per GPU (NCCL), or per CPU slot (gloo)."""
+    num_workers: PositiveInt = 1
+    """Total ranks (world size) = tp * cp * pp * dp; Ray starts one actor per rank."""
+    ray_address: str | None = None
+    """Ray cluster to join, e.g. "auto" or "ray://head:10001" (None: start a local cluster)."""
+
+
+class Recipe(LayerRecipe):
+    """A whole training job: the model, its mesh, data, optimisation and where it runs.
+
+    Megatron's world-size rule: ``run.num_workers`` must be divisible by ``tp * cp * pp`` (the rest
+    is data parallelism) and by ``ep * etp * pp`` (the expert mesh folds over the same ranks).
+    """
+
+    description: str = ""
+    """One line saying what the recipe is for (``skyrl-kda recipes`` prints it)."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimisation loop."""
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Ranks, device and output folder."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the dense mesh: num_workers / (tp * cp * pp)."""
+        p = self.parallel
+        return self.run.num_workers // (p.tp * p.cp * p.pp)
+
+    @model_validator(mode="after")
+    def _world_size_fits_mesh(self) -> Recipe:
+        p, world = self.parallel, self.run.num_workers
+        dense, expert = p.tp * p.cp * p.pp, p.ep * p.etp * p.pp
+        if world % dense:
+            raise ValueError(
+                f"run.num_workers={world} must be divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = "
+                f"{dense}: the ranks left over form the data-parallel replicas"
+            )
+        if world % expert:
+            raise ValueError(
+                f"run.num_workers={world} must be divisible by ep*etp*pp = {p.ep}*{p.etp}*{p.pp} "
+                f"= {expert}: Megatron folds the expert mesh over the same ranks"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _experts_fit_mesh(self) -> Recipe:
+        p, moe = self.parallel, self.model.moe
+        if moe.num_experts % p.ep:
+            raise ValueError(
+                f"model.moe.num_experts={moe.num_experts} must be divisible by ep={p.ep}: each "
+                "expert-parallel rank owns whole experts"
+            )
+        if moe.ffn_hidden_size % p.etp:
+            raise ValueError(
+                f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be divisible by "
+                f"etp={p.etp}: expert tensor parallelism splits each expert's columns"
+            )
+        if p.ep > 1 and p.tp > 1 and not p.sequence_parallel:
+            raise ValueError(
+                f"ep={p.ep} with tp={p.tp} needs parallel.sequence_parallel=true (Megatron's MoE "
+                "token dispatch requires it)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dense_parts_divisible_by_tp(self) -> Recipe:
+        m, tp = self.model, self.parallel.tp
+        if m.dsa.num_heads % tp:
+            raise ValueError(
+                f"model.dsa.num_heads={m.dsa.num_heads} must be divisible by tp={tp}: each TP "
+                "rank owns whole attention heads"
+            )
+        if m.dense_ffn_hidden_size % tp:
+            raise ValueError(
+                f"model.dense_ffn_hidden_size={m.dense_ffn_hidden_size} must be divisible by "
+                f"tp={tp}: tensor parallelism splits the FFN columns"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _kernel_fits_device(self) -> Recipe:
+        if self.run.device == "cpu" and self.kda.kernel == "fla":
+            raise ValueError(
+                "kda.kernel=fla needs run.device=gpu (fla's kernels are Triton on CUDA); "
+                "use kda.kernel=torch or auto on CPU"
+            )
+        return self
+
+
 def apply_env_overrides(raw: dict, environ: Mapping[str, str] | None = None) -> dict:
     """Return a copy of ``raw`` with ``SKYRL_KDA_CP_EXCHANGE`` applied to ``kda.cp_exchange``.
 
@@ -361,6 +623,12 @@ def apply_env_overrides(raw: dict, environ: Mapping[str, str] | None = None) -> 
 def load_layer_recipe(raw: dict, environ: Mapping[str, str] | None = None) -> LayerRecipe:
     """Validate ``raw`` after environment overrides, so an override is checked like any value."""
     return LayerRecipe.model_validate(apply_env_overrides(raw, environ))
+
+
+def load_recipe_dict(raw: dict, environ: Mapping[str, str] | None = None) -> Recipe:
+    """Validate a whole recipe ``raw`` after environment overrides (``recipes.load_recipe`` reads
+    the files and applies ``--set`` overrides first)."""
+    return Recipe.model_validate(apply_env_overrides(raw, environ))
 
 
 def parse_overrides(pairs: list[str]) -> dict:

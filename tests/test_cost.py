@@ -313,7 +313,7 @@ def test_plan_prints_three_rows_and_the_choice(capsys):
     assert rows["state"][-1] == "no" and rows["a2a"][-1] == "yes"
     [choice] = [line for line in out.splitlines() if line.startswith("choice: ")]
     assert choice.startswith("choice: allgather: ")
-    assert choice.endswith("(CP spans nodes over infiniband, T=1048576)")
+    assert choice.endswith("(CP spans nodes over efa, T=1048576)")  # glm53_flash_1m's cluster
 
 
 def test_plan_overrides_and_state_prepass(capsys):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..config import EXACT_EXCHANGES, ClusterConfig, LayerRecipe, LinkConfig, load_layer_recipe, merge
+from ..config import EXACT_EXCHANGES, ClusterConfig, LayerRecipe, LinkConfig, merge
 from .exchange import EXCHANGES, ExchangeShape
 
 logger = logging.getLogger(__name__)
@@ -297,13 +297,14 @@ def resolve_cp_exchange(recipe: LayerRecipe, calibration: Calibration = DEFAULT_
                         ) -> tuple[LayerRecipe, str]:
     """Resolve ``kda.cp_exchange=auto`` to a concrete exchange once, at model build, and log why.
 
-    Returns the recipe (re-validated with the choice) and the reason; a recipe with a concrete
+    Returns the recipe (re-validated with the choice, as its own class: a ``LayerRecipe`` or a
+    whole ``Recipe``; the environment is not re-applied) and the reason; a recipe with a concrete
     exchange comes back unchanged with the reason "configured".
     """
     if recipe.kda.cp_exchange != "auto":
         return recipe, "configured"
     choice, reason, _ = choose(recipe, calibration)
     logger.info("kda.cp_exchange=auto -> %s", reason)
-    resolved = load_layer_recipe(merge(recipe.model_dump(), {"kda": {"cp_exchange": choice}}),
-                                 environ={})
+    resolved = type(recipe).model_validate(
+        merge(recipe.model_dump(), {"kda": {"cp_exchange": choice}}))
     return resolved, reason

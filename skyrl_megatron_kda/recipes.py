@@ -1,0 +1,157 @@
+"""Recipe registry: names -> YAML files shipped in ``skyrl_megatron_kda/recipes/`` or lazy
+``"module:attr"`` targets, loaded into one validated ``config.Recipe``.
+
+Precedence, lowest first: the recipe's source, dot-path overrides (``--set kda.cp_exchange=a2a``),
+then ``SKYRL_KDA_CP_EXCHANGE`` (applied by ``config.apply_env_overrides``, the only env reader).
+Unknown keys are errors at every depth (``extra="forbid"``), named by their dotted path.
+
+``register()`` adds the built-in recipes; it runs at import and is re-entrant, so the driver and
+every Ray actor may call it again: re-registering the same target is a no-op, a different target
+under a registered name raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from .config import Recipe, load_recipe_dict, merge, parse_overrides
+
+RECIPES_DIR = Path(str(files(__package__).joinpath("recipes")))
+"""Folder of the YAML recipes shipped with the package."""
+
+BUILTIN_RECIPES: dict[str, str] = {
+    "glm53_flash_1m": "glm53_flash_1m.yaml",
+    "glm53_flash_tiny": "glm53_flash_tiny.yaml",
+}
+"""The recipes ``register()`` adds: name -> YAML file under ``RECIPES_DIR``."""
+
+DEFAULT_RECIPE = "glm53_flash_tiny"
+"""The embedded default: runs on a laptop CPU."""
+
+_YAML_SUFFIXES = (".yaml", ".yml")
+_REGISTRY: dict[str, str] = {}
+
+
+def _is_yaml(source: str) -> bool:
+    return source.endswith(_YAML_SUFFIXES)
+
+
+def register_recipe(name: str, source: str) -> None:
+    """Register ``source`` under ``name``: a YAML path (relative paths resolve against
+    ``RECIPES_DIR``) or a lazy ``"module:attr"`` whose attribute is a dict or returns one.
+
+    Nothing is read until the recipe is loaded. The same ``(name, source)`` again is a no-op; a
+    different source under a registered name raises.
+    """
+    if not name or not isinstance(name, str):
+        raise ValueError(f"recipe name must be a non-empty string, got {name!r}")
+    if not isinstance(source, str) or not (_is_yaml(source) or _is_module_attr(source)):
+        raise ValueError(
+            f"recipe {name!r}: source {source!r} is neither a .yaml/.yml path nor 'module:attr'"
+        )
+    existing = _REGISTRY.get(name)
+    if existing == source:
+        return
+    if existing is not None:
+        raise ValueError(
+            f"recipe {name!r} is already registered to {existing!r}; refusing {source!r} "
+            "(pick another name)"
+        )
+    _REGISTRY[name] = source
+
+
+def _is_module_attr(source: str) -> bool:
+    module, sep, attr = source.partition(":")
+    return bool(sep and module and attr) and ":" not in attr
+
+
+def register() -> None:
+    """Add the built-in recipes; safe to call any number of times, from any process."""
+    for name, source in BUILTIN_RECIPES.items():
+        register_recipe(name, source)
+
+
+def _resolve_path(source: str) -> Path:
+    path = Path(source).expanduser()
+    return path if path.is_absolute() else RECIPES_DIR / path
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"recipe file {path} does not exist") from None
+    raw = yaml.safe_load(text)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"recipe file {path} must hold a mapping at top level, got {type(raw).__name__}")
+    return raw
+
+
+def _read_source(name: str, source: str) -> dict[str, Any]:
+    if _is_yaml(source):
+        return _read_yaml(_resolve_path(source))
+    module_name, _, attr = source.partition(":")
+    target = getattr(importlib.import_module(module_name), attr)
+    raw = target() if callable(target) else target
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"recipe {name!r}: {source} gave {type(raw).__name__}, expected a dict")
+    return merge({}, dict(raw))  # a deep copy: the target's dict is never mutated
+
+
+def raw_recipe(name: str) -> dict[str, Any]:
+    """The registered recipe's unvalidated mapping, as its source gives it."""
+    if name not in _REGISTRY:
+        raise KeyError(
+            f"no recipe named {name!r}; registered: {', '.join(sorted(_REGISTRY)) or 'none'}"
+        )
+    return _read_source(name, _REGISTRY[name])
+
+
+def _build(label: str, raw: dict[str, Any], overrides: Sequence[str],
+           environ: Mapping[str, str] | None) -> Recipe:
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a list of 'key=value' strings, not one string")
+    try:
+        return load_recipe_dict(merge(raw, parse_overrides(list(overrides))), environ)
+    except ValidationError as err:  # same errors, titled with the recipe they came from
+        raise ValidationError.from_exception_data(f"recipe {label}", err.errors()) from None
+
+
+def get_recipe(name: str, overrides: Sequence[str] = (),
+               environ: Mapping[str, str] | None = None) -> Recipe:
+    """The registered recipe ``name`` with ``overrides`` (``["kda.cp_exchange=a2a", ...]``) and
+    the environment (``SKYRL_KDA_CP_EXCHANGE``; ``environ`` defaults to ``os.environ``) applied."""
+    return _build(f"{name} ({_REGISTRY[name]})" if name in _REGISTRY else name,
+                  raw_recipe(name), overrides, environ)
+
+
+def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = (),
+                environ: Mapping[str, str] | None = None) -> Recipe:
+    """A registered name, or a path to a YAML recipe file, loaded like ``get_recipe``."""
+    key = str(name_or_path)
+    if key in _REGISTRY:
+        return get_recipe(key, overrides, environ)
+    if _is_yaml(key):
+        path = Path(key).expanduser()
+        return _build(str(path), _read_yaml(path), overrides, environ)
+    raise KeyError(
+        f"{key!r} is neither a registered recipe ({', '.join(sorted(_REGISTRY)) or 'none'}) "
+        "nor a .yaml/.yml file"
+    )
+
+
+def list_recipes() -> dict[str, str]:
+    """Registered names -> their one-line ``description``, sorted by name."""
+    return {name: str(raw_recipe(name).get("description", "")) for name in sorted(_REGISTRY)}
+
+
+register()

@@ -1,0 +1,1 @@
+"""Training: data, packing, the fine-tune loop, checkpoints and metrics."""
