@@ -315,6 +315,23 @@ class StateExchange(_Exchange):
         y = causal_conv_silu(padded.unsqueeze(0), weight, cu_seqlens=cu, backend=backend)[0]
         return y[keep].reshape(batch, rows, channels)
 
+    @staticmethod
+    def _summaries(q, k, v, f, b, A_log, dt_bias, pieces, kernel_args) -> torch.Tensor:
+        """[S_local | M] of every piece, [P, H, K, V+K] fp32, in one kernel pass.
+
+        The recurrence acts on each column of the state on its own, so running it with values
+        ``[v | 0]`` from the state ``[0 | I]`` yields the zero-state result ``S_local`` in the
+        first V columns and the transition ``M`` (the image of the identity) in the last K.
+        """
+        heads, K = q.shape[-2:]
+        P = pieces.count
+        values = torch.cat([v, v.new_zeros(v.shape[:-1] + (K,))], dim=-1)
+        start = torch.cat([torch.zeros(P, heads, K, v.shape[-1], device=q.device),
+                           torch.eye(K, device=q.device).expand(P, heads, K, K)], dim=-1)
+        _, summary = kda(q, k, values, f, b, A_log, dt_bias, cu_seqlens=pieces.cu,
+                         initial_state=start, output_final_state=True, **kernel_args)
+        return summary
+
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, **kernel_args):
         if self.cp == 1:
             return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, **kernel_args)
@@ -322,15 +339,11 @@ class StateExchange(_Exchange):
         pieces = self._pieces(layout, batch, self.cp_rank)
         flat = [t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b)]
         q, k, v, f, b = flat
-        # Summaries of this rank's pieces: S_out = M S_in + S_local.
-        _, local = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=pieces.cu, output_final_state=True,
-                       **kernel_args)
-        eye = torch.eye(K, device=q.device, dtype=torch.float32).expand(pieces.count, heads, K, K)
-        _, transition = kda(q, k, torch.zeros_like(k), f, b, A_log, dt_bias, cu_seqlens=pieces.cu,
-                            initial_state=eye.contiguous(), output_final_state=True, **kernel_args)
-        summary = self._gather_rows(torch.cat([transition, local], dim=-1), self.groups.cp, "cp")
+        summary = self._gather_rows(self._summaries(q, k, v, f, b, A_log, dt_bias, pieces, kernel_args),
+                                    self.groups.cp, "cp")
         summary = summary.view((self.cp, pieces.count) + summary.shape[1:])
-        entry = state_passing.chain_entry_states(summary[..., :K], summary[..., K:], self.cp,
+        V = v.shape[-1]
+        entry = state_passing.chain_entry_states(summary[..., V:], summary[..., :V], self.cp,
                                                  self.cp_rank, layout.kind)
         o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=pieces.cu, initial_state=entry, **kernel_args)
         return o.reshape(batch, rows, heads, -1)

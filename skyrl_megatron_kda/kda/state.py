@@ -13,8 +13,9 @@ ascending rank order, then back pieces in descending rank order. In the contiguo
 ranks in order. Both work on the shards as they are: no relayout of tokens. Autograd carries the backward:
 the all-gathers' backward reduce-scatters send each summary's and tail's gradient to its owner.
 
-This is the reference implementation (our torch kernel; it builds ``M`` with a second pass); it
-proves the numerics on CPU. Nothing crosses a sequence boundary.
+The summaries take one extra kernel pass over the shard (``StateExchange._summaries``); that is
+the reference design, proven on CPU; the GPU fast path is still to come. Nothing crosses a
+sequence boundary.
 """
 
 from __future__ import annotations
