@@ -104,10 +104,10 @@ def run_case(case: Case, tp_group, cp_group, single_group, setup: Setup = CPU):
 
     batch = batch_for(case.fmt, setup)
     recipe = recipe_for(case, setup, batch.x.shape[0])
-    saved = parity.shard_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows
+    saved = parity.rank_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows
     _saved_chain = state.chain_entry_states
     if case.corrupt == "contiguous_shards":
-        parity.shard_rows = _contiguous_rows
+        parity.rank_rows = _contiguous_rows
     elif case.corrupt == "skip_reorder":
         exchange.sort_index = lambda p: torch.arange(p.numel(), device=p.device)
     elif case.corrupt == "chain_order":
@@ -117,7 +117,7 @@ def run_case(case: Case, tp_group, cp_group, single_group, setup: Setup = CPU):
     try:
         return parity.check_exchange(recipe, batch, tp_group, cp_group, single_group)
     finally:
-        parity.shard_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows = saved
+        parity.rank_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows = saved
 
 
 def mesh_groups(rank: int, meshes):

@@ -371,15 +371,16 @@ def test_zigzag_split_matches_megatron_chunks():
     assert shard_for_rank(row, 2, 1).positions.tolist() == [2, 3, 4, 5]
 
 
-def test_cp_split_matches_parity_shard_rows():
-    parity = pytest.importorskip("skyrl_megatron_kda.kda.parity")
-    row = pack_row([torch.arange(1, 12), torch.arange(1, 4)], seq_len=32, multiple=4)
-    for layout in ("zigzag", "contiguous"):
-        for c in range(2):
-            for t in range(2):
-                s = shard_for_rank(row, 2, c, 2, t, True, layout)
-                expected = parity.shard_rows(row.cu_seqlens, 2, 2, c, t, True, layout)
-                assert torch.equal(s.hidden_positions, expected)
+def test_sp_hidden_rows_are_the_cp_rows_then_the_tp_slice():
+    # One 8-token sequence, cp=2, tp=2 with SP: zigzag gives CP rank 0 rows [0,1,6,7] and rank 1
+    # [2,3,4,5]; each TP rank's hidden states hold its contiguous half of them.
+    row = pack_row([torch.arange(1, 9)], seq_len=8, multiple=4)
+    cp_rows = {0: [0, 1, 6, 7], 1: [2, 3, 4, 5]}
+    hidden_rows = {(0, 0): [0, 1], (0, 1): [6, 7], (1, 0): [2, 3], (1, 1): [4, 5]}
+    for (c, t), rows in hidden_rows.items():
+        shard = shard_for_rank(row, 2, c, 2, t, True, "zigzag")
+        assert shard.hidden_positions.tolist() == rows
+        assert shard.positions.tolist() == cp_rows[c]  # tokens: the whole CP shard on every TP rank
 
 
 # ------------------------------------------------------------------------------------------

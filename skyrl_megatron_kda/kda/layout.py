@@ -54,6 +54,19 @@ def contiguous_positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
 LAYOUTS = {"zigzag": zigzag_positions, "contiguous": contiguous_positions}
 
 
+def rank_rows(cu_seqlens: torch.Tensor, cp: int, tp: int, cp_rank: int, tp_rank: int,
+              sequence_parallel: bool, kind: str = "zigzag") -> torch.Tensor:
+    """Natural positions of the rows rank (cp_rank, tp_rank) holds: its CP rank's rows in layout
+    ``kind``, then under SP its contiguous ``1/tp`` slice of them."""
+    rows = LAYOUTS[kind](cu_seqlens, cp)[cp_rank]
+    if not sequence_parallel:
+        return rows
+    if rows.numel() % tp:
+        raise ValueError(f"{rows.numel()} rows per CP rank do not split over tp={tp} under sequence "
+                         "parallelism")
+    return rows.view(tp, -1)[tp_rank]
+
+
 @dataclass(frozen=True)
 class CPLayout:
     """Index maps between this mesh's shard layouts and natural token order, built once per batch.

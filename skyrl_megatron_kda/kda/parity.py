@@ -20,7 +20,7 @@ from ..config import LayerRecipe
 from ..parallel import gather_full_grads, load_full_state, transformer_config
 from .exchange import EXCHANGES, CommLedger, ExchangeShape
 from .layer import KDASubmodules, KimiDeltaAttention
-from .layout import LAYOUTS
+from .layout import rank_rows
 
 
 def fp32_tolerance(exchange: str) -> float:
@@ -91,13 +91,6 @@ def reference_weights(recipe: LayerRecipe, group, seed: int = 1234) -> dict[str,
     return {n: p.detach().clone() for n, p in layer.named_parameters()}
 
 
-def shard_rows(cu_seqlens: torch.Tensor, cp: int, tp: int, cp_rank: int, tp_rank: int,
-               sequence_parallel: bool, kind: str = "zigzag") -> torch.Tensor:
-    """Natural positions of the rows a rank holds (CP layout ``kind``, then SP slices)."""
-    rows = LAYOUTS[kind](cu_seqlens, cp)[cp_rank]
-    return rows.chunk(tp)[tp_rank] if sequence_parallel else rows
-
-
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|, in fp32."""
     a, b = a.float(), b.float()
@@ -119,8 +112,8 @@ def check_exchange(recipe: LayerRecipe, batch: Batch, tp_group, cp_group, single
     ledger = CommLedger()
     layer = build_layer(recipe, tp_group, cp_group, on_cpu=on_cpu, ledger=ledger)
     load_full_state(layer, full_state, tp_group.rank(), par.tp)
-    rows = shard_rows(batch.cu_seqlens, par.cp, par.tp, cp_group.rank(), tp_group.rank(),
-                      par.sequence_parallel, recipe.kda.cp_layout)
+    rows = rank_rows(batch.cu_seqlens, par.cp, par.tp, cp_group.rank(), tp_group.rank(),
+                     par.sequence_parallel, recipe.kda.cp_layout)
     x = batch.x[rows].clone().requires_grad_()
     out, _ = layer(x, packed_seq_params=batch.packed)
     (out * batch.grad_out[rows]).sum().backward()

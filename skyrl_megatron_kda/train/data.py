@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 import torch
 
 from ..config import DataConfig, ParallelConfig
-from ..kda.layout import LAYOUTS
+from ..kda.layout import LAYOUTS, rank_rows
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ class RankShard:
     layout: what the model takes, identical on every TP rank (under SP the embedding scatters its
     output over TP itself, and the loss runs on the TP-gathered rows). ``hidden_positions`` are the
     natural positions of the rows this rank's hidden states hold inside the layers: the CP rows,
-    then this TP rank's contiguous SP slice (``kda.parity.shard_rows``). ``cu_seqlens`` are the
+    then this TP rank's contiguous SP slice (``kda.layout.rank_rows``). ``cu_seqlens`` are the
     global natural boundaries that PackedSeqParams carries.
     """
 
@@ -401,13 +401,8 @@ def shard_for_rank(row: PackedRow, cp: int, cp_rank: int, tp: int = 1, tp_rank: 
         raise ValueError(f"unknown CP layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     if not (0 <= cp_rank < cp and 0 <= tp_rank < tp):
         raise ValueError(f"rank (cp_rank={cp_rank}, tp_rank={tp_rank}) outside cp={cp}, tp={tp}")
-    positions = LAYOUTS[layout](row.cu_seqlens, cp)[cp_rank]
-    hidden = positions
-    if sequence_parallel:
-        if positions.numel() % tp:
-            raise ValueError(f"{positions.numel()} rows per CP rank do not split over tp={tp} "
-                             "under sequence parallelism; make seq_len divide by row_multiple()")
-        hidden = positions.view(tp, -1)[tp_rank]
+    positions = rank_rows(row.cu_seqlens, cp, tp, cp_rank, tp_rank, False, layout)
+    hidden = rank_rows(row.cu_seqlens, cp, tp, cp_rank, tp_rank, sequence_parallel, layout)
     return RankShard(row.tokens[positions], row.labels[positions], row.loss_mask[positions],
                      row.position_ids[positions], positions, hidden, row.cu_seqlens,
                      row.cu_seqlens_unpadded)
