@@ -41,7 +41,7 @@ def parse_args():
     p.add_argument("--low-rank", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--exchanges", default="a2a,allgather")
+    p.add_argument("--exchanges", default="a2a,allgather,state")
     p.add_argument("--json", default=None, help="write all measurements here")
     p.add_argument("--profile", action="store_true",
                    help="only profile the CP1 layer and print the top CUDA kernels")
@@ -89,10 +89,10 @@ def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
-def kernel_fwd_bwd(args, heads: int):
+def kernel_fwd_bwd(args, heads: int, tokens: int):
     from skyrl_megatron_kda.kda.kernel import kda
 
-    T, K, dev = args.tokens, args.head_dim, "cuda"
+    T, K, dev = tokens, args.head_dim, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
 
     def leaf(*shape, dtype=torch.bfloat16):
@@ -186,10 +186,15 @@ def main() -> None:
         return
     results = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
 
-    for heads in (args.heads, args.heads // 2):
-        ms, gib = timed(kernel_fwd_bwd(args, heads), args.warmup, args.iters)
-        results[f"kernel_{heads}h"] = {"ms": ms, "peak_gib": gib}
-        log(f"kernel alone, {heads} heads: {ms:.1f} ms, {gib:.1f} GiB")
+    # The floors: all heads on the whole sequence (CP1), half the heads on it (the head-parallel
+    # CP2 share) and, for state, all heads on half the sequence (the local shard).
+    shapes = [(args.heads, args.tokens), (args.heads // 2, args.tokens)]
+    if "state" in args.exchanges.split(","):
+        shapes.append((args.heads, args.tokens // 2))
+    for heads, tokens in shapes:
+        ms, gib = timed(kernel_fwd_bwd(args, heads, tokens), args.warmup, args.iters)
+        results[_kernel_key(heads, tokens, args)] = {"ms": ms, "peak_gib": gib}
+        log(f"kernel alone, {heads} heads, T={tokens}: {ms:.1f} ms, {gib:.1f} GiB")
         torch.cuda.empty_cache()
     step, _ = layer_fwd_bwd(args, "a2a", single, single)
     ms, gib = timed(step, args.warmup, args.iters)
@@ -233,21 +238,46 @@ def profile_cp1(args, group) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 
 
+def _kernel_key(heads: int, tokens: int, args) -> str:
+    return f"kernel_{heads}h" if tokens == args.tokens else f"kernel_{heads}h_T{tokens}"
+
+
+def model_ms(args, exchange: str, cp: int) -> float:
+    """The cost model's forward+backward estimate for this shape inside one node (NVLink)."""
+    from skyrl_megatron_kda.config import ClusterConfig
+    from skyrl_megatron_kda.kda.cost import estimate
+    from skyrl_megatron_kda.kda.exchange import ExchangeShape
+
+    shape = ExchangeShape(tokens=args.tokens, batch=1, hidden=args.hidden, num_heads=args.heads,
+                          head_dim=args.head_dim, tp=1, cp=cp, sequence_parallel=False)
+    return estimate(exchange, shape, False, ClusterConfig(),
+                    gate_ranks=(args.low_rank, args.low_rank)).total_s * 1e3
+
+
 def report(args, results) -> None:
     cp1 = results["layer_cp1"]
-    floor1 = results[f"kernel_{args.heads}h"]["ms"] + projection_flops(args, "a2a", 1) / GEMM_FLOPS_PER_S * 1e3
-    rows = [("CP1 layer", cp1["ms"], floor1, 1.0, cp1["peak_gib"])]
+    floor1 = results[_kernel_key(args.heads, args.tokens, args)]["ms"] + projection_flops(args, "a2a", 1) / GEMM_FLOPS_PER_S * 1e3
+    rows = [("CP1 layer", cp1["ms"], floor1, 1.0, cp1["peak_gib"], model_ms(args, "a2a", 1))]
     for exchange in args.exchanges.split(","):
         r = results.get(f"layer_cp2_{exchange}")
         if r is None:
             continue
-        floor = results[f"kernel_{args.heads // 2}h"]["ms"] + projection_flops(args, exchange, 2) / GEMM_FLOPS_PER_S * 1e3
-        rows.append((f"CP2 {exchange}", r["ms"], floor, cp1["ms"] / r["ms"], r["peak_gib"]))
+        heads, tokens = (args.heads, args.tokens // 2) if exchange == "state" else (args.heads // 2, args.tokens)
+        floor = results[_kernel_key(heads, tokens, args)]["ms"] + projection_flops(args, exchange, 2) / GEMM_FLOPS_PER_S * 1e3
+        rows.append((f"CP2 {exchange}", r["ms"], floor, cp1["ms"] / r["ms"], r["peak_gib"], model_ms(args, exchange, 2)))
     print(f"\nKDA layer fwd+bwd, T={args.tokens}, {args.heads} heads x {args.head_dim}, hidden {args.hidden}, bf16")
-    print(f"{'run':<16}{'ms':>9}{'floor ms':>10}{'x floor':>9}{'speedup vs CP1':>16}{'peak GiB':>10}{'mem vs CP1':>11}")
-    for name, ms, floor, speedup, gib in rows:
-        print(f"{name:<16}{ms:>9.1f}{floor:>10.1f}{ms / floor:>9.2f}{speedup:>16.2f}{gib:>10.1f}{gib / cp1['peak_gib']:>11.2f}")
-    if torch.cuda.device_count() < 2:
+    print(f"{'run':<16}{'ms':>9}{'floor ms':>10}{'x floor':>9}{'speedup vs CP1':>16}{'peak GiB':>10}"
+          f"{'mem vs CP1':>11}{'model ms':>10}")
+    for name, ms, floor, speedup, gib, predicted in rows:
+        print(f"{name:<16}{ms:>9.1f}{floor:>10.1f}{ms / floor:>9.2f}{speedup:>16.2f}{gib:>10.1f}"
+              f"{gib / cp1['peak_gib']:>11.2f}{predicted:>10.1f}")
+    cp2 = [row for row in rows if row[0].startswith("CP2")]
+    if len(cp2) > 1:
+        measured = [row[0] for row in sorted(cp2, key=lambda row: row[1])]
+        predicted = [row[0] for row in sorted(cp2, key=lambda row: row[5])]
+        verdict = "same" if measured == predicted else "DIFFERENT"
+        print(f"ranking, fastest first: measured {measured}; cost model {predicted} ({verdict})")
+    elif torch.cuda.device_count() < 2:
         print("(CP2 rows need 2 GPUs; only one is visible)")
 
 
