@@ -316,19 +316,17 @@ class StateExchange(_Exchange):
         return y[keep].reshape(batch, rows, channels)
 
     @staticmethod
-    def _summaries(q, k, v, f, b, A_log, dt_bias, pieces, kernel_args) -> torch.Tensor:
-        """[S_local | M] of every piece, [P, H, K, V+K] fp32, in one kernel pass.
+    def _summaries(q, k, v, f, b, A_log, dt_bias, cu, kernel_args) -> torch.Tensor:
+        """[S_local | M] of every piece in ``cu``, [P, H, K, V+K] fp32, in one kernel pass.
 
         The recurrence acts on each column of the state on its own, so running it with values
         ``[v | 0]`` from the state ``[0 | I]`` yields the zero-state result ``S_local`` in the
         first V columns and the transition ``M`` (the image of the identity) in the last K.
         """
         heads, K = q.shape[-2:]
-        P = pieces.count
         values = torch.cat([v, v.new_zeros(v.shape[:-1] + (K,))], dim=-1)
-        start = torch.cat([torch.zeros(P, heads, K, v.shape[-1], device=q.device),
-                           torch.eye(K, device=q.device).expand(P, heads, K, K)], dim=-1)
-        _, summary = kda(q, k, values, f, b, A_log, dt_bias, cu_seqlens=pieces.cu,
+        start = _identity_summaries(cu.numel() - 1, heads, K, v.shape[-1], q.device)
+        _, summary = kda(q, k, values, f, b, A_log, dt_bias, cu_seqlens=cu,
                          initial_state=start, output_final_state=True, **kernel_args)
         return summary
 
@@ -336,17 +334,30 @@ class StateExchange(_Exchange):
         if self.cp == 1:
             return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, **kernel_args)
         batch, rows, heads, K = q.shape
-        pieces = self._pieces(layout, batch, self.cp_rank)
-        flat = [t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b)]
-        q, k, v, f, b = flat
-        summary = self._gather_rows(self._summaries(q, k, v, f, b, A_log, dt_bias, pieces, kernel_args),
-                                    self.groups.cp, "cp")
-        summary = summary.view((self.cp, pieces.count) + summary.shape[1:])
         V = v.shape[-1]
+        pieces = self._pieces(layout, batch, self.cp_rank)
+        q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
+        # The kernel only sees non-empty pieces (a sequence that misses this rank in the
+        # contiguous layout has an empty slot, whose summary is the identity map).
+        lengths = pieces.cu.diff()
+        present = lengths > 0
+        cu = torch.zeros(int(present.sum()) + 1, dtype=torch.long, device=q.device)
+        cu[1:] = lengths[present].cumsum(0)
+        mine = _identity_summaries(pieces.count, heads, K, V, q.device)
+        mine = mine.index_put((present.nonzero()[:, 0],),
+                              self._summaries(q, k, v, f, b, A_log, dt_bias, cu, kernel_args))
+        summary = self._gather_rows(mine, self.groups.cp, "cp").view((self.cp,) + mine.shape)
         entry = state_passing.chain_entry_states(summary[..., V:], summary[..., :V], self.cp,
                                                  self.cp_rank, layout.kind)
-        o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=pieces.cu, initial_state=entry, **kernel_args)
+        o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=cu, initial_state=entry[present],
+                   **kernel_args)
         return o.reshape(batch, rows, heads, -1)
+
+
+def _identity_summaries(count: int, heads: int, K: int, V: int, device) -> torch.Tensor:
+    """``count`` summaries of the identity map, ``[0 | I]``: [count, heads, K, V+K] fp32."""
+    eye = torch.eye(K, device=device).expand(count, heads, K, K)
+    return torch.cat([torch.zeros(count, heads, K, V, device=device), eye], dim=-1)
 
 
 EXCHANGES = {cls.name: cls for cls in (A2AExchange, AllGatherExchange, StateExchange)}
