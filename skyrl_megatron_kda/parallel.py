@@ -40,7 +40,10 @@ def transformer_config(recipe: LayerRecipe, *, use_cpu: bool, initialize: bool =
 @torch.no_grad()
 def load_full_state(module: torch.nn.Module, full_state: dict[str, torch.Tensor], tp_rank: int, tp: int) -> None:
     """Copy unsharded tensors into ``module``, slicing TP-parallel parameters along their
-    ``partition_dim`` (the attribute megatron-core sets on every TP-sharded parameter)."""
+    ``partition_dim`` (the attribute megatron-core sets on every TP-sharded parameter).
+
+    A plain contiguous slice: right for the KDA layer, wrong for a SwiGLU fc1 whose TP shard is
+    [gate shard; up shard] (use ``model.moe.hf_moe_to_megatron`` for MoE layers)."""
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(full_state))
     if missing:

@@ -1,0 +1,255 @@
+"""GLM-5.3-Flash's MoE block as megatron-core's own MoELayer (router, experts, shared expert).
+
+Everything is expressed through stock ``TransformerConfig`` fields; nothing of megatron-core is
+subclassed or patched. The GLM feature -> megatron field map (see ``moe_transformer_config_kwargs``):
+
+=====================================  =========================================================
+GLM (transformers ``Glm5NextTextMoE``)  megatron-core 0.19.2
+=====================================  =========================================================
+sigmoid router scores                  ``moe_router_score_function="sigmoid"``
+``e_score_correction_bias`` (noaux_tc,  ``moe_router_enable_expert_bias=True``; the buffer is
+selection only)                        ``router.expert_bias`` (added to the scores for top-k only)
+top-k                                  ``moe_router_topk``
+``norm_topk_prob``                     implicit: megatron's sigmoid path always divides the top-k
+                                       scores by their sum (+1e-20) when top-k > 1
+``routed_scaling_factor``              ``moe_router_topk_scaling_factor`` (applied after the
+                                       normalisation; its docstring says "pre-softmax only", the
+                                       code applies it for every score function)
+n_group = topk_group = 1               ``moe_router_num_groups/group_topk=None`` (same selection)
+fp32 router                            ``moe_router_dtype="fp32"`` (logits, scores and probs fp32)
+no auxiliary loss                      ``moe_router_load_balancing_type="none"``, coeff 0
+shared expert (n_shared x expert ffn)  ``moe_shared_expert_intermediate_size``, no shared gate
+SwiGLU with clamp (gate <= L,          ``gated_linear_unit=True``, ``activation_func=F.silu``,
+up in [-L, L])                         ``activation_func_clamp_value=L``, ``glu_linear_offset=0``
+                                       and ``bias_activation_fusion=False`` (see below)
+=====================================  =========================================================
+
+The clamp: megatron's unfused GLU path (``MLP.forward`` and the experts' ``glu``) clamps exactly as
+GLM does: ``x_glu.clamp(max=L)``, ``x_linear.clamp(-L, L)``, then ``silu(x_glu) * x_linear``. The
+fused SwiGLU kernel (``bias_activation_fusion=True``), TE's activation modules
+(``use_te_activation_func``) and the TE op fuser's ``ScaledSwiGLU`` silently ignore
+``activation_func_clamp_value`` (its docstring says "only quick_gelu"), so
+``check_glm_moe_config`` refuses those combinations.
+
+Not expressible: ``norm_topk_prob=False`` with sigmoid scores and top-k > 1 (megatron always
+normalises), and ``norm_topk_prob=True`` with top-k = 1 (megatron does not normalise then); both
+are refused. Differences that are only rounding: GLM multiplies the routing weight after the
+expert's down projection, megatron before it (inside the activation); the same in fp32 up to
+rounding, slightly different in bf16.
+
+Bias training: with ``moe_router_enable_expert_bias`` megatron counts tokens per expert in the
+forward and updates ``expert_bias`` by ``moe_router_bias_update_rate`` in
+``finalize_model_grads`` (DeepSeek-V3's aux-loss-free balancing). To keep the checkpoint's bias
+frozen, pass ``bias_update_rate=0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from ..config import MoEConfig
+
+Dispatcher = Literal["allgather", "alltoall", "flex"]
+
+
+def moe_transformer_config_kwargs(
+    moe: MoEConfig,
+    *,
+    dispatcher: Dispatcher = "allgather",
+    grouped_gemm: bool = False,
+    bias_update_rate: float = 1e-3,
+) -> dict:
+    """``TransformerConfig`` keyword arguments that make megatron's MoELayer compute GLM's MoE.
+
+    They also set the (dense and shared) MLP activation to the clamped SwiGLU, which GLM's dense
+    FFN uses as well. Raises ``NotImplementedError`` for the router variants megatron cannot
+    express (see the module docstring)."""
+    if moe.score_function == "sigmoid":
+        if moe.top_k > 1 and not moe.norm_topk_prob:
+            raise NotImplementedError(
+                "model.moe.norm_topk_prob=false with sigmoid scores and top_k > 1: megatron-core's "
+                "sigmoid router always renormalises the top-k scores; set norm_topk_prob=true"
+            )
+        if moe.top_k == 1 and moe.norm_topk_prob:
+            raise NotImplementedError(
+                "model.moe.norm_topk_prob=true with top_k=1: megatron-core does not renormalise a "
+                "single sigmoid score (GLM would give weight 1); set norm_topk_prob=false or top_k > 1"
+            )
+        pre_softmax = False  # unused by the sigmoid path
+    else:
+        if moe.score_correction_bias:
+            raise NotImplementedError(
+                "model.moe.score_correction_bias=true needs score_function=sigmoid: megatron-core's "
+                "expert bias supports only sigmoid and sqrtsoftplus scores"
+            )
+        # softmax over all experts then renormalised top-k == softmax over the top-k logits.
+        pre_softmax = not moe.norm_topk_prob
+    kwargs = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=(
+            moe.ffn_hidden_size * moe.num_shared_experts if moe.num_shared_experts else None
+        ),
+        moe_shared_expert_gate=False,
+        moe_router_score_function=moe.score_function,
+        moe_router_pre_softmax=pre_softmax,
+        moe_router_enable_expert_bias=moe.score_correction_bias,
+        moe_router_bias_update_rate=bias_update_rate,
+        moe_router_topk_scaling_factor=(
+            None if moe.routed_scaling_factor == 1.0 else moe.routed_scaling_factor
+        ),
+        moe_router_num_groups=None,
+        moe_router_group_topk=None,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_fusion=False,
+        moe_apply_probs_on_input=False,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=grouped_gemm,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        activation_func_clamp_value=moe.swiglu_limit,
+        glu_linear_offset=0.0,
+        bias_activation_fusion=False,
+        use_te_activation_func=False,
+    )
+    return kwargs
+
+
+def check_glm_moe_config(config) -> None:
+    """Refuse a TransformerConfig on which megatron would silently skip GLM's SwiGLU clamp."""
+    if config.activation_func_clamp_value is None:
+        return
+    reasons = []
+    if config.bias_activation_fusion:
+        reasons.append("bias_activation_fusion=True (the fused swiglu kernel has no clamp)")
+    if config.use_te_activation_func:
+        reasons.append("use_te_activation_func=True (TE's SwiGLU has no clamp)")
+    if getattr(config, "use_te_op_fuser", False):
+        reasons.append("use_te_op_fuser=True (TE's ScaledSwiGLU op has no clamp)")
+    if config.activation_func is not F.silu or not config.gated_linear_unit:
+        reasons.append("activation is not SwiGLU (gated_linear_unit with F.silu)")
+    if config.glu_linear_offset != 0.0:
+        reasons.append(f"glu_linear_offset={config.glu_linear_offset} (GLM has none)")
+    if reasons:
+        raise ValueError("GLM's clamped SwiGLU would not be computed: " + "; ".join(reasons))
+
+
+def moe_layer_spec(moe: MoEConfig, *, use_te: bool = False, grouped_gemm: bool = False):
+    """Megatron's MoELayer builder (TopKRouter, experts, SharedExpertMLP), called as
+    ``spec(config=..., layer_number=..., pg_collection=...)`` or used as a layer's ``mlp``.
+
+    ``use_te=False`` gives SequentialMLP experts of local ColumnParallel/RowParallel linears (CPU);
+    ``use_te=True`` TE linears and, with ``grouped_gemm``, TEGroupedMLP."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+    else:
+        backend = LocalSpecProvider()
+    return get_moe_module_spec_for_backend(
+        backend=backend, num_experts=moe.num_experts, moe_grouped_gemm=grouped_gemm
+    )
+
+
+# --- HF -> megatron weights of one MoE layer -------------------------------------------------
+
+HF_MOE_NAMES = {
+    "router": "gate.weight",
+    "bias": "gate.e_score_correction_bias",
+    "experts_gate_up": "experts.gate_up_proj",  # [E, 2I, H], gate rows first (chunk(2))
+    "experts_down": "experts.down_proj",  # [E, H, I]
+    "shared_gate": "shared_experts.gate_proj.weight",
+    "shared_up": "shared_experts.up_proj.weight",
+    "shared_down": "shared_experts.down_proj.weight",
+}
+"""Names in transformers' ``Glm5NextTextMoE`` state dict (prefix ``model.layers.{i}.mlp.``).
+Per-expert checkpoints (``experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``) are also
+accepted by ``hf_moe_to_megatron``."""
+
+
+def moe_weight_name_map(
+    moe: MoEConfig, *, ep_rank: int = 0, ep_size: int = 1, grouped_gemm: bool = False
+) -> dict[str, tuple[str, ...]]:
+    """megatron MoELayer name -> the HF names it is built from, for this EP rank's experts.
+
+    fc1 of a SwiGLU is ``cat([gate, up])`` along the output dim (megatron's ``torch.chunk(2)``
+    order, the same as HF's ``gate_up_proj``); fc2 is the down projection."""
+    if moe.num_experts % ep_size:
+        raise ValueError(f"num_experts={moe.num_experts} must be divisible by ep_size={ep_size}")
+    n_local = moe.num_experts // ep_size
+    out: dict[str, tuple[str, ...]] = {"router.weight": (HF_MOE_NAMES["router"],)}
+    if moe.score_correction_bias:
+        out["router.expert_bias"] = (HF_MOE_NAMES["bias"],)
+    for local in range(n_local):
+        e = ep_rank * n_local + local
+        if grouped_gemm:
+            fc1, fc2 = f"experts.linear_fc1.weight{local}", f"experts.linear_fc2.weight{local}"
+        else:
+            fc1 = f"experts.local_experts.{local}.linear_fc1.weight"
+            fc2 = f"experts.local_experts.{local}.linear_fc2.weight"
+        out[fc1] = (f"{HF_MOE_NAMES['experts_gate_up']}[{e}]",)
+        out[fc2] = (f"{HF_MOE_NAMES['experts_down']}[{e}]",)
+    if moe.num_shared_experts:
+        out["shared_experts.linear_fc1.weight"] = (HF_MOE_NAMES["shared_gate"], HF_MOE_NAMES["shared_up"])
+        out["shared_experts.linear_fc2.weight"] = (HF_MOE_NAMES["shared_down"],)
+    return out
+
+
+def _expert(hf: Mapping[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate [I, H], up [I, H], down [H, I]) of routed expert ``e`` from a fused or per-expert dict."""
+    if HF_MOE_NAMES["experts_gate_up"] in hf:
+        gate, up = hf[HF_MOE_NAMES["experts_gate_up"]][e].chunk(2, dim=0)
+        return gate, up, hf[HF_MOE_NAMES["experts_down"]][e]
+    p = f"experts.{e}."
+    return hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"], hf[p + "down_proj.weight"]
+
+
+def _glu_fc1(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's fc1 shard: megatron wants [gate shard; up shard], not a slice of [gate; up]."""
+    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+
+
+def hf_moe_to_megatron(
+    hf: Mapping[str, torch.Tensor],
+    moe: MoEConfig,
+    *,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int = 0,
+    etp_size: int = 1,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    grouped_gemm: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The state dict of this rank's megatron MoELayer from one HF MoE layer's tensors (names
+    relative to the layer's ``mlp.``). Routed experts are split over EP and sharded over ETP, the
+    shared expert is sharded over TP, the router and its bias are replicated."""
+    names = moe_weight_name_map(moe, ep_rank=ep_rank, ep_size=ep_size, grouped_gemm=grouped_gemm)
+    out: dict[str, torch.Tensor] = {"router.weight": hf[HF_MOE_NAMES["router"]].float()}
+    if moe.score_correction_bias:
+        out["router.expert_bias"] = hf[HF_MOE_NAMES["bias"]].float()
+    n_local = moe.num_experts // ep_size
+    fc_names = [n for n in names if n.startswith("experts.")]
+    for local in range(n_local):
+        gate, up, down = _expert(hf, ep_rank * n_local + local)
+        fc1, fc2 = fc_names[2 * local], fc_names[2 * local + 1]
+        out[fc1] = _glu_fc1(gate, up, etp_rank, etp_size)
+        out[fc2] = down.chunk(etp_size, dim=1)[etp_rank]
+    if moe.num_shared_experts:
+        out["shared_experts.linear_fc1.weight"] = _glu_fc1(
+            hf[HF_MOE_NAMES["shared_gate"]], hf[HF_MOE_NAMES["shared_up"]], tp_rank, tp_size
+        )
+        down = hf[HF_MOE_NAMES["shared_down"]]
+        out["shared_experts.linear_fc2.weight"] = down.chunk(tp_size, dim=1)[tp_rank]
+    return {k: v.contiguous() for k, v in out.items()}

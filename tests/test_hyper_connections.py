@@ -1,0 +1,181 @@
+"""mHC hyper-connections: ours vs transformers' glm5_next on CPU.
+
+The transformers comparison runs in a spawned process (``run_ranks(1, ...)``) so that hiding fla
+there (transformers would pick its GPU kernels) cannot affect other tests.
+"""
+
+import torch
+
+from skyrl_megatron_kda.model.hyper_connections import (
+    HyperConnection,
+    expand_to_streams,
+    reduce_streams,
+    sinkhorn_knopp,
+)
+from tests.distributed import run_ranks
+
+HIDDEN, STREAMS = 64, 4
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _tiny_config():
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+    return Glm5NextTextConfig(
+        vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=HIDDEN,
+        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32,
+        q_lora_rank=48, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16, index_topk=8,
+        index_kpool=4, index_head_dim=16, index_n_heads=2, linear_num_heads=4, linear_head_dim=16,
+        hc_mult=STREAMS)
+
+
+@torch.no_grad()
+def _scramble_hc(hc: torch.nn.Module) -> None:
+    """Far-from-uniform maps, so that a wrong Sinkhorn or a transposed comb shows."""
+    hc.fn.normal_(0, 0.5)
+    hc.base.normal_(0, 1.0)
+    hc.scale.uniform_(0.5, 2.0)
+
+
+def _compare_maps(rank, world):
+    import sys
+
+    sys.modules["fla"] = None  # transformers would pick fla's Triton kernels, which need a GPU
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection
+
+    torch.set_grad_enabled(False)  # this spawned process only compares values
+    torch.manual_seed(0)
+    config = _tiny_config()
+    ref = Glm5NextTextHyperConnection(config).float()
+    _scramble_hc(ref)
+    ours = HyperConnection(HIDDEN, config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+    ours.load_state_dict(ref.state_dict())
+    one_iter = HyperConnection(HIDDEN, config.hc_mult, 1, config.hc_eps, config.rms_norm_eps)
+    one_iter.load_state_dict(ref.state_dict())
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        streams = torch.randn(2, 7, STREAMS, HIDDEN).to(dtype)  # [B, S, N, D]
+        block_out = torch.randn(2, 7, HIDDEN).to(dtype)
+        post_r, comb_r, collapsed_r = ref(streams)
+        new_r = post_r.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+            comb_r.to(dtype).transpose(-1, -2), streams)  # as Glm5NextTextDecoderLayer does
+        pre, post, comb = ours.mixing_maps(streams)
+        collapsed = ours.collapse(streams, pre)
+        new = ours.expand(block_out, streams, post, comb)
+        # megatron layout [S, B, N, D] gives the same numbers
+        coll_sb, post_sb, comb_sb = ours(streams.transpose(0, 1))
+        res = dict(post=_rel(post, post_r), comb=_rel(comb, comb_r), collapse=_rel(collapsed, collapsed_r),
+                   expand=_rel(new, new_r), sb_layout=_rel(coll_sb.transpose(0, 1), collapsed_r),
+                   dtypes=(str(collapsed.dtype), str(new.dtype), str(post.dtype), str(comb.dtype)))
+        if dtype == torch.float32:
+            _, _, comb_1 = one_iter.mixing_maps(streams)
+            res["control_one_iter"] = _rel(comb_1, comb_r)
+            res["control_transposed"] = _rel(ours.expand(block_out, streams, post, comb.transpose(-1, -2)), new_r)
+            res["col_sum_err"] = float((comb.sum(-2) - 1).abs().max())
+            res["row_sum_err"] = float((comb.sum(-1) - 1).abs().max())
+        out[str(dtype)] = res
+    return out
+
+
+def _compare_model(rank, world):
+    """Whole tiny model: capture each decoder layer's streams and block outputs with hooks, then
+    check that ours reproduces every block input, every layer output, the embedding expansion and
+    the final collapse, layer by layer."""
+    import sys
+
+    sys.modules["fla"] = None
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+    torch.manual_seed(0)
+    config = _tiny_config()
+    model = Glm5NextTextModel(config).float().eval()
+    for layer in model.layers:
+        _scramble_hc(layer.attn_hc)
+        _scramble_hc(layer.ffn_hc)
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name, pre=False):
+        def hook(module, args, output=None):
+            t = args[0] if pre else output
+            seen[name] = (t[0] if isinstance(t, tuple) else t).detach().clone()
+        return hook
+
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(keep(f"{i}.in", pre=True))
+        layer.register_forward_hook(keep(f"{i}.out"))
+        layer.input_layernorm.register_forward_pre_hook(keep(f"{i}.attn_in", pre=True))
+        layer.self_attn.register_forward_hook(keep(f"{i}.attn_out"))
+        layer.post_attention_layernorm.register_forward_pre_hook(keep(f"{i}.ffn_in", pre=True))
+        layer.mlp.register_forward_hook(keep(f"{i}.ffn_out"))
+    model.norm.register_forward_pre_hook(keep("final_in", pre=True))
+
+    ids = torch.randint(3, 256, (2, 12))
+    with torch.no_grad():
+        model(input_ids=ids)
+        errs = {"embed_expand": _rel(expand_to_streams(model.embed_tokens(ids), STREAMS), seen["0.in"])}
+        for i, layer in enumerate(model.layers):
+            hcs = []
+            for ref_hc in (layer.attn_hc, layer.ffn_hc):
+                hc = HyperConnection(HIDDEN, STREAMS, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+                hc.load_state_dict(ref_hc.state_dict())
+                hcs.append(hc)
+            streams = seen[f"{i}.in"]
+            attn_in, post, comb = hcs[0](streams)
+            mid = hcs[0].expand(seen[f"{i}.attn_out"], streams, post, comb)
+            ffn_in, post, comb = hcs[1](mid)
+            out = hcs[1].expand(seen[f"{i}.ffn_out"], mid, post, comb)
+            errs[f"layer{i}.attn_in"] = _rel(attn_in, seen[f"{i}.attn_in"])
+            errs[f"layer{i}.ffn_in"] = _rel(ffn_in, seen[f"{i}.ffn_in"])
+            errs[f"layer{i}.out"] = _rel(out, seen[f"{i}.out"])
+        errs["final_collapse"] = _rel(reduce_streams(seen["3.out"]), seen["final_in"])
+    return errs
+
+
+def test_maps_match_transformers():
+    ((res,),) = [run_ranks(1, _compare_maps)]
+    print(res)
+    f32, bf16 = res["torch.float32"], res["torch.bfloat16"]
+    for key in ("post", "comb", "collapse", "expand", "sb_layout"):
+        assert f32[key] < 1e-6, f"fp32 {key}: relative error {f32[key]:.2e}"
+        assert bf16[key] < 1e-3, f"bf16 {key}: relative error {bf16[key]:.2e}"
+    assert f32["control_one_iter"] > 1e-3, f"1 Sinkhorn iteration went unnoticed ({f32['control_one_iter']:.2e})"
+    assert f32["control_transposed"] > 1e-3, f"transposed comb went unnoticed ({f32['control_transposed']:.2e})"
+    # Sinkhorn ends on a column pass: columns sum to 1; rows only approximately after 20
+    # iterations on these far-from-uniform logits (reported, not asserted).
+    assert f32["col_sum_err"] < 1e-5
+    assert bf16["dtypes"] == ("torch.bfloat16", "torch.bfloat16", "torch.float32", "torch.float32")
+
+
+def test_model_streams_match_transformers():
+    (errs,) = run_ranks(1, _compare_model)
+    print(errs)
+    for key, err in errs.items():
+        assert err < 1e-6, f"{key}: relative error {err:.2e}"
+
+
+def test_module_dtypes_grads_and_tp_tags():
+    torch.manual_seed(0)
+    hc = HyperConnection(HIDDEN, STREAMS)
+    assert all(p.dtype == torch.float32 and p.sequence_parallel for p in hc.parameters())
+    assert hc.fn.shape == ((2 + STREAMS) * STREAMS, STREAMS * HIDDEN)
+    streams = expand_to_streams(torch.randn(5, 3, HIDDEN, dtype=torch.bfloat16), STREAMS)  # [S, B, N, D]
+    block_in, post, comb = hc(streams)
+    assert block_in.dtype == torch.bfloat16 and block_in.shape == (5, 3, HIDDEN)
+    assert post.dtype == comb.dtype == torch.float32 and comb.shape == (5, 3, STREAMS, STREAMS)
+    new = hc.expand(torch.tanh(block_in), streams, post, comb)
+    assert new.dtype == torch.bfloat16 and new.shape == streams.shape
+    reduce_streams(new).float().square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in hc.parameters())
+    # Sinkhorn alone: columns normalised, rows converge with more iterations.
+    logits = torch.randn(10, 4, 4) * 3
+    m = sinkhorn_knopp(logits, 20, 1e-6)
+    assert (m.sum(-2) - 1).abs().max() < 1e-5
+    row_err = [float((sinkhorn_knopp(logits, it, 1e-6).sum(-1) - 1).abs().max()) for it in (1, 20, 200)]
+    assert row_err[0] > row_err[1] > row_err[2] and row_err[2] < 1e-3, row_err

@@ -1,0 +1,214 @@
+"""megatron-core's MoELayer, configured by model/moe.py, computes transformers' Glm5NextTextMoE."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skyrl_megatron_kda.config import MoEConfig
+from skyrl_megatron_kda.model.moe import (
+    check_glm_moe_config,
+    hf_moe_to_megatron,
+    moe_transformer_config_kwargs,
+    moe_weight_name_map,
+)
+from tests.distributed import run_ranks
+
+TINY = dict(num_experts=8, top_k=2, ffn_hidden_size=16, num_shared_experts=1, routed_scaling_factor=2.5)
+HIDDEN = 32
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def _reference(moe: MoEConfig):
+    """GLM's MoE with random weights (same on every rank); sizes chosen so that the clamp fires and
+    the correction bias changes the selection of many tokens."""
+    import sys
+
+    sys.modules["fla"] = None  # keep transformers on its torch fallbacks (fla's kernels are GPU-only)
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextMoE
+
+    cfg = Glm5NextTextConfig(
+        hidden_size=HIDDEN, n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+        moe_intermediate_size=moe.ffn_hidden_size, n_shared_experts=moe.num_shared_experts,
+        routed_scaling_factor=moe.routed_scaling_factor, n_group=1, topk_group=1,
+        norm_topk_prob=True, swiglu_limit=moe.swiglu_limit, hidden_act="silu",
+        vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    ref = Glm5NextTextMoE(cfg)
+    with torch.no_grad():
+        ref.gate.weight.normal_(0, 0.05)
+        ref.gate.e_score_correction_bias.normal_(0, 0.1)
+        ref.experts.gate_up_proj.normal_(0, 0.4)
+        ref.experts.down_proj.normal_(0, 0.1)
+        for lin in (ref.shared_experts.gate_proj, ref.shared_experts.up_proj):
+            lin.weight.normal_(0, 0.4)
+        ref.shared_experts.down_proj.weight.normal_(0, 0.1)
+    return ref
+
+
+def _megatron_layer(moe: MoEConfig, ep: int, state: dict, **overrides):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from skyrl_megatron_kda.model.moe import moe_layer_spec
+
+    kwargs = moe_transformer_config_kwargs(moe, dispatcher="allgather")
+    kwargs.update(overrides)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, params_dtype=torch.float32,
+        use_cpu_initialization=True, expert_model_parallel_size=ep,
+        gradient_accumulation_fusion=False, **kwargs,
+    )
+    check_glm_moe_config(config)
+    layer = moe_layer_spec(moe)(config=config, layer_number=1,
+                                pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    if not moe.score_correction_bias:
+        state = {k: v for k, v in state.items() if k != "router.expert_bias"}
+    layer.load_state_dict(state, strict=True)
+    return layer
+
+
+def _glm_vs_megatron(rank, world, ep):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    moe = MoEConfig(**TINY)
+    ref = _reference(moe)
+    hf_state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    state = hf_moe_to_megatron(hf_state, moe, ep_rank=ep_rank, ep_size=ep)
+    layer = _megatron_layer(moe, ep, state)
+
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank routes its own tokens
+    x = 3.0 * torch.randn(24, 2, HIDDEN, generator=gen)  # megatron's [s, b, h]
+    dy = torch.randn(24, 2, HIDDEN, generator=gen)
+
+    x_ref = x.clone().requires_grad_()
+    y_ref = ref(x_ref.transpose(0, 1).contiguous()).transpose(0, 1)
+    y_ref.backward(dy)
+    x_meg = x.clone().requires_grad_()
+    y_meg, bias = layer(x_meg)
+    y_meg.backward(dy)
+    out = {"bias_is_none": bias is None, "out": _rel(y_meg, y_ref), "dx": _rel(x_meg.grad, x_ref.grad),
+           "y": y_meg.detach(), "x_grad": x_meg.grad}
+
+    with torch.no_grad():  # how much the test exercises: clamp hits, selections the bias changed
+        flat = x.reshape(-1, HIDDEN)
+        gu = torch.einsum("th,eih->tei", flat, ref.experts.gate_up_proj)
+        gate, up = gu.chunk(2, dim=-1)
+        out["clamped_frac"] = float(((gate > 10) | (up.abs() > 10)).float().mean())
+        scores = torch.sigmoid(flat @ ref.gate.weight.T)
+        with_bias = (scores + ref.gate.e_score_correction_bias).topk(moe.top_k).indices.sort().values
+        without = scores.topk(moe.top_k).indices.sort().values
+        out["bias_changed_frac"] = float((with_bias != without).any(-1).float().mean())
+
+    if ep == 1:  # parameter gradients see the same tokens only without EP
+        out["grad_router"] = _rel(layer.router.weight.grad, ref.gate.weight.grad)
+        fc1 = torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts])
+        out["grad_experts_fc1"] = _rel(fc1, ref.experts.gate_up_proj.grad)
+        out["grad_shared_fc2"] = _rel(layer.shared_experts.linear_fc2.weight.grad,
+                                      ref.shared_experts.down_proj.weight.grad)
+        controls = {
+            "no_correction_bias": dict(moe=moe.model_copy(update={"score_correction_bias": False})),
+            "softmax_scores": dict(moe=moe.model_copy(
+                update={"score_function": "softmax", "score_correction_bias": False})),
+            "no_clamp": dict(moe=moe.model_copy(update={"swiglu_limit": None})),
+            "no_scaling": dict(moe=moe.model_copy(update={"routed_scaling_factor": 1.0})),
+        }
+        with torch.no_grad():
+            for name, c in controls.items():
+                bad = _megatron_layer(c["moe"], ep, state)
+                out["control_" + name] = _rel(bad(x)[0], y_ref)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep1():
+    (res,) = run_ranks(1, _glm_vs_megatron, 1)
+    return res
+
+
+def test_megatron_moe_equals_glm_reference(ep1):
+    print({k: v for k, v in ep1.items() if not isinstance(v, torch.Tensor)})
+    assert ep1["bias_is_none"]
+    assert ep1["clamped_frac"] > 0.05, "the SwiGLU clamp is not exercised"
+    assert ep1["bias_changed_frac"] > 0.1, "the correction bias does not change the selection"
+    for key in ("out", "dx", "grad_router", "grad_experts_fc1", "grad_shared_fc2"):
+        assert ep1[key] < 1e-5, f"{key}: relative error {ep1[key]:.3g} vs transformers"
+
+
+def test_negative_controls_differ(ep1):
+    """Dropping any GLM feature changes the output, so the comparison above can fail."""
+    for name in ("no_correction_bias", "softmax_scores", "no_clamp", "no_scaling"):
+        assert ep1["control_" + name] > 1e-3, f"{name}: {ep1['control_' + name]:.3g}"
+
+
+def test_expert_parallel_2_equals_reference_and_ep1(ep1):
+    """Allgather dispatcher, 4 experts per rank, each rank its own tokens (rank 0's = EP1's)."""
+    res = run_ranks(2, _glm_vs_megatron, 2)
+    for rank, r in enumerate(res):
+        print(f"EP2 rank {rank}: out {r['out']:.3g}, dx {r['dx']:.3g}")
+        assert r["out"] < 1e-5 and r["dx"] < 1e-5, f"EP2 rank {rank}: {r}"
+    ep_gap = max(_rel(res[0]["y"], ep1["y"]), _rel(res[0]["x_grad"], ep1["x_grad"]))
+    print(f"EP2 vs EP1: {ep_gap:.3g}")
+    assert ep_gap < 1e-6
+
+
+def test_unexpressible_router_variants_are_refused():
+    with pytest.raises(NotImplementedError, match="norm_topk_prob"):
+        moe_transformer_config_kwargs(MoEConfig(**TINY, norm_topk_prob=False))
+    with pytest.raises(NotImplementedError, match="sigmoid"):
+        moe_transformer_config_kwargs(MoEConfig(**TINY, score_function="softmax"))
+
+
+def test_clamp_dropping_configs_are_refused():
+    good = SimpleNamespace(activation_func_clamp_value=10.0, bias_activation_fusion=False,
+                           use_te_activation_func=False, use_te_op_fuser=False,
+                           activation_func=F.silu, gated_linear_unit=True, glu_linear_offset=0.0)
+    check_glm_moe_config(good)
+    for field, value in (("bias_activation_fusion", True), ("use_te_activation_func", True),
+                         ("use_te_op_fuser", True), ("glu_linear_offset", 1.0)):
+        with pytest.raises(ValueError, match=field):
+            check_glm_moe_config(SimpleNamespace(**{**vars(good), field: value}))
+
+
+def test_weight_map_shards_glu_and_experts():
+    """EP splits routed experts; ETP/TP shards of fc1 are [gate shard; up shard]."""
+    moe = MoEConfig(**TINY)
+    g = torch.Generator().manual_seed(0)
+    E, I, H = moe.num_experts, moe.ffn_hidden_size, HIDDEN
+    hf = {"gate.weight": torch.randn(E, H, generator=g),
+          "gate.e_score_correction_bias": torch.randn(E, generator=g),
+          "experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g),
+          "experts.down_proj": torch.randn(E, H, I, generator=g),
+          "shared_experts.gate_proj.weight": torch.randn(I, H, generator=g),
+          "shared_experts.up_proj.weight": torch.randn(I, H, generator=g),
+          "shared_experts.down_proj.weight": torch.randn(H, I, generator=g)}
+    names = moe_weight_name_map(moe, ep_rank=1, ep_size=2)
+    assert names["experts.local_experts.0.linear_fc1.weight"] == ("experts.gate_up_proj[4]",)
+    s = hf_moe_to_megatron(hf, moe, ep_rank=1, ep_size=2, etp_rank=1, etp_size=2, tp_rank=1, tp_size=2)
+    assert set(s) == set(names)
+    gate, up = hf["experts.gate_up_proj"][5].chunk(2)
+    torch.testing.assert_close(s["experts.local_experts.1.linear_fc1.weight"],
+                               torch.cat([gate[I // 2:], up[I // 2:]]))
+    torch.testing.assert_close(s["experts.local_experts.1.linear_fc2.weight"],
+                               hf["experts.down_proj"][5][:, I // 2:])
+    torch.testing.assert_close(s["shared_experts.linear_fc1.weight"],
+                               torch.cat([hf["shared_experts.gate_proj.weight"][I // 2:],
+                                          hf["shared_experts.up_proj.weight"][I // 2:]]))
+    per_expert = {k: v for k, v in hf.items() if not k.startswith("experts.")}
+    for e in range(E):
+        gate, up = hf["experts.gate_up_proj"][e].chunk(2)
+        per_expert.update({f"experts.{e}.gate_proj.weight": gate, f"experts.{e}.up_proj.weight": up,
+                           f"experts.{e}.down_proj.weight": hf["experts.down_proj"][e]})
+    s2 = hf_moe_to_megatron(per_expert, moe, ep_rank=1, ep_size=2, etp_rank=1, etp_size=2,
+                            tp_rank=1, tp_size=2)
+    for k in s:
+        torch.testing.assert_close(s2[k], s[k])
