@@ -55,17 +55,11 @@ class CommLedger:
         entry[0] += sent
         entry[1] += received
 
-    def sent(self, group: str, phase: str = "fwd") -> int:
-        return self._bytes.get((group, phase), [0, 0])[0]
-
     def received(self, group: str, phase: str = "fwd") -> int:
         return self._bytes.get((group, phase), [0, 0])[1]
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {f"{g}/{p}": {"sent": s, "received": r} for (g, p), (s, r) in self._bytes.items()}
-
-    def reset(self) -> None:
-        self._bytes.clear()
 
 
 class _OnBackward(torch.autograd.Function):

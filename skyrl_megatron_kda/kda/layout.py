@@ -93,10 +93,6 @@ class CPLayout:
         """Natural sequence boundaries for varlen kernels (None for [s, b, h] batches)."""
         return self.cu_seqlens if self.packed else None
 
-    @property
-    def total_tokens(self) -> int:
-        return self.positions.numel()
-
     def rank_major_positions(self) -> torch.Tensor:
         """Positions of rows laid out CP rank after CP rank (what a CP all-to-all or all-gather of
         whole CP-rank shards produces)."""
