@@ -486,6 +486,10 @@ class TrainConfig(_Config):
     """Activation recomputation (Megatron's recompute_granularity; none keeps all activations)."""
     log_every: PositiveInt = 1
     """Log metrics every this many steps."""
+    warmup_steps: NonNegativeInt = 0
+    """Steps of linear LR warmup from 0 to lr before the cosine decay (0: start at lr)."""
+    save_interval: NonNegativeInt = 0
+    """Save a checkpoint every this many steps (0: only at the end and on SIGTERM/Ctrl-C)."""
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> TrainConfig:
@@ -505,6 +509,8 @@ class RunConfig(_Config):
     """Total ranks (world size) = tp * cp * pp * dp; Ray starts one actor per rank."""
     ray_address: str | None = None
     """Ray cluster to join, e.g. "auto" or "ray://head:10001" (None: start a local cluster)."""
+    resume: bool = Field(default=False, strict=True)
+    """Continue from the latest checkpoint under output_dir/checkpoints (error if there is none)."""
 
 
 class Recipe(LayerRecipe):
