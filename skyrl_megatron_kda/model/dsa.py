@@ -1,33 +1,50 @@
-"""GLM-5.3-Flash DSA ("indexed attention") layer on megatron-core 0.19.2.
+"""GLM-5.3-Flash DSA ("indexed attention") layer on megatron-core 0.19.2, with TP, SP and CP.
 
 What is megatron-core's own (configured, not copied):
-  * ``MLASelfAttention`` builds q_lora/kv_lora MLA (q_a/kv_a down projections, RMS norms,
-    up projections, output projection). NoPE works with ``qk_pos_emb_head_dim=0``.
-  * ``DSAttention`` (subclassed) gives the core-attention slot that receives ``x`` and ``qr``
-    (``requires_dsa_inputs``), the ``indexer`` submodule and the top-k sharing bookkeeping.
-  * ``DSAIndexer`` (subclassed) owns wq_b / wk / LayerNorm k_norm / weights_proj and computes
-    q, k and the per-head weights (RoPE of width 0, Hadamard rotation off).
+  * ``MLASelfAttention`` builds q_lora/kv_lora MLA: down projections, RMS norms, up projections,
+    the row-parallel output projection, and its ``forward`` (which hands ``x`` and ``qr`` to a
+    core attention that ``requires_dsa_inputs``). Heads are split over TP by its parallel linears.
+  * ``DSAttention`` / ``DSAIndexer`` (subclassed) give the core-attention slot, the ``indexer``
+    submodule with wq_b / wk / k_norm / weights_proj, and the top-k sharing bookkeeping.
   * ``unfused_dsa_fn`` runs the sparse softmax attention over the selected key indices.
+  * ``gather_from_sequence_parallel_region`` (all-gather forward, reduce-scatter backward) moves
+    rows over the TP (SP) and CP groups.
 
 What is ours, and why (megatron-core 0.19.2 has no equivalent):
-  * k-pool compression: GLM pools ``index_kpool`` consecutive indexer keys with a learned
-    softmax gate (``kpool_compress_gate`` over hidden, plus ``kpool_compress_ape``) and scores
-    pools, not tokens; megatron scores every token.
-  * pool -> token expansion and the always-selected tail (the current incomplete pool).
-  * ``DuplicatedLinear``: megatron's DSA spec uses TE's ``TELinear`` (``parallel_mode=
-    "duplicated"``); the local backend has none, so a replicated plain linear stands in.
-  * The forward of ``GlmDSAttention``: megatron's ``DSAttention.forward`` couples its
-    token-level indexer with CP / indexer-loss paths; ours calls the pooled indexer and then
-    megatron's ``unfused_dsa_fn`` directly (no CP, no indexer KL loss yet).
+  * k-pool compression: GLM pools ``index_kpool`` consecutive indexer keys of a document with a
+    learned softmax gate and scores pools, not tokens; the tail (the query's incomplete pool) is
+    always selected.
+  * CP: megatron's ``DSAttention`` all-gathers the up-projected keys and values (all local heads,
+    zigzag only). We all-gather the normalised KV latent (``kv_lora_rank`` per token: num_heads/TP
+    times fewer bytes than the keys and values at GLM sizes) and the indexer's [key | pool gate] (no grad), put them in natural token
+    order with the project's CP layouts (``kda.layout``: zigzag or contiguous, packed THD), and
+    up-project the whole sequence locally. Queries stay local.
+  * ``GlmDSASelfAttention.get_query_key_value_tensors``: megatron's version up-projects only
+    local keys; ours inserts the latent gather between the KV norm and the up projection (NoPE only).
+  * ``DuplicatedLinear`` / ``IndexerKNorm`` / ``LatentRMSNorm``: the local backend has no TE
+    duplicated linear or TE norm; torch's norm refuses SP, ours tags its weights for the TP sum.
 
-Selection follows transformers' ``Glm5NextTextIndexer`` (no grad through the indexer, as there)
-for unpadded causal sequences.
+The indexer is duplicated over TP, not split: every TP rank needs the same top-k for all of its
+CP rank's query rows (its heads attend over them), and splitting indexer heads would need an
+all-reduce of the [rows, pools] score matrix, far more bytes than recomputing the small indexer.
+It runs without gradient, as in transformers' ``Glm5NextTextIndexer`` (no indexer KL loss), and
+its parameters are frozen (``requires_grad=False``).
+See docs/dsa.md.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexer,
@@ -36,13 +53,13 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAttentionSubmodules,
     unfused_dsa_fn,
 )
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.multi_latent_attention import (
     MLASelfAttention,
     MLASelfAttentionSubmodules,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from ..kda.layout import LAYOUTS, CPLayout, sort_index
 
 
 class DuplicatedLinear(torch.nn.Module):
@@ -68,81 +85,249 @@ class IndexerKNorm(torch.nn.LayerNorm):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
 
 
+class LatentRMSNorm(torch.nn.RMSNorm):
+    """MLA's q/kv latent RMSNorm. Under SP it sees only this TP rank's rows, so its weight is
+    tagged ``sequence_parallel`` for megatron's ``finalize_model_grads`` to sum it over TP."""
+
+    def __init__(self, config, hidden_size, eps=1e-5):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+@dataclass(frozen=True)
+class DSABatchLayout:
+    """Where this rank's rows sit in natural token order, and how to gather them.
+
+    ``layout.positions[c, j]`` is the natural position of row ``j`` of CP rank ``c`` (its TP
+    ranks' SP shards together); ``layout.cu_seqlens`` are the natural document boundaries.
+    """
+
+    layout: CPLayout
+    tp_group: torch.distributed.ProcessGroup
+    cp_group: torch.distributed.ProcessGroup
+    sequence_parallel: bool
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """Natural positions of this CP rank's rows (the rows the attention queries cover)."""
+        return self.layout.positions[self.cp_group.rank()]
+
+    @property
+    def query_document_starts(self) -> torch.Tensor:
+        """Natural position of the first token of each query row's document."""
+        cu = self.layout.cu_seqlens
+        return cu[torch.bucketize(self.query_positions, cu[1:], right=True)]
+
+    def cp_rank_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """[r, b, ...] rows of this rank -> all rows of its CP rank: under SP the TP all-gather,
+        whose backward reduce-scatters (sums the TP ranks' head-partial grads). TP > 1 without
+        SP is refused when the layer is built."""
+        if self.sequence_parallel and self.tp_group.size() > 1:
+            return gather_from_sequence_parallel_region(t, group=self.tp_group)
+        return t
+
+    def whole_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """[r, b, ...] rows of this rank -> [T, b, ...] in natural order; backward sums each
+        row's gradient over every rank that used it and returns this rank's share."""
+        t = self.cp_rank_rows(t)
+        if self.cp_group.size() > 1:
+            t = gather_from_sequence_parallel_region(t, group=self.cp_group)
+            t = t.index_select(0, sort_index(self.layout.rank_major_positions()))
+        return t
+
+
+def dsa_batch_layout(hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None,
+                     tp_group, cp_group, sequence_parallel: bool, kind: str) -> DSABatchLayout:
+    """The layout of a batch from this rank's input rows: [s, b, h] (every batch row one
+    sequence) or packed THD (b = 1, global natural ``cu_seqlens``, padded ones if given)."""
+    rows, batch = hidden_states.shape[:2]
+    sp = tp_group.size() if sequence_parallel else 1
+    total = rows * sp * cp_group.size()
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        if batch != 1:
+            raise ValueError(f"packed THD input needs batch 1, got {batch}")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        if int(cu[-1]) != total:
+            raise ValueError(f"cu_seqlens end at {int(cu[-1])} but the CP/SP shards hold {total} tokens")
+    elif packed_seq_params is not None:
+        raise ValueError(f"DSA supports packed qkv_format 'thd' only, got {packed_seq_params.qkv_format!r}")
+    else:
+        cu = torch.tensor([0, total])
+    cu = cu.to(device=hidden_states.device, dtype=torch.long)
+    cp = cp_group.size()
+    kind = kind if cp > 1 else "contiguous"  # one CP rank: every layout is the identity
+    layout = CPLayout.build(cu, cp, sp, packed_seq_params is not None, kind)
+    return DSABatchLayout(layout, tp_group, cp_group, sequence_parallel)
+
+
+def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpool: int, topk: int):
+    """GLM's pooled top-k for queries at natural positions ``q_pos`` [s] (their documents start
+    at ``doc_start`` [s]) over the whole sequence.
+
+    q [s, b, H, d], weights [s, b, H] (scaled); keys, gate [T, b, d] in natural order; ape
+    [kpool, d]. Pools are ``kpool`` consecutive tokens from each document's start; only complete
+    pools are candidates, visible once their last token is <= the query. Ties keep the earlier
+    pool (a stable sort), so the choice does not depend on how many other pools a row holds.
+    Returns natural key positions [b, s, topk + kpool - 1]: pools' tokens, then the tail; -1 = none.
+    """
+    P, dev = kpool, keys.device
+    starts, lens = cu_seqlens[:-1], cu_seqlens.diff()
+    per_doc = lens // P
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=dev), per_doc)
+    first = (per_doc.cumsum(0) - per_doc)[doc]
+    pool_start = starts[doc] + P * (torch.arange(doc.numel(), device=dev) - first)
+    tok = pool_start[:, None] + torch.arange(P, device=dev)  # [n_pool, P]
+
+    logits = gate.float()[tok] + ape.float()[None, :, None, :]  # [n_pool, P, b, d]
+    pool_k = (logits.softmax(dim=1).to(keys.dtype) * keys[tok]).sum(dim=1)  # [n_pool, b, d]
+    scores = torch.einsum("sbhd,pbd->sbhp", q.float(), pool_k.float()).relu()
+    scores = (scores * weights.float().unsqueeze(-1)).sum(2).transpose(0, 1)  # [b, s, n_pool]
+
+    visible = (pool_start[None] >= doc_start[:, None]) & (tok[None, :, -1] <= q_pos[:, None])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., : topk // P]
+    chosen = visible.expand(order.shape[0], -1, -1).gather(-1, order)  # [b, s, k]
+    idx = tok[order].masked_fill(~chosen[..., None], -1).flatten(-2)
+
+    count = q_pos - doc_start + 1  # visible tokens of the query's document
+    tail_n = count % P
+    offs = torch.arange(P - 1, device=dev)
+    tail = (q_pos + 1 - tail_n)[:, None] + offs
+    tail = tail.masked_fill(offs[None] >= tail_n[:, None], -1)
+    idx = torch.cat([idx, tail[None].expand(idx.shape[0], -1, -1)], dim=-1)
+    width = topk + P - 1
+    return F.pad(idx, (0, width - idx.shape[-1]), value=-1)
+
+
 class GlmKPoolIndexer(DSAIndexer):
-    """megatron's lightning indexer plus GLM's k-pool compression and tail selection."""
+    """megatron's lightning indexer (its projections) with GLM's k-pool scoring, over CP."""
 
     def __init__(self, config, submodules, pg_collection=None, index_kpool: int = 4):
         super().__init__(config, submodules, pg_collection)
+        if self.index_topk % index_kpool:
+            raise ValueError(f"index_topk={self.index_topk} must divide by index_kpool={index_kpool}")
+        if config.qk_pos_emb_head_dim or config.dsa_indexer_rotate_activation:
+            raise NotImplementedError("GLM's indexer has no RoPE and no Hadamard rotation")
         self.index_kpool = index_kpool
-        assert self.index_topk % index_kpool == 0, "index_topk must divide by index_kpool"
         self.kpool_compress_ape = torch.nn.Parameter(
             torch.zeros(index_kpool, self.index_head_dim, dtype=config.params_dtype)
         )
         self.kpool_compress_gate = torch.nn.Parameter(
             torch.ones(self.index_head_dim, self.hidden_size, dtype=config.params_dtype)
         )
+        # Frozen: the selection has no gradient and there is no indexer KL loss, and an optimizer
+        # that steps every parameter (megatron's) would otherwise weight-decay the indexer.
+        self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x, qr, mask=None, packed_seq_params=None):
-        """Top-k token indices [b, s, index_topk + kpool - 1]; -1 marks an empty slot."""
-        assert packed_seq_params is None and mask is None, "only unpadded causal sbhd input"
-        # q [s, b, h, d]; k [s, b, d]; weights [s, b, h] (already * h^-0.5 * d^-0.5)
-        q, k, weights = self.forward_before_topk(x, qr)
-        s, b, _ = k.shape
-        P, n_pool = self.index_kpool, (s + self.index_kpool - 1) // self.index_kpool
-        dev = k.device
-
-        # Pool p holds tokens [pP, pP+P); only complete pools are candidates.
-        tok = torch.arange(n_pool * P, device=dev).view(n_pool, P)
-        in_range = tok < s
-        safe = tok.clamp(max=s - 1)
-        gate = F.linear(x, self.kpool_compress_gate)  # [s, b, d]
-        logits = gate.float()[safe] + self.kpool_compress_ape.float()[None, :, None, :]
-        logits = logits.masked_fill(~in_range[..., None, None], float("-inf"))
-        prob = torch.nan_to_num(logits.softmax(dim=1)).to(k.dtype)  # [n_pool, P, b, d]
-        pool_k = (prob * k[safe]).sum(dim=1)  # [n_pool, b, d]
-        pool_complete = in_range.all(-1)  # [n_pool]
-
-        # Scores [s, b, h, n_pool] -> relu -> head-weighted sum -> [b, s, n_pool]
-        scores = torch.einsum("sbhd,pbd->sbhp", q.float(), pool_k.float()).relu()
-        scores = (scores * weights.float().unsqueeze(-1)).sum(2).transpose(0, 1)
-        pos = torch.arange(s, device=dev)
-        visible = (tok[:, -1][None, :] <= pos[:, None]) & pool_complete[None, :]  # [s, n_pool]
-        scores = scores.masked_fill(~visible[None], torch.finfo(scores.dtype).min)
-
-        select_k = min(self.index_topk // P, n_pool)
-        sel = scores.topk(select_k, dim=-1).indices  # [b, s, k]
-        sel_ok = visible[pos[:, None], sel]  # [b, s, k]
-        idx = tok[sel].masked_fill(~sel_ok[..., None], -1).flatten(-2)  # [b, s, k*P]
-
-        # Tail: the visible tokens of the query's incomplete pool, always selected.
-        count = pos + 1
-        tail_n = count % P
-        offs = torch.arange(P - 1, device=dev)
-        tail = (count - tail_n)[:, None] + offs
-        tail = tail.masked_fill(offs[None] >= tail_n[:, None], -1)
-        idx = torch.cat([idx, tail[None].expand(b, -1, -1)], dim=-1)
-        width = self.index_topk + P - 1
-        return F.pad(idx, (0, width - idx.shape[-1]), value=-1)[..., :width]
+    def forward(self, x, qr, layout: DSABatchLayout):
+        """x [r, b, hidden], qr [r, b, q_lora] (this rank's rows) -> natural key positions
+        [b, s, index_topk + kpool - 1] for the s rows of this CP rank."""
+        k, _ = self.linear_wk(x)
+        if self.config.dsa_indexer_k_norm_fp32:
+            k = self.k_norm(k.float()).to(k.dtype)
+        else:
+            k = self.k_norm(k)
+        gate = F.linear(x, self.kpool_compress_gate)
+        weights, _ = self.linear_weights_proj(x)
+        weights = weights * (self.index_n_heads**-0.5) * self.softmax_scale
+        # Keys of the whole sequence (narrow: 2 * index_head_dim per token); queries stay local.
+        keys, gate = layout.whole_sequence(torch.cat([k, gate], -1)).chunk(2, dim=-1)
+        qr, weights = layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
+            [qr.shape[-1], self.index_n_heads], dim=-1)
+        q, _ = self.linear_wq_b(qr)
+        q = q.view(*q.shape[:2], self.index_n_heads, self.index_head_dim)
+        return select_pools(q, weights, keys, gate, self.kpool_compress_ape,
+                            layout.query_positions, layout.query_document_starts,
+                            layout.layout.cu_seqlens,
+                            self.index_kpool, self.index_topk)
 
 
 class GlmDSAttention(DSAttention):
-    """Core attention for GLM DSA layers: pooled indexer -> megatron's sparse attention."""
+    """Core attention for GLM DSA layers: pooled indexer -> megatron's sparse attention.
+
+    Receives local queries [s, b, n, d] and whole-sequence keys/values [T, b, n, d] in natural
+    order from ``GlmDSASelfAttention``; the top-k indices are natural positions, so causality and
+    document boundaries are in the selection and no mask is needed. ``attention_mask`` is unused
+    (causal per document by construction).
+    """
+
+    def __init__(self, *args, cp_layout: str = "zigzag", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cp_layout = cp_layout
 
     def forward(self, query, key, value, attention_mask, x, qr, packed_seq_params=None, **_):
-        assert packed_seq_params is None, "packed sequences not supported yet"
+        layout = dsa_batch_layout(x, packed_seq_params, self.pg_collection.tp,
+                                  self.pg_collection.cp, self.config.sequence_parallel,
+                                  self.cp_layout)
         if self.skip_topk:  # "shared" layer: reuse the source layer's selection
-            topk = self._get_index_share_topk_holder(None, attention_mask)[self.source_layer]
+            topk = self._get_index_share_topk_holder(packed_seq_params, attention_mask)[self.source_layer]
         else:
-            topk = self.indexer(x, qr)
+            topk = self.indexer(x.detach(), qr.detach(), layout)
             if self.index_share:
-                self._get_index_share_topk_holder(None, attention_mask)[self.layer_number] = topk
-        return unfused_dsa_fn(query, key, value, topk, self.softmax_scale)
+                self._get_index_share_topk_holder(packed_seq_params, attention_mask)[self.layer_number] = topk
+        # The same causal, per-document bounds as a second guard (and so that megatron does not
+        # build its default [s, s] causal mask, which assumes queries at positions 0..s-1).
+        return unfused_dsa_fn(query, key, value, topk, self.softmax_scale,
+                              varlen_starts=layout.query_document_starts,
+                              varlen_ends=layout.query_positions + 1)
 
 
-def glm_dsa_layer_spec(index_kpool: int) -> ModuleSpec:
-    """Self-attention spec: megatron MLA (local modules) with the GLM pooled-DSA core."""
-    rms = WrappedTorchNorm  # needs config.normalization="RMSNorm", qk_layernorm=True
+class GlmDSASelfAttention(MLASelfAttention):
+    """megatron's MLA whose keys/values cover the whole sequence: the KV latent is gathered over
+    SP and CP before the up projection (NoPE only). ``cp_layout`` names the CP token layout."""
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal,
+                 cp_comm_type=None, pg_collection=None, pp_layer_offset=None, name=None,
+                 *, cp_layout: str = "zigzag"):
+        # cp_comm_type configures megatron's softmax-attention CP; DSA always gathers the latent.
+        if config.qk_pos_emb_head_dim:
+            raise NotImplementedError("GlmDSASelfAttention is NoPE MLA (qk_pos_emb_head_dim=0)")
+        if cp_layout not in LAYOUTS:
+            raise ValueError(f"unknown CP layout {cp_layout!r}; expected one of {sorted(LAYOUTS)}")
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type,
+                         pg_collection, pp_layer_offset, name)
+        if self.pg_collection.tp.size() > 1 and not config.sequence_parallel:
+            # megatron's finalize_model_grads sums every "q_layernorm" grad over TP; the MLA q
+            # latent norm's grad is only TP-partial when SP splits its rows.
+            raise ValueError("DSA with tp > 1 needs sequence_parallel=True")
+        if self.recompute_up_proj or self.config.cache_mla_latents:
+            raise NotImplementedError("DSA: up-projection recompute and latent caching are not supported")
+        self.cp_layout = cp_layout
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                    packed_seq_params=None, inference_context=None, *,
+                                    inference_params=None):
+        """-> query [s, b, n_loc, d] (this CP rank's rows), key/value [T, b, n_loc, d] (natural
+        order), qr [r, b, q_lora] and the KV latent [r, b, kv_lora] of this rank's rows."""
+        if key_value_states is not None or inference_context is not None or inference_params is not None:
+            raise NotImplementedError("GlmDSASelfAttention: self-attention training only")
+        layout = dsa_batch_layout(hidden_states, packed_seq_params, self.pg_collection.tp,
+                                  self.pg_collection.cp, self.config.sequence_parallel, self.cp_layout)
+        q_compressed, kv_latent = self._qkv_down_projection(hidden_states)
+        if kv_latent.size(-1) != self.config.kv_lora_rank:  # column-parallel: TP-sharded width
+            kv_latent = gather_from_tensor_model_parallel_region(kv_latent, group=self.tp_group)
+            if self.config.sequence_parallel:
+                kv_latent = scatter_to_sequence_parallel_region(kv_latent, group=self.tp_group)
+        qr = self.q_layernorm(q_compressed)
+        kv_latent = self.kv_layernorm(kv_latent)
+
+        q, _ = self.linear_q_up_proj(qr)
+        query = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
+        # The projection's own weight on the gathered latent: its forward would gather SP rows again.
+        kv = F.linear(layout.whole_sequence(kv_latent), self.linear_kv_up_proj.weight)
+        kv = kv.view(*kv.shape[:2], self.num_attention_heads_per_partition, -1)
+        key, value = kv.split([self.config.qk_head_dim, self.config.v_head_dim], dim=-1)
+        return query, key.contiguous(), value.contiguous(), qr, kv_latent
+
+
+def glm_dsa_layer_spec(index_kpool: int, cp_layout: str = "zigzag") -> ModuleSpec:
+    """Self-attention spec: megatron MLA (local modules) with the GLM pooled-DSA core.
+
+    Needs an MLA config with ``qk_pos_emb_head_dim=0``, ``qk_layernorm=True`` and the
+    ``dsa_indexer_*`` fields; ``cp_layout`` is the CP token layout of the batch (as ``kda.cp_layout``).
+    """
     indexer = ModuleSpec(
         module=GlmKPoolIndexer,
         submodules=DSAIndexerSubmodules(
@@ -154,8 +339,8 @@ def glm_dsa_layer_spec(index_kpool: int) -> ModuleSpec:
         params={"index_kpool": index_kpool},
     )
     return ModuleSpec(
-        module=MLASelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
+        module=GlmDSASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "cp_layout": cp_layout},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=ColumnParallelLinear,
             linear_q_down_proj=ColumnParallelLinear,
@@ -163,10 +348,12 @@ def glm_dsa_layer_spec(index_kpool: int) -> ModuleSpec:
             linear_kv_down_proj=ColumnParallelLinear,
             linear_kv_up_proj=ColumnParallelLinear,
             core_attention=ModuleSpec(
-                module=GlmDSAttention, submodules=DSAttentionSubmodules(indexer=indexer)
+                module=GlmDSAttention,
+                params={"cp_layout": cp_layout},
+                submodules=DSAttentionSubmodules(indexer=indexer),
             ),
             linear_proj=RowParallelLinear,
-            q_layernorm=rms,
-            kv_layernorm=rms,
+            q_layernorm=LatentRMSNorm,
+            kv_layernorm=LatentRMSNorm,
         ),
     )
