@@ -242,6 +242,8 @@ class ModelConfig(_Config):
     """MLA and lightning indexer of the DSA layers."""
     hyper_connections: HyperConnectionConfig = Field(default_factory=HyperConnectionConfig)
     """mHC residual streams."""
+    tie_word_embeddings: bool = Field(default=False, strict=True)
+    """Share the embedding matrix with the output layer (GLM-5.3-Flash: false, own lm_head)."""
 
     @model_validator(mode="after")
     def _layer_pattern_fits(self) -> ModelConfig:

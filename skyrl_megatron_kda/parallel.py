@@ -18,12 +18,20 @@ def transformer_config(recipe: LayerRecipe, *, use_cpu: bool, initialize: bool =
     which also makes the model independent of the TP size for a given seed. ``initialize=False``
     skips random initialisation (for weights that are loaded right after).
     """
-    dtype = _DTYPES[recipe.model.params_dtype]
-    par = recipe.parallel
     return TransformerConfig(
         num_layers=1,
         hidden_size=recipe.model.hidden_size,
         num_attention_heads=recipe.kda.num_heads,
+        **mesh_config_kwargs(recipe, use_cpu=use_cpu, initialize=initialize),
+    )
+
+
+def mesh_config_kwargs(recipe: LayerRecipe, *, use_cpu: bool, initialize: bool = True) -> dict:
+    """The ``TransformerConfig`` fields every model of ``recipe`` shares: mesh sizes, dtype,
+    CPU initialisation (see ``transformer_config``)."""
+    dtype = _DTYPES[recipe.model.params_dtype]
+    par = recipe.parallel
+    return dict(
         tensor_model_parallel_size=par.tp,
         context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep,
@@ -69,3 +77,29 @@ def gather_full_grads(module: torch.nn.Module, tp_group) -> dict[str, torch.Tens
             grad = torch.cat(parts, dim=param.partition_dim)
         out[name] = grad
     return out
+
+
+def shard_of(full: torch.Tensor, param: torch.Tensor, rank: int, size: int, *, glu: bool = False) -> torch.Tensor:
+    """This rank's piece of the unsharded ``full`` for ``param``: a slice along its
+    ``partition_dim`` when megatron marks it tensor-parallel, else ``full`` itself.
+
+    ``glu``: a SwiGLU fc1 [gate; up], whose shard is [gate shard; up shard], not a plain slice."""
+    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+        return full
+    if glu:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
+    return full.chunk(size, dim=param.partition_dim)[rank]
+
+
+def unshard(local: torch.Tensor, param: torch.Tensor, group, *, glu: bool = False) -> torch.Tensor:
+    """Inverse of ``shard_of`` over ``group`` (an all-gather; every rank gets the full tensor)."""
+    size = group.size()
+    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    if glu:
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(parts, dim=param.partition_dim)

@@ -1,0 +1,321 @@
+"""GLMModel (megatron-core) loaded from a glm5_next safetensors checkpoint equals transformers'
+Glm5NextForConditionalGeneration: logits and per-token loss, fp32, on CPU gloo ranks.
+
+One spawned rank writes the random checkpoint (``save_pretrained``), computes the reference and
+checks TP1/CP1; a 4-rank spawn checks TP2 x CP2 (+SP, EP2) for each KDA CP exchange. fla is
+hidden in the ranks so transformers uses its torch fallbacks. Tolerance 1e-4 relative (max-abs
+over max-abs); a mis-sharded or transposed weight gives errors of order 1e-1 (controls below).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+T, B = 32, 2  # tokens per sequence (divides by 2*cp*tp for the zigzag + SP split), batch
+DOCS = (12, 8, 12)  # packed THD row of T tokens: each document divides by 2*cp (zigzag)
+TOL = 1e-4
+# 8 indexer heads: with few heads many relu'd indexer scores are exactly 0 and tie at the top-k
+# boundary, where model/dsa.py and transformers may break ties differently.
+
+TINY_MODEL = dict(
+    hidden_size=32, params_dtype="float32", num_layers=4, vocab_size=64, dsa_every=4, dsa_offset=3,
+    num_dense_layers=1, dense_ffn_hidden_size=48,
+    moe=dict(num_experts=4, top_k=2, ffn_hidden_size=16, num_shared_experts=1),
+    dsa=dict(num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
+             v_head_dim=8, index_num_heads=8, index_head_dim=8, index_topk=8, index_kpool=4),
+)
+TINY_KDA = dict(num_heads=4, head_dim=8, gate_low_rank=8, output_gate_low_rank=8, kernel="torch")
+
+
+def tiny_recipe(tp=1, cp=1, ep=1, etp=1, sp=False, exchange="a2a"):
+    from skyrl_megatron_kda.config import Recipe
+
+    return Recipe.model_validate(dict(
+        model=TINY_MODEL, kda={**TINY_KDA, "cp_exchange": exchange},
+        parallel=dict(tp=tp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp),
+        data=dict(seq_len=T), run=dict(num_workers=tp * cp)))
+
+
+def _hide_fla():
+    import sys
+
+    sys.modules["fla"] = None  # transformers would pick fla's GPU-only kernels otherwise
+
+
+def _randomize(model) -> None:
+    """Every tensor random and away from its init value, so that each mapping matters."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 1.5)
+            elif p.ndim == 1 and ("norm" in name or name.endswith("scale")):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif p.ndim == 1:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (B, T), generator=gen)
+    targets = torch.randint(0, TINY_MODEL["vocab_size"], (B, T), generator=gen)
+    return ids, targets
+
+
+def _packed():
+    """One packed row of ``DOCS`` documents: ids, targets [1, T] and the global cu_seqlens."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (1, T), generator=gen)
+    targets = torch.randint(0, TINY_MODEL["vocab_size"], (1, T), generator=gen)
+    cu = torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, targets, cu
+
+
+def _make_checkpoint(path: str) -> dict:
+    """Random glm5_next (text + a tiny vision tower) saved to ``path``; reference outputs."""
+    _hide_fla()
+    import torch.nn.functional as F
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+
+    from skyrl_megatron_kda.model.hf_io import hf_text_config
+
+    text = dict(hf_text_config(tiny_recipe()), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
+                  projection_intermediate_size=16, patch_size=2, temporal_patch_size=1)
+    torch.manual_seed(0)
+    hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=vision)).float()
+    hf.config.text_config._attn_implementation = "eager"
+    _randomize(hf)
+    hf.save_pretrained(path)
+    ids, targets = _batch()
+    with torch.no_grad():
+        out = hf(input_ids=ids, labels=targets)  # HF shifts: logits[t] predicts targets[t+1]
+    logits = out.logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.roll(-1, 1).reshape(-1),
+                           reduction="none").view(B, T)
+    # Packed documents: the reference runs each document on its own.
+    ids, targets, cu = _packed()
+    with torch.no_grad():
+        docs = [hf(input_ids=ids[:, lo:hi]).logits.float() for lo, hi in zip(cu[:-1], cu[1:])]
+    packed = torch.cat(docs, dim=1)
+    packed_loss = F.cross_entropy(packed[0], targets[0], reduction="none")[None]
+    return dict(logits=logits, loss=loss, hf_loss=float(out.loss), packed_logits=packed,
+                packed_loss=packed_loss)
+
+
+def _rel(a, b) -> float:
+    from skyrl_megatron_kda.kda.parity import relative_error
+
+    return relative_error(a.detach(), b.detach())
+
+
+def _run_ours(recipe, path, ref, tp_rank, cp_rank, *, backward=False):
+    """Our model on this rank: errors of logits and loss against the reference at this rank's
+    rows (CP zigzag) and vocab slice (TP)."""
+    from skyrl_megatron_kda.kda.layout import rank_rows
+    from skyrl_megatron_kda.model.glm import build_model
+    from skyrl_megatron_kda.model.hf_io import load_hf_checkpoint
+
+    torch.manual_seed(0)
+    model = build_model(recipe, use_cpu=True)
+    load_hf_checkpoint(model, path)
+    p = recipe.parallel
+    rows = rank_rows(torch.tensor([0, T]), p.cp, p.tp, cp_rank, tp_rank, False, recipe.kda.cp_layout)
+    ids, targets = _batch()
+    vocab = recipe.model.vocab_size // p.tp
+    cols = slice(tp_rank * vocab, (tp_rank + 1) * vocab)
+    logits = model(ids[:, rows])
+    model.reset_cp_bytes()
+    loss = model(ids[:, rows], labels=targets.roll(-1, 1)[:, rows])
+    out = dict(logits=_rel(logits, ref["logits"][:, rows][..., cols]),
+               loss=_rel(loss, ref["loss"][:, rows]), cp_bytes=model.cp_bytes(),
+               logits_shape=tuple(logits.shape), loss_dtype=loss.dtype,
+               exchange=model.recipe.kda.cp_exchange)
+    out.update(_run_packed(model, recipe, ref, tp_rank, cp_rank, cols))
+    if backward:
+        loss.sum().backward()
+        out["grads_finite"] = all(bool(q.grad.isfinite().all()) for q in model.parameters()
+                                  if q.grad is not None)
+    return model, out
+
+
+def _run_packed(model, recipe, ref, tp_rank, cp_rank, cols):
+    """The packed THD row through ``model`` (b = 1, global cu_seqlens), vs per-document HF."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from skyrl_megatron_kda.kda.layout import rank_rows
+
+    ids, targets, cu = _packed()
+    p = recipe.parallel
+    rows = rank_rows(cu, p.cp, p.tp, cp_rank, tp_rank, False, recipe.kda.cp_layout)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(DOCS), max_seqlen_kv=max(DOCS))
+    with torch.no_grad():
+        logits = model(ids[:, rows], packed_seq_params=params)
+        loss = model(ids[:, rows], packed_seq_params=params, labels=targets[:, rows])
+    return dict(packed_logits=_rel(logits, ref["packed_logits"][:, rows][..., cols]),
+                packed_loss=_rel(loss, ref["packed_loss"][:, rows]))
+
+
+# --- TP1 / CP1 --------------------------------------------------------------------------------
+
+
+def _single(rank, world, path, export_path):
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda.model import hf_io
+
+    ref = _make_checkpoint(path)
+    torch.save(ref, os.path.join(path, "reference.pt"))  # for the mesh ranks
+    parallel_state.initialize_model_parallel()
+    recipe = tiny_recipe()
+    model, res = _run_ours(recipe, path, ref, 0, 0)
+    ids, targets = _batch()
+    loss = model(ids, labels=targets.roll(-1, 1))
+    res["mean_loss_vs_hf_loss"] = abs(float(loss[:, :-1].mean()) - ref["hf_loss"]) / ref["hf_loss"]
+    hf_io.save_hf_checkpoint(model, export_path, source=path)
+
+    # Negative control: one transposed (square) weight in the checkpoint is caught by parity.
+    square = "model.language_model.layers.1.self_attn.q_proj.weight"
+    get = hf_io.SafetensorsCheckpoint.get
+    hf_io.SafetensorsCheckpoint.get = lambda self, n: get(self, n).t() if n == square else get(self, n)
+    try:
+        _, bad = _run_ours(recipe, path, ref, 0, 0)
+    finally:
+        hf_io.SafetensorsCheckpoint.get = get
+    res["control_transposed"] = bad["logits"]
+    # Negative control: the recipe has one more routed expert than the checkpoint.
+    wrong = recipe.model_copy(update={"model": recipe.model.model_copy(update={
+        "moe": recipe.model.moe.model_copy(update={"num_experts": 8})})})
+    try:
+        hf_io.check_hf_keys(wrong, hf_io.SafetensorsCheckpoint(path).keys())
+        res["missing_error"] = ""
+    except KeyError as err:
+        res["missing_error"] = str(err)
+    try:
+        hf_io.check_hf_config(wrong, path)
+        res["config_error"] = ""
+    except ValueError as err:
+        res["config_error"] = str(err)
+    return res
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    base = tmp_path_factory.mktemp("glm")
+    path, export = str(base / "hf"), str(base / "export")
+    (res,) = run_ranks(1, _single, path, export)
+    return dict(path=path, export=export, res=res)
+
+
+def test_tp1_matches_transformers(checkpoint):
+    res = checkpoint["res"]
+    print({k: v for k, v in res.items() if not isinstance(v, str)})
+    assert res["logits_shape"] == (B, T, TINY_MODEL["vocab_size"])
+    assert res["loss_dtype"] == torch.float32
+    assert res["logits"] < TOL and res["loss"] < TOL, res
+    assert res["packed_logits"] < TOL and res["packed_loss"] < TOL, res
+    assert res["mean_loss_vs_hf_loss"] < TOL, "our per-token loss averages to transformers' loss"
+    assert res["cp_bytes"] == 0
+
+
+def test_negative_controls_are_caught(checkpoint):
+    res = checkpoint["res"]
+    assert res["control_transposed"] > 1e-2, f"a transposed q_proj went unnoticed: {res}"
+    assert "missing 36 tensors" in res["missing_error"], res  # 4 more experts x 3 tensors x 3 layers
+    assert "layers.1.mlp.experts.7.down_proj.weight" in res["missing_error"]
+    assert "n_routed_experts: checkpoint 4, recipe 8" in res["config_error"]
+
+
+def _same_tensors(a_dir: str, b_dir: str) -> list[str]:
+    from skyrl_megatron_kda.model.hf_io import SafetensorsCheckpoint
+
+    a, b = SafetensorsCheckpoint(a_dir), SafetensorsCheckpoint(b_dir)
+    if a.keys() != b.keys():
+        return [f"keys differ: only in source {sorted(a.keys() - b.keys())[:10]}, "
+                f"only in export {sorted(b.keys() - a.keys())[:10]}"]
+    return [k for k in sorted(a.keys())
+            if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]
+
+
+def test_export_round_trips_bit_exactly(checkpoint):
+    assert os.path.exists(os.path.join(checkpoint["export"], "model.safetensors.index.json"))
+    assert _same_tensors(checkpoint["path"], checkpoint["export"]) == []
+
+
+# --- TP2 x CP2 (+SP) with EP2 -----------------------------------------------------------------
+
+MESH = dict(tp=2, cp=2, ep=2, sp=True)
+EXCHANGES = ("a2a", "allgather", "state")
+
+
+def _mesh(rank, world, path, export_path):
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda import parallel
+    from skyrl_megatron_kda.model import hf_io
+
+    _hide_fla()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=MESH["tp"], context_parallel_size=MESH["cp"],
+        expert_model_parallel_size=MESH["ep"], expert_tensor_parallel_size=1)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    ref = torch.load(os.path.join(path, "reference.pt"))
+    out = {}
+    for exchange in EXCHANGES:
+        recipe = tiny_recipe(MESH["tp"], MESH["cp"], MESH["ep"], sp=MESH["sp"], exchange=exchange)
+        model, out[exchange] = _run_ours(recipe, path, ref, tp_rank, cp_rank, backward=True)
+    hf_io.save_hf_checkpoint(model, export_path, source=path)
+
+    # Negative control: GLU fc1 sliced as a plain tensor (not [gate shard; up shard]).
+    shard_of = parallel.shard_of
+    hf_io.shard_of = lambda full, p, r, s, glu=False: shard_of(full, p, r, s)
+    try:
+        _, out["control_glu"] = _run_ours(tiny_recipe(MESH["tp"], MESH["cp"], MESH["ep"], sp=True),
+                                          path, ref, tp_rank, cp_rank)
+    finally:
+        hf_io.shard_of = shard_of
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh(checkpoint, tmp_path_factory):
+    path = checkpoint["path"]
+    export = str(tmp_path_factory.mktemp("glm_mesh") / "export")
+    return dict(res=run_ranks(4, _mesh, path, export), export=export, path=path)
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_tp2_cp2_sp_ep2_matches_transformers(mesh, exchange):
+    for rank, res in enumerate(mesh["res"]):
+        r = res[exchange]
+        print(exchange, rank, r)
+        assert r["exchange"] == exchange
+        assert r["logits_shape"] == (B, T // MESH["cp"], TINY_MODEL["vocab_size"] // MESH["tp"])
+        assert r["logits"] < TOL and r["loss"] < TOL, f"rank {rank}: {r}"
+        assert r["packed_logits"] < TOL and r["packed_loss"] < TOL, f"rank {rank}: {r}"
+        assert r["cp_bytes"] > 0, "the KDA layers' CP ledgers count the exchange"
+        assert r["grads_finite"]
+
+
+def test_mesh_negative_control_is_caught(mesh):
+    worst = max(res["control_glu"]["logits"] for res in mesh["res"])
+    assert worst > 1e-2, f"plainly sliced SwiGLU fc1 went unnoticed ({worst:.2e})"
+
+
+def test_mesh_export_round_trips_bit_exactly(mesh):
+    assert _same_tensors(mesh["path"], mesh["export"]) == []
