@@ -187,6 +187,7 @@ def _single(rank, world, path, export_path):
     loss = model(ids, labels=targets.roll(-1, 1))
     res["mean_loss_vs_hf_loss"] = abs(float(loss[:, :-1].mean()) - ref["hf_loss"]) / ref["hf_loss"]
     hf_io.save_hf_checkpoint(model, export_path, source=path)
+    res["recompute"] = _recompute_gap(recipe, path, model, ids, targets.roll(-1, 1))
 
     # Negative control: one transposed (square) weight in the checkpoint is caught by parity.
     square = "model.language_model.layers.1.self_attn.q_proj.weight"
@@ -213,6 +214,24 @@ def _single(rank, world, path, export_path):
     return res
 
 
+def _recompute_gap(recipe, path, model, ids, labels) -> float:
+    """train.recompute=full (per-layer checkpointing) gives the same loss and gradients."""
+    from skyrl_megatron_kda.model.glm import build_model
+    from skyrl_megatron_kda.model.hf_io import load_hf_checkpoint
+
+    full = build_model(recipe.model_copy(update={"train": recipe.train.model_copy(
+        update={"recompute": "full"})}), use_cpu=True)
+    load_hf_checkpoint(full, path)
+    gaps = []
+    for m in (model, full):
+        m.zero_grad()
+        loss = m(ids, labels=labels)
+        loss.mean().backward()
+        gaps.append((loss.detach(), {n: q.grad for n, q in m.named_parameters()}))
+    (l0, g0), (l1, g1) = gaps
+    return max([_rel(l1, l0)] + [_rel(g1[n], g0[n]) for n in g0 if g0[n] is not None])
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     base = tmp_path_factory.mktemp("glm")
@@ -230,6 +249,7 @@ def test_tp1_matches_transformers(checkpoint):
     assert res["packed_logits"] < TOL and res["packed_loss"] < TOL, res
     assert res["mean_loss_vs_hf_loss"] < TOL, "our per-token loss averages to transformers' loss"
     assert res["cp_bytes"] == 0
+    assert res["recompute"] < 1e-6, "recompute=full changes the loss or gradients"
 
 
 def test_negative_controls_are_caught(checkpoint):
