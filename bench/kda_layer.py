@@ -42,6 +42,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--exchanges", default="a2a,allgather,state")
+    p.add_argument("--segments", type=int, default=16, help="segments of the state-passing kernel")
+    p.add_argument("--skip-layer", action="store_true", help="kernel-level rows only (no layers)")
     p.add_argument("--json", default=None, help="write all measurements here")
     p.add_argument("--profile", action="store_true",
                    help="only profile the CP1 layer and print the top CUDA kernels")
@@ -92,25 +94,56 @@ def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
 def kernel_fwd_bwd(args, heads: int, tokens: int):
     from skyrl_megatron_kda.kda.kernel import kda
 
-    T, K, dev = tokens, args.head_dim, "cuda"
+    leaves, do = _kda_leaves(args, heads, tokens)
+    return _backward_step(lambda *t: kda(*t, lower_bound=-5.0, backend="fla")[0], leaves, do)
+
+
+def _kda_leaves(args, heads: int, tokens: int):
+    dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
 
     def leaf(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device=dev, dtype=dtype, generator=g).requires_grad_()
 
-    q, k, v, f = (leaf(1, T, heads, K) for _ in range(4))
-    b = leaf(1, T, heads)
+    K = args.head_dim
+    q, k, v, f = (leaf(1, tokens, heads, K) for _ in range(4))
+    b = leaf(1, tokens, heads)
     a_log = torch.rand(heads, device=dev).mul(15).add(1).log().requires_grad_()
     dt_bias = leaf(heads * K, dtype=torch.float32)
-    do = torch.randn(1, T, heads, K, device=dev, dtype=torch.bfloat16, generator=g)
+    do = torch.randn(1, tokens, heads, K, device=dev, dtype=torch.bfloat16, generator=g)
+    return (q, k, v, f, b, a_log, dt_bias), do
 
+
+def _backward_step(run, leaves, do):
     def step():
-        o, _ = kda(q, k, v, f, b, a_log, dt_bias, lower_bound=-5.0, backend="fla")
-        o.backward(do)
-        for t in (q, k, v, f, b, a_log, dt_bias):
+        run(*leaves).backward(do)
+        for t in leaves:
             t.grad = None
 
     return step
+
+
+def segmented_fwd_bwd(args, heads: int, tokens: int):
+    """One whole sequence through the state-passing kernel cut into segments (no CP)."""
+    from skyrl_megatron_kda.kda.state_kernel import IsolatedPieces, state_passing_kda
+
+    leaves, do = _kda_leaves(args, heads, tokens)
+    cu = torch.tensor([0, tokens], device="cuda")
+    return _backward_step(lambda *t: state_passing_kda(*t, piece_cu=cu, link=IsolatedPieces(), lower_bound=-5.0,
+                                                       backend="fla", segments=args.segments), leaves, do)
+
+
+def state_recurrence_fwd_bwd(args, tp_group, cp_group):
+    """This CP rank's KDA recurrence under the state exchange (its shard, all heads), real NCCL."""
+    from skyrl_megatron_kda.kda.exchange import CommLedger, ExchangeGroups, StateExchange
+    from skyrl_megatron_kda.kda.layout import CPLayout
+
+    cp = cp_group.size()
+    exchange = StateExchange(ExchangeGroups(tp=tp_group, cp=cp_group, sequence_parallel=False), CommLedger())
+    layout = CPLayout.build(torch.tensor([0, args.tokens], device="cuda"), cp, 1, packed=False)
+    leaves, do = _kda_leaves(args, args.heads, args.tokens // cp)
+    return _backward_step(lambda *t: exchange.recurrence(*t, layout, lower_bound=-5.0, l2norm_eps=1e-6,
+                                                         chunk_size=64, backend="fla"), leaves, do)
 
 
 def layer_fwd_bwd(args, exchange: str, tp_group, cp_group):
@@ -162,7 +195,12 @@ def _cp2_rank(rank: int, port: int, args, queue) -> None:
     single = [dist.new_group([r]) for r in range(2)][rank]
     cp_group = dist.new_group([0, 1])
     out = {}
-    for exchange in args.exchanges.split(","):
+    if "state" in args.exchanges.split(","):
+        ms, gib = timed(state_recurrence_fwd_bwd(args, single, cp_group), args.warmup, args.iters)
+        log(f"rank {rank} CP2 state recurrence alone: {ms:.1f} ms, {gib:.1f} GiB")
+        out["state_recurrence"] = {"ms": ms, "peak_gib": gib}
+        torch.cuda.empty_cache()
+    for exchange in ([] if args.skip_layer else args.exchanges.split(",")):
         step, ledger = layer_fwd_bwd(args, exchange, single, cp_group)
         ms, gib = timed(step, args.warmup, args.iters)
         log(f"rank {rank} CP2 {exchange}: {ms:.1f} ms, {gib:.1f} GiB")
@@ -196,12 +234,18 @@ def main() -> None:
         results[_kernel_key(heads, tokens, args)] = {"ms": ms, "peak_gib": gib}
         log(f"kernel alone, {heads} heads, T={tokens}: {ms:.1f} ms, {gib:.1f} GiB")
         torch.cuda.empty_cache()
-    step, _ = layer_fwd_bwd(args, "a2a", single, single)
-    ms, gib = timed(step, args.warmup, args.iters)
-    results["layer_cp1"] = {"ms": ms, "peak_gib": gib}
-    log(f"layer CP1: {ms:.1f} ms, {gib:.1f} GiB")
-    del step
-    torch.cuda.empty_cache()
+    for heads, tokens in shapes[:1] + shapes[2:]:
+        ms, gib = timed(segmented_fwd_bwd(args, heads, tokens), args.warmup, args.iters)
+        results["segmented_" + _kernel_key(heads, tokens, args)] = {"ms": ms, "peak_gib": gib}
+        log(f"state-passing kernel, {args.segments} segments, {heads} heads, T={tokens}: {ms:.1f} ms")
+        torch.cuda.empty_cache()
+    if not args.skip_layer:
+        step, _ = layer_fwd_bwd(args, "a2a", single, single)
+        ms, gib = timed(step, args.warmup, args.iters)
+        results["layer_cp1"] = {"ms": ms, "peak_gib": gib}
+        log(f"layer CP1: {ms:.1f} ms, {gib:.1f} GiB")
+        del step
+        torch.cuda.empty_cache()
     dist.destroy_process_group()
 
     if torch.cuda.device_count() >= 2:
@@ -214,7 +258,9 @@ def main() -> None:
         per_rank = dict(queue.get() for _ in procs)
         for p in procs:
             p.join()
-        for exchange in args.exchanges.split(","):
+        if "state_recurrence" in per_rank[0]:
+            results["state_recurrence_cp2"] = {"ms": max(per_rank[r]["state_recurrence"]["ms"] for r in per_rank)}
+        for exchange in ([] if args.skip_layer else args.exchanges.split(",")):
             results[f"layer_cp2_{exchange}"] = {
                 "ms": max(per_rank[r][exchange]["ms"] for r in per_rank),
                 "peak_gib": max(per_rank[r][exchange]["peak_gib"] for r in per_rank),
@@ -254,7 +300,31 @@ def model_ms(args, exchange: str, cp: int) -> float:
                     gate_ranks=(args.low_rank, args.low_rank)).total_s * 1e3
 
 
+def report_kernels(args, results) -> None:
+    """The recurrence alone: fla chunk_kda, the segmented state-passing kernel, CP2 state per rank."""
+    T, H = args.tokens, args.heads
+    whole = results[_kernel_key(H, T, args)]["ms"]
+    local = results.get(_kernel_key(H, T // 2, args), {}).get("ms")
+    print(f"\nKDA recurrence fwd+bwd, {H} heads x {args.head_dim}, bf16")
+    print(f"{'run':<44}{'ms':>9}{'vs chunk_kda T':>16}{'vs local floor':>16}")
+    rows = [(f"fla chunk_kda, T={T} (one GPU)", whole),
+            (f"ours segmented ({args.segments}), T={T} (one GPU)", results.get("segmented_" + _kernel_key(H, T, args), {}).get("ms"))]
+    if local is not None:
+        rows += [(f"fla chunk_kda, T={T // 2} (local-shard floor)", local),
+                 (f"ours segmented ({args.segments}), T={T // 2}",
+                  results.get("segmented_" + _kernel_key(H, T // 2, args), {}).get("ms")),
+                 ("CP2 state exchange recurrence, per rank", results.get("state_recurrence_cp2", {}).get("ms"))]
+    for name, ms in rows:
+        if ms is None:
+            continue
+        vs_local = f"{ms / local:>16.2f}" if local else f"{'':>16}"
+        print(f"{name:<44}{ms:>9.1f}{ms / whole:>16.2f}{vs_local}")
+
+
 def report(args, results) -> None:
+    report_kernels(args, results)
+    if "layer_cp1" not in results:
+        return
     cp1 = results["layer_cp1"]
     floor1 = results[_kernel_key(args.heads, args.tokens, args)]["ms"] + projection_flops(args, "a2a", 1) / GEMM_FLOPS_PER_S * 1e3
     rows = [("CP1 layer", cp1["ms"], floor1, 1.0, cp1["peak_gib"], model_ms(args, "a2a", 1))]

@@ -99,10 +99,10 @@ def test_negative_control_is_caught(results, case):
 def test_measured_bytes_equal_model(results, case):
     for r in results[case.id]:
         for group in ("cp", "tp"):
-            for phase in ("fwd", "bwd"):
+            for phase, model in (("fwd", r.model_bytes), ("bwd", r.model_bytes_bwd)):
                 measured = r.measured_bytes.get(f"{group}/{phase}", {"sent": 0, "received": 0})
-                assert measured["sent"] == measured["received"] == r.model_bytes[group], (
-                    f"{group}/{phase}: measured {measured}, model {r.model_bytes[group]}"
+                assert measured["sent"] == measured["received"] == model[group], (
+                    f"{group}/{phase}: measured {measured}, model {model[group]}"
                 )
         assert r.model_bytes["cp"] > 0
 

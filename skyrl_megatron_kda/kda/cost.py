@@ -200,20 +200,20 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
     if name not in CONCRETE:
         raise ValueError(f"no cost model for cp_exchange {name!r}; expected one of {CONCRETE}")
     s = shape
-    moved = EXCHANGES[name].bytes_moved(s)
+    moved, moved_bwd = EXCHANGES[name].bytes_moved(s), EXCHANGES[name].backward_bytes(s)
     cp_out = EXCHANGES[name].output_bytes(s) if getattr(EXCHANGES[name], "splits_heads", False) else 0
-    cp_in = moved["cp"] - cp_out
+    cp_in, cp_in_bwd = moved["cp"] - cp_out, moved_bwd["cp"] - cp_out
     tp_bytes = moved["tp"]
 
     cp_link: LinkConfig = cluster.inter_node if spans_nodes else cluster.intra_node
     tp_link: LinkConfig = cluster.inter_node if cluster.tp_spans_nodes(s.tp) else cluster.intra_node
-    cp_pass = tp_pass = 0.0
+    cp_comm = tp_pass = 0.0
     if s.cp > 1:
         # Two CP collectives per pass each: a2a = all-to-all in and out; allgather = all-gather in,
         # all-to-all out; state = all-gather of conv halo tails and one of the summaries.
         in_bw = cp_link.a2a_bandwidth_gib_s if name == "a2a" else cp_link.bandwidth_gib_s
-        cp_pass = _seconds(cp_in, in_bw) + _seconds(cp_out, cp_link.a2a_bandwidth_gib_s)
-        cp_pass += 2 * cp_link.latency_us * 1e-6
+        out_s = _seconds(cp_out, cp_link.a2a_bandwidth_gib_s) + 2 * cp_link.latency_us * 1e-6
+        cp_comm = _seconds(cp_in, in_bw) + _seconds(cp_in_bwd, in_bw) + 2 * out_s
     if tp_bytes:
         tp_pass = _seconds(tp_bytes, tp_link.bandwidth_gib_s) + tp_link.latency_us * 1e-6
 
@@ -226,7 +226,7 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
         kernel = kda_kernel_s(local_heads / s.cp, s.tokens * s.batch, calibration)
     gemm = projection_flops(name, s, gate_ranks) / calibration.gemm_flop_per_s
 
-    cp_comm, tp_comm = 2 * cp_pass, 2 * tp_pass
+    tp_comm = 2 * tp_pass
     return Estimate(
         name=name, exact=name in EXACT_EXCHANGES, cp_in_bytes=cp_in, cp_out_bytes=cp_out,
         tp_bytes=tp_bytes, cp_comm_s=cp_comm, tp_comm_s=tp_comm, kernel_s=kernel, gemm_s=gemm,

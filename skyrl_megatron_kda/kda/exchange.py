@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel.mappings import (
 from . import state as state_passing
 from .kernel import causal_conv_silu, kda
 from .layout import CPLayout, sort_index
+from .state_kernel import identity_summaries, state_passing_kda
 
 # project(rows [s, b, D], heads) -> (fused [s, b, W(heads)], widths of its sections)
 Projection = Callable[[torch.Tensor, slice], tuple[torch.Tensor, list[int]]]
@@ -142,6 +143,11 @@ class _Exchange:
     def _tp_gather_bytes(s: ExchangeShape) -> int:
         """The SP row gather of this CP rank's shard over TP (``_tp_rows``), per rank, one pass."""
         return s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
+
+    @classmethod
+    def backward_bytes(cls, s: ExchangeShape) -> dict[str, int]:
+        """Backward bytes per rank per group: the mirror of the forward collectives."""
+        return cls.bytes_moved(s)
 
     def _gather_rows(self, x: torch.Tensor, group: dist.ProcessGroup, name: str) -> torch.Tensor:
         """All-gather along rows (backward: reduce-scatter), counted."""
@@ -266,7 +272,7 @@ class StateExchange(_Exchange):
 
     @classmethod
     def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
-        """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it.
+        """Analytic bytes each rank sends (= receives) per group, forward.
 
         Independent of T: per slot (two per sequence per rank in the zigzag layout, one in the
         contiguous one) one fp32 [H_loc, K, K+V] summary and ``conv_size - 1`` rows of the q/k/v
@@ -274,11 +280,27 @@ class StateExchange(_Exchange):
         tp_in = cls._tp_gather_bytes(s)
         if s.cp == 1:
             return {"cp": 0, "tp": tp_in}
-        pieces = (2 if s.layout == "zigzag" else 1) * s.sequences * s.batch
-        heads, K = s.num_heads // s.tp, s.head_dim
-        summaries = pieces * heads * K * 2 * K * 4
-        halo = pieces * (s.conv_size - 1) * 3 * heads * K * s.element_size
-        return {"cp": (s.cp - 1) * (summaries + halo), "tp": tp_in}
+        return {"cp": (s.cp - 1) * (cls._summary_bytes(s, 2 * s.head_dim) + cls._halo_bytes(s)), "tp": tp_in}
+
+    @classmethod
+    def backward_bytes(cls, s: ExchangeShape) -> dict[str, int]:
+        """Backward: the entry-state gradients ([H_loc, K, V] per piece) and the halo's gradient."""
+        if s.cp == 1:
+            return cls.bytes_moved(s)
+        return {"cp": (s.cp - 1) * (cls._summary_bytes(s, s.head_dim) + cls._halo_bytes(s)),
+                "tp": cls._tp_gather_bytes(s)}
+
+    @staticmethod
+    def _pieces_per_rank(s: ExchangeShape) -> int:
+        return (2 if s.layout == "zigzag" else 1) * s.sequences * s.batch
+
+    @classmethod
+    def _summary_bytes(cls, s: ExchangeShape, width: int) -> int:
+        return cls._pieces_per_rank(s) * (s.num_heads // s.tp) * s.head_dim * width * 4
+
+    @classmethod
+    def _halo_bytes(cls, s: ExchangeShape) -> int:
+        return cls._pieces_per_rank(s) * (s.conv_size - 1) * 3 * (s.num_heads // s.tp) * s.head_dim * s.element_size
 
     def heads(self, num_local_heads: int) -> slice:
         return slice(0, num_local_heads)
@@ -309,26 +331,10 @@ class StateExchange(_Exchange):
         y = causal_conv_silu(padded.unsqueeze(0), weight, cu_seqlens=cu, backend=backend)[0]
         return y[keep].reshape(batch, rows, channels)
 
-    @staticmethod
-    def _summaries(q, k, v, f, b, A_log, dt_bias, cu, kernel_args) -> torch.Tensor:
-        """[S_local | M] of every piece in ``cu``, [P, H, K, V+K] fp32, in one kernel pass.
-
-        The recurrence acts on each column of the state on its own, so running it with values
-        ``[v | 0]`` from the state ``[0 | I]`` yields the zero-state result ``S_local`` in the
-        first V columns and the transition ``M`` (the image of the identity) in the last K.
-        """
-        heads, K = q.shape[-2:]
-        values = torch.cat([v, v.new_zeros(v.shape[:-1] + (K,))], dim=-1)
-        start = _identity_summaries(cu.numel() - 1, heads, K, v.shape[-1], q.device)
-        _, summary = kda(q, k, values, f, b, A_log, dt_bias, cu_seqlens=cu,
-                         initial_state=start, output_final_state=True, **kernel_args)
-        return summary
-
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, **kernel_args):
         if self.cp == 1:
             return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, **kernel_args)
         batch, rows, heads, K = q.shape
-        V = v.shape[-1]
         pieces = self._pieces(layout, batch, self.cp_rank)
         q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
         # The kernel only sees non-empty pieces (a sequence that misses this rank in the
@@ -337,21 +343,45 @@ class StateExchange(_Exchange):
         present = lengths > 0
         cu = torch.zeros(int(present.sum()) + 1, dtype=torch.long, device=q.device)
         cu[1:] = lengths[present].cumsum(0)
-        mine = _identity_summaries(pieces.count, heads, K, V, q.device)
-        mine = mine.index_put((present.nonzero()[:, 0],),
-                              self._summaries(q, k, v, f, b, A_log, dt_bias, cu, kernel_args))
-        summary = self._gather_rows(mine, self.groups.cp, "cp").view((self.cp,) + mine.shape)
-        entry = state_passing.chain_entry_states(summary[..., V:], summary[..., :V], self.cp,
-                                                 self.cp_rank, layout.kind)
-        o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=cu, initial_state=entry[present],
-                   **kernel_args)
+        link = _CPChain(self, present, layout.kind)
+        o = state_passing_kda(q, k, v, f, b, A_log, dt_bias, piece_cu=cu, link=link, **kernel_args)
         return o.reshape(batch, rows, heads, -1)
 
 
-def _identity_summaries(count: int, heads: int, K: int, V: int, device) -> torch.Tensor:
-    """``count`` summaries of the identity map, ``[0 | I]``: [count, heads, K, V+K] fp32."""
-    eye = torch.eye(K, device=device).expand(count, heads, K, K)
-    return torch.cat([torch.zeros(count, heads, K, V, device=device), eye], dim=-1)
+class _CPChain:
+    """The state exchange's link between pieces on different CP ranks: one all-gather of the
+    fp32 summaries forward, one of the entry-state gradients backward (both counted)."""
+
+    def __init__(self, exchange: StateExchange, present: torch.Tensor, kind: str):
+        self.exchange, self.present, self.kind = exchange, present, kind
+        self.M = None
+
+    def _all_gather(self, x: torch.Tensor, phase: str) -> torch.Tensor:
+        ex = self.exchange
+        out = x.new_empty((ex.cp * x.shape[0],) + x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=ex.groups.cp)
+        payload = (ex.cp - 1) * _nbytes(x)
+        ex.ledger.add("cp", phase, payload, payload)
+        return out.view((ex.cp,) + x.shape)
+
+    def entry_states(self, summaries: torch.Tensor) -> torch.Tensor:
+        heads, K = summaries.shape[1:3]
+        V = summaries.shape[-1] - K
+        mine = identity_summaries(self.present.numel(), heads, K, V, summaries.device)
+        mine[self.present] = summaries
+        gathered = self._all_gather(mine, "fwd")
+        self.M = gathered[..., V:]
+        entry = state_passing.chain_entry_states(self.M, gathered[..., :V], self.exchange.cp,
+                                                 self.exchange.cp_rank, self.kind)
+        return entry[self.present]
+
+    def exit_grads(self, entry_grads: torch.Tensor) -> torch.Tensor:
+        mine = entry_grads.new_zeros((self.present.numel(),) + entry_grads.shape[1:])
+        mine[self.present] = entry_grads
+        gathered = self._all_gather(mine, "bwd")
+        exits = state_passing.chain_exit_grads(self.M, gathered, self.exchange.cp, self.exchange.cp_rank,
+                                               self.kind)
+        return exits[self.present]
 
 
 EXCHANGES = {cls.name: cls for cls in (A2AExchange, AllGatherExchange, StateExchange)}

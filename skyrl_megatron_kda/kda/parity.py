@@ -35,7 +35,8 @@ class ParityResult:
 
     errors: dict[str, float] = field(default_factory=dict)
     measured_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    model_bytes: dict[str, int] = field(default_factory=dict)
+    model_bytes: dict[str, int] = field(default_factory=dict)  # forward, per group
+    model_bytes_bwd: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -133,4 +134,5 @@ def check_exchange(recipe: LayerRecipe, batch: Batch, tp_group, cp_group, single
                           sequences=batch.cu_seqlens.numel() - 1, conv_size=recipe.kda.conv_size,
                           layout=recipe.kda.cp_layout)
     result.model_bytes = EXCHANGES[recipe.kda.cp_exchange].bytes_moved(shape)
+    result.model_bytes_bwd = EXCHANGES[recipe.kda.cp_exchange].backward_bytes(shape)
     return result

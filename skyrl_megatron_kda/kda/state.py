@@ -10,12 +10,13 @@ Megatron's zigzag layout gives each rank two pieces of every sequence (chunks ``
 ``2cp-1-r``); a sequence's chain runs through chunks ``0 .. 2cp-1``, i.e. front pieces in
 ascending rank order, then back pieces in descending rank order. In the contiguous layout
 (rank ``r`` holds rows ``[r*T/cp, (r+1)*T/cp)`` of the packed row) the chain runs through the
-ranks in order. Both work on the shards as they are: no relayout of tokens. Autograd carries the backward:
-the all-gathers' backward reduce-scatters send each summary's and tail's gradient to its owner.
+ranks in order. Both work on the shards as they are: no relayout of tokens.
 
-The summaries take one extra kernel pass over the shard (``StateExchange._summaries``); that is
-the reference design, proven on CPU; the GPU fast path is still to come. Nothing crosses a
-sequence boundary.
+Backward runs the same chain in reverse: each piece's entry-state gradient with no gradient at
+its exit is all-gathered, and ``chain_exit_grads`` walks every chain backwards (through ``M^T``)
+to the gradient reaching each piece's exit; the conv tails' all-gather reduce-scatters their
+gradients to their owners. ``state_kernel.py`` runs the kernel passes around these two steps, so
+nothing is differentiated through the summaries. Nothing crosses a sequence boundary.
 """
 
 from __future__ import annotations
@@ -81,28 +82,45 @@ def chain_order(cp: int, kind: str) -> list[tuple[int, int]]:
     return [(r, 0) for r in range(cp)]
 
 
+def _chain_and_slots(cp: int, kind: str, *gathered: torch.Tensor):
+    """The chain order, and gathered [cp, P, ...] tensors viewed as [cp, sequences, parts, ...]."""
+    order = chain_order(cp, kind)
+    parts = max(part for _, part in order) + 1
+    return order, [x.reshape((cp, x.shape[1] // parts, parts) + x.shape[2:]) for x in gathered]
+
+
 def chain_entry_states(M: torch.Tensor, L: torch.Tensor, cp: int, cp_rank: int, kind: str) -> torch.Tensor:
     """State entering each of this rank's pieces, from every rank's summaries.
 
     ``M`` [cp, P, H, K, K], ``L`` [cp, P, H, K, V]: the all-gathered summaries, slots ordered as
     in ``Pieces`` on every rank. Returns [P, H, K, V] fp32.
     """
-    order = chain_order(cp, kind)
-    parts = max(part for _, part in order) + 1
-    P = M.shape[1]
-    M = M.reshape((cp, P // parts, parts) + M.shape[2:])
-    L = L.reshape((cp, P // parts, parts) + L.shape[2:])
-    # Zero state derived from the gathered summaries, not zeros_like: every rank's entry states
-    # then depend on the all-gather, so its backward (a collective) runs on every rank even when
-    # this rank's pieces come first in every chain.
-    state = L[0, :, 0] * 0.0
-    entry = [None] * parts
+    order, (M, L) = _chain_and_slots(cp, kind, M, L)
+    state = torch.zeros_like(L[0, :, 0])
+    entry = [None] * M.shape[2]
     for rank, part in order:
         if rank == cp_rank:
             entry[part] = state
         state = M[rank, :, part] @ state + L[rank, :, part]
-    mine = torch.stack(entry, dim=1)
-    return mine.reshape((P,) + mine.shape[2:])
+    return torch.stack(entry, dim=1).flatten(0, 1)
+
+
+def chain_exit_grads(M: torch.Tensor, entry_grads: torch.Tensor, cp: int, cp_rank: int, kind: str) -> torch.Tensor:
+    """Gradient that later pieces send to the exit state of each of this rank's pieces.
+
+    ``M`` [cp, P, H, K, K]: the gathered transitions; ``entry_grads`` [cp, P, H, K, V]: every
+    piece's entry-state gradient with no gradient at its exit (gathered). Walks each chain
+    backwards: a piece's full entry gradient is its own plus ``M^T`` times its exit gradient.
+    Returns [P, H, K, V] fp32.
+    """
+    order, (M, D) = _chain_and_slots(cp, kind, M, entry_grads)
+    grad = torch.zeros_like(D[0, :, 0])
+    exits = [None] * M.shape[2]
+    for rank, part in reversed(order):
+        if rank == cp_rank:
+            exits[part] = grad
+        grad = D[rank, :, part] + M[rank, :, part].transpose(-1, -2) @ grad
+    return torch.stack(exits, dim=1).flatten(0, 1)
 
 
 def _tail_rows(pieces: Pieces, width: int):
