@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run a command on the GPU machine with the project's wheels installed and fla's Triton autotuning
 # results carried from one machine to the next (a fresh machine otherwise spends minutes
-# re-tuning every kernel shape before the first timed step).
+# re-tuning every kernel shape before the first timed step). Wrap a long command in
+# `timeout` so this script still saves what was tuned when the device call's limit nears.
 #
 # Here, once:  ../shared/tools/device-wheels.sh && mkdir -p .whl-gpu .tcache &&
 #              cp .whl/*.whl .whl-gpu/ && rm .whl-gpu/ray-*.whl      # Ray is not needed on the GPU
@@ -19,6 +20,8 @@ fi
 "$@"
 status=$?
 if [ -n "${OUT:-}" ] && [ -d .triton ]; then
-  tar czf - .triton | split -b 15m - "$OUT/triton.tgz.part"  # files come back up to 16 MiB each
+  # Only the autotuning results (fla's kernels autotune with Triton's cache_results): they are
+  # what costs minutes and take kilobytes; compiling the chosen configs again takes seconds.
+  find .triton -name '*.autotune.json' | tar czf - -T - | split -b 15m - "$OUT/triton.tgz.part"
 fi
 exit $status

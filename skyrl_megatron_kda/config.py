@@ -584,6 +584,11 @@ class Recipe(LayerRecipe):
                 f"model.dense_ffn_hidden_size={m.dense_ffn_hidden_size} must be divisible by "
                 f"tp={tp}: tensor parallelism splits the FFN columns"
             )
+        if tp > 1 and "dsa" in m.layer_types() and not self.parallel.sequence_parallel:
+            raise ValueError(
+                f"DSA layers at tp={tp} need parallel.sequence_parallel=true: without it megatron "
+                "sums the duplicated q_layernorm gradient over TP (model/dsa.py)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -359,3 +359,11 @@ def test_cli_plan_recipe_with_overrides(capsys, monkeypatch, tmp_path):
 def test_cli_plan_refuses_unknown_recipe_key():
     with pytest.raises(ValidationError, match=r"train\.stepz"):
         cli.main(["plan", TINY, "--set", "train.stepz=3"])
+
+
+def test_dsa_with_tp_needs_sequence_parallel():
+    # EP1 so that only the DSA rule can object; a KDA-only trunk (no DSA layer) is fine without SP.
+    base = ["parallel.ep=1", "parallel.sequence_parallel=false", "kda.cp_exchange=a2a"]
+    with pytest.raises(ValidationError, match=r"DSA layers at tp=2 need parallel.sequence_parallel=true"):
+        get_recipe(TINY, base, environ={})
+    assert get_recipe(TINY, base + ["model.num_layers=3"], environ={}).model.layer_types() == ["kda"] * 3

@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..config import KDAConfig
 from .exchange import CommLedger, ExchangeGroups, build_exchange
 from .kernel import gated_rms_norm, resolve_backend
-from .layout import CPLayout
+from .layout import CPLayout, batch_sequences
 
 
 @dataclass
@@ -179,19 +179,8 @@ class KimiDeltaAttention(MegatronModule):
 
     def _layout(self, hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> CPLayout:
         """Natural sequence boundaries (global) and the CP layout of this batch's rows."""
-        rows, batch = hidden_states.shape[:2]
-        total = rows * self.sp_size * self.cp_group.size()
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            if batch != 1:
-                raise ValueError(f"packed THD input needs batch 1, got {batch}")
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            if int(cu[-1]) != total:
-                raise ValueError(f"cu_seqlens end at {int(cu[-1])} but the CP/SP shards hold {total} tokens")
-            packed = True
-        else:
-            cu, packed = torch.tensor([0, total]), False
-        cu = cu.to(device=hidden_states.device, dtype=torch.long)
+        total = hidden_states.shape[0] * self.sp_size * self.cp_group.size()
+        cu, packed = batch_sequences(hidden_states, packed_seq_params, total)
         return CPLayout.build(cu, self.cp_group.size(), self.tp_group.size(), packed,
                               self.kda_config.cp_layout)
 

@@ -108,3 +108,20 @@ class CPLayout:
 def sort_index(positions: torch.Tensor) -> torch.Tensor:
     """Index that puts rows carrying ``positions`` into natural order: ``rows[sort_index(p)]``."""
     return torch.argsort(positions)
+
+
+def batch_sequences(hidden_states: torch.Tensor, packed_seq_params, total: int) -> tuple[torch.Tensor, bool]:
+    """Natural (global) sequence boundaries of a batch whose CP/SP shards hold ``total`` tokens per
+    row, and whether it is packed THD (b = 1, megatron's padded ``cu_seqlens`` when given)."""
+    batch = hidden_states.shape[1]
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        if batch != 1:
+            raise ValueError(f"packed THD input needs batch 1, got {batch}")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        if int(cu[-1]) != total:
+            raise ValueError(f"cu_seqlens end at {int(cu[-1])} but the CP/SP shards hold {total} tokens")
+        packed = True
+    else:
+        cu, packed = torch.tensor([0, total]), False
+    return cu.to(device=hidden_states.device, dtype=torch.long), packed

@@ -59,7 +59,7 @@ from megatron.core.transformer.multi_latent_attention import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..kda.layout import LAYOUTS, CPLayout, sort_index
+from ..kda.layout import LAYOUTS, CPLayout, batch_sequences, sort_index
 
 
 class DuplicatedLinear(torch.nn.Module):
@@ -140,21 +140,10 @@ def dsa_batch_layout(hidden_states: torch.Tensor, packed_seq_params: PackedSeqPa
                      tp_group, cp_group, sequence_parallel: bool, kind: str) -> DSABatchLayout:
     """The layout of a batch from this rank's input rows: [s, b, h] (every batch row one
     sequence) or packed THD (b = 1, global natural ``cu_seqlens``, padded ones if given)."""
-    rows, batch = hidden_states.shape[:2]
     sp = tp_group.size() if sequence_parallel else 1
-    total = rows * sp * cp_group.size()
-    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-        if batch != 1:
-            raise ValueError(f"packed THD input needs batch 1, got {batch}")
-        cu = packed_seq_params.cu_seqlens_q_padded
-        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        if int(cu[-1]) != total:
-            raise ValueError(f"cu_seqlens end at {int(cu[-1])} but the CP/SP shards hold {total} tokens")
-    elif packed_seq_params is not None:
+    if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
         raise ValueError(f"DSA supports packed qkv_format 'thd' only, got {packed_seq_params.qkv_format!r}")
-    else:
-        cu = torch.tensor([0, total])
-    cu = cu.to(device=hidden_states.device, dtype=torch.long)
+    cu, _ = batch_sequences(hidden_states, packed_seq_params, hidden_states.shape[0] * sp * cp_group.size())
     cp = cp_group.size()
     kind = kind if cp > 1 else "contiguous"  # one CP rank: every layout is the identity
     layout = CPLayout.build(cu, cp, sp, packed_seq_params is not None, kind)
