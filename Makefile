@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	echo "using $$py"; [ -x $(PY) ] || "$$py" -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,skyrl]' && $(PY) -m pip install -q --no-deps skyrl==0.4.0
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,0 +1,172 @@
+"""SkyRL's config tree with a ``trainer.kda`` section that selects and adjusts one of our recipes.
+
+On the SkyRL command line::
+
+    trainer.kda.recipe=glm53_flash_1m            # a registered name or a .yaml path
+    trainer.kda.cp_exchange=allgather            # any KDAConfig field, as in the recipe's kda:
+    trainer.kda.overrides.parallel.cp=4          # any recipe key, as a dot path
+
+The section lives under ``trainer`` because SkyRL hands each worker ``cfg.trainer`` only. It is a
+SkyRL dataclass (SkyRL's strict parser refuses unknown ``trainer.kda.*`` keys) whose values are
+validated by our pydantic ``Recipe`` (unknown keys under ``overrides`` and bad values are errors
+there), when the config is built. Precedence, lowest first: the recipe file,
+``trainer.kda.overrides``, the ``trainer.kda.<field>`` values, ``SKYRL_KDA_CP_EXCHANGE``.
+
+No ``from __future__ import annotations`` here: SkyRL reads the field types at run time.
+"""
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from skyrl.train.config.config import BaseConfig, MegatronConfig, TrainerConfig, make_config
+
+from ...config import KDAConfig, Recipe
+from ...recipes import list_recipes, load_recipe
+
+
+def dot_overrides(tree: Mapping, prefix: str = "") -> List[str]:
+    """``{"parallel": {"tp": 2}}`` -> ``["parallel.tp=2"]``, values as JSON (a YAML subset), so
+    ``recipes.load_recipe`` reads back the same types that SkyRL's parser produced."""
+    out: List[str] = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):  # an empty one changes nothing, so it yields nothing
+            out.extend(dot_overrides(value, f"{path}."))
+        else:
+            out.append(f"{path}={json.dumps(value)}")
+    return out
+
+
+@dataclass
+class _RecipeSelection(BaseConfig):
+    """The recipe choice; ``KDASection`` adds one optional field per ``KDAConfig`` field."""
+
+    recipe: Optional[str] = None
+    """Registered recipe name (``skyrl-kda recipes`` lists them) or a path to a recipe YAML."""
+    overrides: Dict[str, Any] = field(default_factory=dict)
+    """Recipe keys to change, written as dot paths: ``trainer.kda.overrides.parallel.tp=8``."""
+    dry_run: bool = False
+    """Resolve and print the recipe and the checks of the SkyRL job, then exit without Ray."""
+
+    def kda_values(self) -> Dict[str, Any]:
+        """The ``trainer.kda.<KDAConfig field>`` values that were set."""
+        return {name: getattr(self, name) for name in KDAConfig.model_fields
+                if getattr(self, name) is not None}
+
+    def recipe_overrides(self) -> List[str]:
+        """Dot-path overrides for ``recipes.load_recipe``: ``overrides`` first, then the kda
+        fields; the same key given both ways with different values is an error."""
+        if not isinstance(self.overrides, Mapping):
+            raise ValueError(f"trainer.kda.overrides must be a mapping of recipe keys, got "
+                             f"{self.overrides!r}")
+        given = self.overrides.get("kda", {})
+        for name, value in self.kda_values().items():
+            if isinstance(given, Mapping) and name in given and given[name] != value:
+                raise ValueError(
+                    f"trainer.kda.{name}={value!r} and trainer.kda.overrides.kda.{name}="
+                    f"{given[name]!r} disagree; set it once")
+        return dot_overrides(self.overrides) + dot_overrides({"kda": self.kda_values()})
+
+    def resolve(self) -> Recipe:
+        """The validated recipe this section selects (the environment is applied by config.py)."""
+        if not self.recipe:
+            raise ValueError(
+                "trainer.kda.recipe is required: a recipe YAML path or one of "
+                f"{', '.join(list_recipes())}")
+        return load_recipe(self.recipe, self.recipe_overrides())
+
+    def __post_init__(self) -> None:
+        # Fail while parsing the command line, not on the cluster; a section with no recipe
+        # (SkyRL building defaults) is checked when the entrypoint resolves it.
+        if self.recipe:
+            self.resolve()
+
+
+def _kda_field(name: str) -> tuple:
+    info = KDAConfig.model_fields[name]
+    return (name, Optional[Any], field(default=None, metadata={"help": info.description}))
+
+
+KDASection = dataclasses.make_dataclass(
+    "KDASection", [_kda_field(name) for name in KDAConfig.model_fields],
+    bases=(_RecipeSelection,), module=__name__)
+KDASection.__doc__ = (
+    "``trainer.kda``: the recipe, dot-path overrides, and one field per ``KDAConfig`` field "
+    "(None: the recipe's value). Generated from ``KDAConfig`` so the two cannot drift apart.")
+_clash = set(KDAConfig.model_fields) & {f.name for f in dataclasses.fields(_RecipeSelection)}
+if _clash:
+    raise TypeError(f"KDAConfig fields {sorted(_clash)} clash with trainer.kda's own fields")
+
+
+@dataclass
+class KDATrainerConfig(TrainerConfig):
+    """SkyRL's ``TrainerConfig`` with the ``kda`` section."""
+
+    kda: KDASection = field(default_factory=KDASection)
+    """Which recipe the KDA workers build and train (see ``KDASection``)."""
+
+
+KDASkyRLConfig = make_config(trainer_cls=KDATrainerConfig)
+# make_config names its class after itself; ours is importable here, so plain pickle works too.
+KDASkyRLConfig.__module__, KDASkyRLConfig.__qualname__ = __name__, "KDASkyRLConfig"
+KDASkyRLConfig.__name__ = "KDASkyRLConfig"
+
+MESH_FIELDS = (
+    ("tensor_model_parallel_size", "tp"),
+    ("pipeline_model_parallel_size", "pp"),
+    ("context_parallel_size", "cp"),
+    ("expert_model_parallel_size", "ep"),
+    ("expert_tensor_parallel_size", "etp"),
+)
+"""SkyRL ``megatron_config`` size -> our ``parallel`` field. The recipe is the one source; the
+sizes are mirrored so that SkyRL's own checks (CP needs remove_microbatch_padding) see them."""
+
+
+def unsupported_settings(cfg) -> List[str]:
+    """Settings of the SkyRL job that the KDA workers cannot serve, one line each (empty: none)."""
+    t = cfg.trainer
+    problems = []
+    if t.strategy != "megatron":
+        problems.append(f"trainer.strategy={t.strategy}: set trainer.strategy=megatron (the KDA "
+                        "workers are Megatron workers)")
+    if t.critic.model.path:
+        problems.append("trainer.critic.model.path is set: the KDA workers train a policy only "
+                        "(GRPO-style, as SkyRL's Megatron backend)")
+    if t.placement.colocate_all:
+        problems.append("trainer.placement.colocate_all=true needs the workers to offload to the "
+                        "CPU between rollouts; set trainer.placement.colocate_all=false")
+    if t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward:
+        problems.append("trainer.algorithm.use_kl_loss / use_kl_in_reward need a reference "
+                        "model, which the KDA integration does not build yet")
+    return problems
+
+
+def apply_recipe(cfg, recipe: Recipe) -> List[str]:
+    """Mirror ``recipe``'s mesh into ``cfg.trainer.policy.megatron_config`` and check it against
+    SkyRL's placement; returns the job's unsupported settings. Conflicts raise ValueError."""
+    megatron = cfg.trainer.policy.megatron_config
+    defaults = MegatronConfig()
+    for skyrl_name, ours in MESH_FIELDS:
+        current, wanted = getattr(megatron, skyrl_name), getattr(recipe.parallel, ours)
+        if current not in (wanted, getattr(defaults, skyrl_name)):
+            raise ValueError(
+                f"trainer.policy.megatron_config.{skyrl_name}={current} disagrees with the recipe's "
+                f"parallel.{ours}={wanted}; the recipe decides: drop the former or set "
+                f"trainer.kda.overrides.parallel.{ours}={current}")
+        setattr(megatron, skyrl_name, wanted)
+    placement = cfg.trainer.placement
+    gpus = placement.policy_num_nodes * placement.policy_num_gpus_per_node
+    if gpus != recipe.run.num_workers:
+        raise ValueError(
+            f"SkyRL places {gpus} policy workers (trainer.placement.policy_num_nodes="
+            f"{placement.policy_num_nodes} x policy_num_gpus_per_node="
+            f"{placement.policy_num_gpus_per_node}) but the recipe has run.num_workers="
+            f"{recipe.run.num_workers}; make them equal")
+    problems = unsupported_settings(cfg)
+    if recipe.run.device != "gpu":
+        problems.append(f"run.device={recipe.run.device}: SkyRL gives every worker one GPU; set "
+                        "trainer.kda.overrides.run.device=gpu")
+    return problems

@@ -1,0 +1,82 @@
+"""``trainer.override_entrypoint`` target: a SkyRL RL job whose policy is one of our recipes.
+
+SkyRL's ``main_base.main`` sees ``trainer.override_entrypoint=<this module>`` before it parses
+anything and calls ``main()`` here, which parses the same command line with ``KDASkyRLConfig``,
+resolves the recipe, mirrors its mesh into SkyRL's Megatron sizes, runs SkyRL's own validation,
+and launches SkyRL's experiment with ``KDAPolicyWorker`` injected through
+``RayPPOTrainer.build_models``. ``trainer.kda.dry_run=true`` stops before Ray and prints what it
+resolved; a job that needs something the workers do not implement yet is refused before Ray
+starts, with the list.
+"""
+
+import sys
+from typing import List, Optional
+
+import ray
+from skyrl.train.entrypoints.main_base import BasePPOExp
+from skyrl.train.trainer import RayPPOTrainer
+from skyrl.train.utils import validate_cfg
+from skyrl.train.utils.utils import initialize_ray
+
+from . import ENTRYPOINT
+from .config import KDASkyRLConfig, apply_recipe
+from .workers import NOT_INTEGRATED, KDAPolicyWorker
+
+_FLAG = "trainer.override_entrypoint="
+
+
+class KDAPPOTrainer(RayPPOTrainer):
+    """SkyRL's trainer with the KDA policy worker in place of the workers SkyRL picked."""
+
+    def build_models(self, PolicyWorker, CriticWorker, RefWorker):
+        # apply_recipe refused critic and reference models, so SkyRL never starts those groups.
+        return super().build_models(KDAPolicyWorker, None, None)
+
+
+class KDAPPOExp(BasePPOExp):
+    """SkyRL's experiment (tokenizer, datasets, inference engines, generator) with our trainer."""
+
+    def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset,
+                    inference_engine_client, generator, colocate_pg) -> RayPPOTrainer:
+        return KDAPPOTrainer(cfg=cfg, tracker=tracker, tokenizer=tokenizer,
+                             train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             inference_engine_client=inference_engine_client,
+                             generator=generator, colocate_pg=colocate_pg)
+
+
+@ray.remote(num_cpus=1)
+def run_experiment(cfg) -> None:
+    """Runs on a cluster node, not the head, as SkyRL's own ``skyrl_entrypoint``."""
+    KDAPPOExp(cfg).run()
+
+
+def parse(argv: List[str]):
+    """``KDASkyRLConfig`` from SkyRL's command line, without the dispatch flag (not a field)."""
+    return KDASkyRLConfig.from_cli_overrides([a for a in argv if not a.startswith(_FLAG)])
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point SkyRL's ``main_base`` dispatches to; ``argv`` defaults to ``sys.argv[1:]``."""
+    cfg = parse(sys.argv[1:] if argv is None else argv)
+    recipe = cfg.trainer.kda.resolve()
+    problems = apply_recipe(cfg, recipe)
+    validate_cfg(cfg)
+    blockers = problems + [f"worker call {call}: {why}" for call, why in NOT_INTEGRATED.items()]
+    if cfg.trainer.kda.dry_run:
+        p = recipe.parallel
+        print(f"entrypoint: {ENTRYPOINT}")
+        print(f"recipe: {cfg.trainer.kda.recipe} -> kda.cp_exchange={recipe.kda.cp_exchange} "
+              f"tp={p.tp} cp={p.cp} ep={p.ep} etp={p.etp} num_workers={recipe.run.num_workers}")
+        print("recipe json: " + recipe.model_dump_json())
+        print("launch blocked by:" if blockers else "launch: ready")
+        for line in blockers:
+            print(f"  - {line}")
+        return
+    if blockers:
+        raise SystemExit("the KDA SkyRL job cannot run yet:\n  - " + "\n  - ".join(blockers))
+    initialize_ray(cfg)
+    ray.get(run_experiment.remote(cfg))
+
+
+if __name__ == "__main__":
+    main()
