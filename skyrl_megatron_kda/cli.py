@@ -84,7 +84,30 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--state-prepass", type=float, default=None, metavar="FACTOR",
                       help="extra kernel time of state over its shard alone "
                            "(default: fla's measured 1.45)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+                      help="memory of one GPU for the per-GPU memory table "
+                           "(default: H200 for run.device=gpu, unknown on CPU)")
+    train = sub.add_parser(
+        "run", help="train a recipe on Ray actors (metrics.jsonl, recipe.yaml, checkpoints)")
+    train.add_argument("recipe", metavar="RECIPE",
+                       help="registered recipe name (skyrl-kda recipes) or YAML path")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override the recipe, e.g. --set kda.cp_exchange=allgather")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in run.output_dir")
+    report = sub.add_parser("report", help="PNG plots of a run's metrics.jsonl")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
     args = parser.parse_args(argv)
+
+    if args.command == "run":
+        return _run(args.recipe, args.overrides, args.resume)
+
+    if args.command == "report":
+        from .train.report import write_report
+
+        for path in write_report(args.run_dir):
+            print(path)
+        return 0
 
     if args.command == "recipes":
         from .recipes import list_recipes
@@ -99,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = load_recipe(args.recipe, args.overrides)
         print("\n".join(plan_lines(recipe, args.state_prepass)))
+        from .memory import GiB, memory_lines
+
+        gpu = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB)
+        print("\n".join(["", *memory_lines(recipe, gpu)]))
         return 0
 
     if args.command == "bytes":
@@ -106,6 +133,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ok = run_demo(parse_overrides(args.overrides), args.exchanges.split(","))
     return 0 if ok else 1
+
+
+def _run(name: str, overrides: list[str], resume: bool) -> int:
+    """``skyrl-kda run``: exit 0 when done, 1 when a rank failed, 128+signal when interrupted."""
+    import logging
+
+    from .recipes import load_recipe
+    from .train.run import Interrupted, run
+    from .workers.group import WorkerError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    recipe = load_recipe(name, [*overrides, *(["run.resume=true"] if resume else [])])
+    print(recipe_line(recipe), file=sys.stderr)
+    try:
+        lines = run(recipe)
+    except Interrupted as err:
+        print(err, file=sys.stderr)
+        return 128 + err.signum
+    except WorkerError as err:
+        print(f"run failed: {err}", file=sys.stderr)
+        return 1
+    if lines:
+        print(f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}; "
+              f"{recipe.run.output_dir}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -52,6 +52,13 @@ class RankActor:
     def call(self, fn: Callable, *args) -> Any:
         return fn(self.rank, self.world, *args)
 
+    def hold(self, factory: Callable, *args) -> None:
+        """Keep ``factory(rank, world, *args)`` in this process (e.g. a rank's trainer)."""
+        self.held = factory(self.rank, self.world, *args)
+
+    def call_held(self, method: str, *args) -> Any:
+        return getattr(self.held, method)(*args)
+
 
 class ActorGroup:
     """``world`` rank actors packed into one placement group (one CPU or GPU slot each)."""
@@ -80,6 +87,15 @@ class ActorGroup:
         """``fn(rank, world, *args)`` on every rank; results in rank order."""
         return self._gather([a.call.remote(fn, *args) for a in self.actors])
 
+    def hold(self, factory: Callable, *args) -> None:
+        """Build ``factory(rank, world, *args)`` on every rank and keep it in the actor, so that
+        later ``call_held`` calls reach the same object (a trainer with its model and state)."""
+        self._gather([a.hold.remote(factory, *args) for a in self.actors])
+
+    def call_held(self, method: str, *args) -> list:
+        """``held.method(*args)`` on every rank; results in rank order."""
+        return self._gather([a.call_held.remote(method, *args) for a in self.actors])
+
     def _gather(self, refs) -> list:
         # Wait for whichever finishes first, so a failed rank ends the run instead of leaving the
         # others blocked in a collective.
@@ -91,9 +107,26 @@ class ActorGroup:
             try:
                 results[rank] = ray.get(done)
             except ray.exceptions.RayError as err:
+                rank, err = self._root_cause(pending, rank, err)
                 self.shutdown()
                 raise WorkerError(rank, err) from err
         return results
+
+    def _root_cause(self, pending: dict, rank: int, err: BaseException,
+                    grace_s: float = 5.0) -> tuple[int, BaseException]:
+        """When a rank dies, its peers fail too (their collectives lose a member), and one of
+        them may report first: wait briefly for the others and name a dead rank if there is one."""
+        if isinstance(err, ray.exceptions.RayActorError) or not pending:
+            return rank, err
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as died:
+                return pending[ref], died
+            except ray.exceptions.RayError:
+                pass
+        return rank, err
 
     def shutdown(self) -> None:
         for actor in self.actors:

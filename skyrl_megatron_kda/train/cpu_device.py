@@ -1,0 +1,128 @@
+"""Run megatron-core's optimizer stack and its RNG tracker on CPU ranks.
+
+Those modules hard-code CUDA: ``torch.tensor(..., device='cuda')`` for their flags and norms,
+``param.type() == 'torch.cuda.FloatTensor'`` to pick the main-parameter path, the current CUDA
+stream and ``synchronize`` in the DDP gradient sync and checkpoint writes. A CPU rank (the
+tiny recipe, CI) wraps each call into them in ``cuda_names_cpu()``: a torch function mode that,
+while active, places tensors asked for on ``cuda`` on the CPU and reports CPU tensor types under
+their CUDA names. It is scoped to those calls (the model's forward and backward run without it),
+and it refuses to run where CUDA exists, so a GPU run never enters it.
+
+Megatron's RNG tracker (``model_parallel_cuda_manual_seed``: per-TP and per-expert streams that
+TP-region code forks, e.g. the SP embedding's dropout scope) keeps CUDA generator states.
+``seed_cpu_rng_tracker`` installs a tracker with the same streams on the CPU generator, seeded by
+megatron's own function, so the seeds per rank are megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+class _CudaNamesCPU(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_names_cpu(enabled: bool = True) -> Iterator[None]:
+    """While active, megatron's CUDA-only optimizer code runs on CPU tensors (no-op if disabled)."""
+    if not enabled:
+        yield
+        return
+    _need_cpu_only("cuda_names_cpu")
+    # Stream queries and synchronisation (DDP's grad sync, checkpoint writes): a CPU rank has
+    # one in-order stream, so there is nothing to wait for.
+    saved = {name: getattr(torch.cuda, name) for name in _STREAM_CALLS}
+    torch.cuda.current_stream, torch.cuda.synchronize = _CPUStream, _no_wait
+    try:
+        with _CudaNamesCPU():
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)
+
+
+_STREAM_CALLS = ("current_stream", "synchronize")
+
+
+def _no_wait(device=None) -> None:
+    pass
+
+
+class _CPUStream:
+    """The one stream of a CPU rank: everything is already in order, so waits are no-ops."""
+
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+def _need_cpu_only(what: str) -> None:
+    if torch.cuda.is_available():
+        raise RuntimeError(f"{what} is for CPU-only ranks; this process sees CUDA")
+
+
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CPURNGStatesTracker(CudaRNGStatesTracker):
+        """megatron's tracker with its named streams kept as CPU generator states."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_ or name in self.states_:
+                raise ValueError(f"RNG stream {name!r} or seed {seed} is already tracked")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise KeyError(f"RNG stream {name!r} was not added (seed the tracker first)")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CPURNGStatesTracker
+
+
+def seed_cpu_rng_tracker(seed: int) -> None:
+    """``model_parallel_cuda_manual_seed(seed)`` for a CPU rank: megatron's streams and seeds on a
+    CPU tracker (replacing any tracker this process had)."""
+    _need_cpu_only("seed_cpu_rng_tracker")
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(force_reset=True)
+    mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
+    # megatron seeds the default CUDA generator first; on a CPU rank that is the CPU one.
+    cuda_seed, torch.cuda.manual_seed = torch.cuda.manual_seed, torch.manual_seed
+    try:
+        mrandom.model_parallel_cuda_manual_seed(seed)
+    finally:
+        torch.cuda.manual_seed = cuda_seed

@@ -1,0 +1,248 @@
+"""One rank of a training job: megatron parallel state, the model wrapped in megatron-core's DDP
+and distributed optimizer, the LR schedule, and one optimizer step on packed THD rows.
+
+``RankTrainer`` is the per-rank API the Ray driver (``train.run``) and SkyRL's worker classes call:
+torch.distributed must already be initialised (one process per rank), then::
+
+    trainer = RankTrainer(recipe)
+    metrics = trainer.train_step()  # {"step", "loss", "grad_norm", "tokens", ...}
+
+The loss is the token-masked mean over the whole global batch (every DP replica and CP shard):
+each rank backpropagates its local *sum*, megatron's DDP sums gradients over DP x CP
+(``calculate_per_token_loss``) and ``finalize_model_grads`` divides them by the global count of
+loss tokens. So the step does not depend on how the tokens are split over ranks, which is what
+makes CP1 and CP2 losses comparable.
+
+Data: every rank reads the same global rows (``dp * micro_batch_size`` per step, in loader
+order) and keeps those of its DP replica, split over CP (and SP) in Megatron's layout. Reading the
+other replicas' rows too keeps the loader state identical on every rank, so one saved position
+resumes any mesh.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..config import Recipe
+from .cpu_device import cuda_names_cpu, seed_cpu_rng_tracker
+from .data import PackedLoader, build_loader, shard_for_rank
+
+logger = logging.getLogger(__name__)
+
+BuildModel = Callable[..., torch.nn.Module]
+"""``model.glm.build_model``'s contract: ``build_model(recipe, *, use_cpu, pg_collection)`` gives
+a module whose forward ``(input_ids [1, s], position_ids, *, packed_seq_params, labels)`` returns
+per-token fp32 loss [1, s], with ``cp_bytes()`` / ``reset_cp_bytes()`` counting KDA CP traffic."""
+
+
+def init_parallel_state(recipe: Recipe) -> None:
+    """Megatron's process groups for the recipe's mesh on the already-initialised world."""
+    from megatron.core import parallel_state
+
+    p = recipe.parallel
+    world = dist.get_world_size()
+    if world != recipe.run.num_workers:
+        raise ValueError(f"torch.distributed has {world} ranks but run.num_workers="
+                         f"{recipe.run.num_workers}")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.etp)
+
+
+def seed_everything(seed: int, use_cpu: bool) -> None:
+    """The same seed on every rank: with CPU initialisation megatron draws each full weight from
+    the CPU generator and slices it, so the model is the same for every mesh. On GPU megatron's
+    own ``model_parallel_cuda_manual_seed`` sets the per-TP/EP CUDA streams as in its trainer."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if use_cpu:
+        seed_cpu_rng_tracker(seed)
+    else:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def _glm_build_model(recipe: Recipe, *, use_cpu: bool, pg_collection=None) -> torch.nn.Module:
+    from ..model.glm import build_model
+
+    return build_model(recipe, use_cpu=use_cpu, pg_collection=pg_collection)
+
+
+class RankTrainer:
+    """Model, optimizer, schedule and data of one rank; ``train_step`` runs one optimizer step.
+
+    ``build_model`` defaults to ``model.glm.build_model``; ``loader`` to the recipe's data.
+    """
+
+    def __init__(self, recipe: Recipe, *, build_model: BuildModel | None = None,
+                 loader: PackedLoader | None = None):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.utils import get_model_config
+
+        from ..kda.cost import resolve_cp_exchange
+
+        if not dist.is_initialized():
+            raise RuntimeError("RankTrainer needs torch.distributed initialised (one process per rank)")
+        recipe, self.exchange_reason = resolve_cp_exchange(recipe)
+        self.recipe = recipe
+        self.use_cpu = recipe.run.device == "cpu"
+        init_parallel_state(recipe)
+        seed_everything(recipe.train.seed, self.use_cpu)
+        self.pgs = ProcessGroupCollection.use_mpu_process_groups()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+        module = (build_model or _glm_build_model)(recipe, use_cpu=self.use_cpu,
+                                                   pg_collection=self.pgs)
+        self.config = get_model_config(module)
+        # The loss below is a per-rank token sum: DDP must sum gradients (not average them) and
+        # finalize_model_grads divides by the global token count.
+        self.config.calculate_per_token_loss = True
+        bf16 = recipe.model.params_dtype == "bfloat16"
+        self.model = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+            module)
+        t = recipe.train
+        with self.cpu_mode():
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr,
+                                weight_decay=t.weight_decay, clip_grad=t.grad_clip or 0.0,
+                                bf16=bf16, params_dtype=self.config.params_dtype,
+                                use_distributed_optimizer=True),
+                [self.model])
+            self.scheduler = build_scheduler(self.optimizer, recipe)
+        self.loader = loader or build_loader(
+            recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.kda.cp_layout,
+            vocab_size=recipe.model.vocab_size)
+        self.step = 0
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _my_rows(self) -> list:
+        mbs = self.recipe.data.micro_batch_size
+        rows = [self.loader.next_row() for _ in range(self.dp_size * mbs)]
+        return rows[self.dp_rank * mbs:(self.dp_rank + 1) * mbs]
+
+    def _forward_backward(self, row) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local (loss sum, loss-token count) of one row, with its gradients accumulated."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        p, pgs = self.recipe.parallel, self.pgs
+        shard = shard_for_rank(row, p.cp, pgs.cp.rank(), p.tp, pgs.tp.rank(), p.sequence_parallel,
+                               self.recipe.kda.cp_layout)
+        device = self._device()
+        cu = shard.cu_seqlens.to(device)
+        cu_real = shard.cu_seqlens_unpadded.to(device)
+        longest = int(cu.diff().max())
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+                                 cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        loss = self.model(shard.tokens[None].to(device), shard.position_ids[None].to(device),
+                          packed_seq_params=packed, labels=shard.labels[None].to(device))
+        mask = shard.loss_mask[None].to(device=device, dtype=torch.float32)
+        if loss.shape != mask.shape:
+            raise ValueError(f"model returned loss of shape {tuple(loss.shape)}; expected per-token "
+                             f"loss {tuple(mask.shape)} for this rank's rows")
+        local = (loss.float() * mask).sum()
+        local.backward()
+        return local.detach(), mask.sum()
+
+    def cpu_mode(self):
+        """Context for calls into megatron's CUDA-only optimizer code (``cpu_device``)."""
+        return cuda_names_cpu(self.use_cpu)
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu") if self.use_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns this rank's metrics (loss and counts are global)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        start = time.perf_counter()
+        self.model.module.reset_cp_bytes()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.model.train()
+        loss_sum = torch.zeros((), device=self._device())
+        count = torch.zeros((), device=self._device())
+        rows = self._my_rows()
+        for row in rows:
+            s, n = self._forward_backward(row)
+            loss_sum, count = loss_sum + s, count + n
+        # Sums the gradients over DP x CP (and SP norms over TP), then divides them by the
+        # global number of loss tokens, which it all-reduces in place.
+        num_tokens = count.clone()
+        with self.cpu_mode():
+            finalize_model_grads([self.model], num_tokens=num_tokens)
+        if int(num_tokens) == 0:
+            raise ValueError(f"step {self.step + 1}: the global batch has no loss tokens")
+        lr = self.optimizer.param_groups[0]["lr"]
+        with self.cpu_mode():
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"step {self.step + 1}: the optimizer step failed (non-finite grads)")
+        self.scheduler.step(increment=1)
+        self.step += 1
+        total = torch.stack([loss_sum, count])
+        dist.all_reduce(total, group=self.dp_cp_group)
+        return {
+            "step": self.step,
+            "loss": float(total[0] / total[1]),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": len(rows) * self.dp_size * self.recipe.data.seq_len,
+            "loss_tokens": int(total[1]),
+            "step_time_s": time.perf_counter() - start,
+            "exchange": self.recipe.kda.cp_exchange,
+            "cp_bytes": self.model.module.cp_bytes(),
+        }
+
+    def resolved_recipe(self) -> dict:
+        """The recipe this rank runs (``kda.cp_exchange=auto`` resolved), as plain data."""
+        return self.recipe.model_dump(mode="json")
+
+    def save_checkpoint(self, output_dir: str) -> str:
+        """Sharded checkpoint of this step under ``output_dir/checkpoints`` (every rank calls it)."""
+        from . import checkpoint
+
+        return str(checkpoint.save(self, output_dir))
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore a checkpoint directory (any mesh); returns the step it continues from."""
+        from . import checkpoint
+
+        checkpoint.load(self, path)
+        return self.step
+
+    def close(self) -> None:
+        """Tear down megatron's process groups (the torch.distributed world stays)."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def build_scheduler(optimizer, recipe: Recipe):
+    """Megatron's scheduler: linear warmup to ``train.lr`` over ``train.warmup_steps``, then
+    cosine decay to ``train.min_lr`` at ``train.steps``; weight decay constant."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = recipe.train
+    warmup = t.warmup_steps
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=max(t.steps, warmup + 1), lr_decay_style="cosine",
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,
+        wd_incr_style="constant")

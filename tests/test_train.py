@@ -1,0 +1,89 @@
+"""Training end to end: `skyrl-kda run` over 4 Ray CPU actors (loss falls, metrics, recipe,
+progress, report; a dead actor is named), and CP1 == CP2 losses for every KDA exchange."""
+
+import math
+import re
+import signal
+import struct
+
+import psutil
+import pytest
+import yaml
+
+from skyrl_megatron_kda.config import Recipe
+from skyrl_megatron_kda.train.report import PLOTS, write_report
+from tests import train_cli
+from tests.train_meshes import EXCHANGES, STEPS, mesh_runs
+
+METRIC_KEYS = {"step", "loss", "grad_norm", "tokens", "step_time_s", "exchange", "cp_bytes"}
+
+
+def test_tiny_recipe_trains_on_ray_actors():
+    out, rc, err = train_cli.reference_run()
+    assert rc == 0, err[-3000:]
+    lines = train_cli.metrics(out)
+    assert [m["step"] for m in lines] == list(range(1, train_cli.STEPS + 1))
+    for m in lines:
+        assert METRIC_KEYS <= set(m), m
+        assert m["exchange"] == "a2a" and m["tokens"] == 256 and m["cp_bytes"] > 0
+        assert math.isfinite(m["loss"]) and m["grad_norm"] > 0 and m["step_time_s"] > 0
+    losses = [m["loss"] for m in lines]
+    # Each step here lowers the loss by ~0.05 (16-token alphabet, lr 1e-3); step noise is smaller.
+    assert losses[-1] < losses[0] - 0.1, f"loss did not fall: {losses}"
+    recipe = Recipe.model_validate(yaml.safe_load((out / "recipe.yaml").read_text()))
+    assert recipe.parallel.tp == 2 and recipe.parallel.cp == 2 and recipe.run.num_workers == 4
+    assert "tok/s" in err and "ETA" in err and f"step {train_cli.STEPS}/{train_cli.STEPS}" in err
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{train_cli.STEPS:08d}"
+
+
+def test_report_draws_pngs():
+    out, rc, _ = train_cli.reference_run()
+    assert rc == 0
+    paths = write_report(out)
+    assert sorted(p.name for p in paths) == sorted(PLOTS)
+    for path in paths:
+        head = path.read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n", path
+        width, height = struct.unpack(">II", head[16:24])
+        assert width > 100 and height > 100
+
+
+def test_report_refuses_a_folder_without_metrics(tmp_path):
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist"):
+        write_report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no steps yet"):
+        write_report(tmp_path)
+
+
+def _rank_actor_processes(proc) -> list:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if any("RankActor" in part for part in p.cmdline())]
+
+
+def test_dead_actor_ends_the_run_naming_the_rank():
+    out = train_cli.ROOT / "dead_actor"
+    proc = train_cli.start(out)
+    train_cli.wait_for_steps(proc, out, 1)
+    actors = _rank_actor_processes(proc)
+    assert len(actors) == 4, [a.cmdline() for a in actors]
+    actors[1].send_signal(signal.SIGKILL)
+    rc, err = train_cli.finish(proc, timeout=120)
+    assert rc == 1, err[-3000:]
+    assert re.search(r"run failed: rank [0-3] died", err), err[-3000:]
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_cp2_losses_equal_cp1(exchange):
+    runs = mesh_runs()
+    cp1 = [m["loss"] for m in runs["cp1"]]
+    cp2 = [m["loss"] for m in runs["cp2"][exchange]]
+    assert len(cp1) == len(cp2) == STEPS
+    assert [m["exchange"] for m in runs["cp2"][exchange]] == [exchange] * STEPS
+    first = abs(cp2[0] - cp1[0]) / cp1[0]
+    assert first < 1e-5, f"{exchange}: first loss {cp2[0]} at CP2 vs {cp1[0]} at CP1 ({first:.1e})"
+    worst = max(abs(a - b) for a, b in zip(cp1, cp2))
+    assert worst < 1e-4, f"{exchange}: loss curves differ by {worst:.1e}: CP1 {cp1}, CP2 {cp2}"
+    # The curve moves by far more than the tolerance, so equal curves are not equal by accident.
+    assert max(cp1) - min(cp1) > 1e-3, cp1
+    assert runs["cp2"][exchange][0]["cp_bytes"] > 0  # the CP2 run did cross the CP group
