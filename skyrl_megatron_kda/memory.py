@@ -1,0 +1,483 @@
+"""Per-GPU memory estimate of a recipe: parameters, gradients, optimizer state, activations.
+
+Why an estimate of our own: the 1M-token recipe cannot run on these machines, and the question
+"does it fit, and which term breaks it" must be answered before renting 64 GPUs. Every formula
+below follows what the code of this package allocates on one rank (docs/memory.md lists each
+tensor); nothing is fitted to a measurement.
+
+- **Parameters** are counted exactly, per rank, as ``model/glm.py`` builds them (tests compare
+  them with the megatron model element by element), with each tensor's dtype (the mHC maps and
+  KDA's ``A_log``/``dt_bias`` stay fp32 in a bf16 model).
+- **Gradients**: megatron DDP's grad buffer holds every trainable parameter once, in fp32
+  (``grad_reduce_in_fp32=True`` in train/trainer.py). The frozen DSA indexer has none.
+- **Optimizer**: megatron's DistributedOptimizer shards Adam's state over the data-parallel
+  group of each parameter: dense parameters over DP x CP (``intra_dp_cp``), routed experts over
+  the expert data-parallel group (world / (ep * etp)). Per element: fp32 main copy + exp_avg +
+  exp_avg_sq = 12 bytes for bf16 parameters; 8 for fp32 ones (the main copy is the parameter).
+- **Activations**: the tensors autograd keeps for backward, per layer type, for one packed row
+  of ``data.seq_len`` tokens (the trainer runs forward+backward one row at a time, so
+  ``micro_batch_size`` does not multiply them). KDA is modeled on the fla (GPU) kernels;
+  every other block runs the same torch/megatron code on CPU and GPU, and a CPU test checks
+  those terms against autograd's saved tensors. ``train.recompute=full`` keeps only each
+  layer's input streams and rebuilds one layer at a time in backward.
+- **Transient**: the largest working set that is not kept for backward (the bf16 logits, the
+  DSA indexer's score matrix, one rebuilt layer under full recompute); added once to the peak.
+
+Not counted: allocator fragmentation and caching, NCCL/communication buffers other than the KDA
+exchange's, CUDA context (about 0.5-1 GiB), gradients of activations beyond the transient term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .config import Recipe
+
+GiB = 2**30
+
+H200_BYTES = 143_771 * 2**20
+"""Memory of one H200 as ``nvidia-smi`` reports it (143,771 MiB, "141 GB")."""
+
+GRAD_BYTES = 4
+"""Bytes per gradient element: train/trainer.py builds DDP with ``grad_reduce_in_fp32=True``."""
+
+DSA_TOPK_CHUNK = 1024
+"""Keys per step of megatron-core 0.19.2's ``unfused_dsa_fn`` loop (``topk_chunk_size``)."""
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+# --- parameters ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters of one kind on one rank: all layers together, one dtype."""
+
+    component: str  # see PARAM_COMPONENTS
+    numel: int
+    dtype_bytes: int
+    trainable: bool = True  # has a gradient and Adam state (the DSA indexer is frozen)
+    expert: bool = False  # routed-expert weight: optimizer sharded over the expert-DP group
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * self.dtype_bytes
+
+
+PARAM_COMPONENTS = ("embedding", "output_layer", "final_norm", "mhc", "layer_norms", "kda", "dsa",
+                    "dsa_indexer", "dense_mlp", "moe_router", "moe_shared", "moe_experts")
+"""Parameter kinds, in the order of the model."""
+
+
+def rank_parameters(recipe: Recipe) -> list[ParamGroup]:
+    """The parameters of one rank, grouped by kind and dtype (every rank holds the same count:
+    TP shards evenly, each EP rank owns num_experts/ep experts)."""
+    m, p, k = recipe.model, recipe.parallel, recipe.kda
+    w = _DTYPE_BYTES[m.params_dtype]
+    D, tp, N = m.hidden_size, p.tp, m.hyper_connections.num_streams
+    kinds = m.layer_types()
+    mlps = m.mlp_types()
+    n_kda, n_dsa = kinds.count("kda"), kinds.count("dsa")
+    n_dense, n_moe = mlps.count("dense"), mlps.count("moe")
+    out: list[ParamGroup] = []
+
+    def add(component: str, numel: int, dtype_bytes: int = w, **flags) -> None:
+        if numel:
+            out.append(ParamGroup(component, numel, dtype_bytes, **flags))
+
+    vocab_shard = m.vocab_size // tp * D
+    add("embedding", vocab_shard)
+    add("output_layer", 0 if m.tie_word_embeddings else vocab_shard)
+    add("final_norm", D)
+    # Two HyperConnection modules per layer: fn [(2+N)N, N*D], base [(2+N)N], scale [3], fp32.
+    add("mhc", m.num_layers * 2 * ((2 + N) * N * N * D + (2 + N) * N + 3), 4)
+    add("layer_norms", m.num_layers * 2 * D)
+
+    # KDA (kda/layer.py): column-parallel q/k/v/f_b/g_b/b, row-parallel o_proj, TP-duplicated
+    # f_a/g_a/o_norm, head-sharded conv taps; A_log and dt_bias fp32.
+    h, K = k.num_heads // tp, k.head_dim
+    lw = h * K
+    kda_w = 3 * lw * D + lw * (k.gate_low_rank + k.output_gate_low_rank) + h * D + lw * D
+    kda_w += (k.gate_low_rank + k.output_gate_low_rank) * D + K + 3 * lw * k.conv_size
+    add("kda", n_kda * kda_w)
+    add("kda", n_kda * (h + lw), 4)
+
+    # DSA (model/dsa.py): megatron MLA, every projection TP-sharded (down projections too),
+    # latent norms duplicated; the indexer duplicated and frozen.
+    a = m.dsa
+    n, dq = a.num_heads // tp, a.qk_nope_head_dim + a.qk_rope_head_dim
+    dsa_w = a.q_lora_rank // tp * D + n * dq * a.q_lora_rank
+    dsa_w += (a.kv_lora_rank + a.qk_rope_head_dim) // tp * D
+    dsa_w += n * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank + D * n * a.v_head_dim
+    dsa_w += a.q_lora_rank + a.kv_lora_rank
+    add("dsa", n_dsa * dsa_w)
+    hi, di = a.index_num_heads, a.index_head_dim
+    indexer = hi * di * a.q_lora_rank + di * D + 2 * di + hi * D + a.index_kpool * di + di * D
+    add("dsa_indexer", n_dsa * indexer, trainable=False)
+
+    # SwiGLU MLPs: fc1 [2F, D] column-parallel (gate and up), fc2 [D, F] row-parallel.
+    add("dense_mlp", n_dense * 3 * m.dense_ffn_hidden_size // tp * D)
+    e = m.moe
+    add("moe_router", n_moe * e.num_experts * D)
+    add("moe_shared", n_moe * 3 * e.ffn_hidden_size * e.num_shared_experts // tp * D)
+    local_experts = e.num_experts // p.ep
+    add("moe_experts", n_moe * local_experts * 3 * (e.ffn_hidden_size // p.etp) * D, expert=True)
+    return out
+
+
+def rank_buffers_bytes(recipe: Recipe) -> int:
+    """Non-parameter state of the model: each router's fp32 ``expert_bias`` and token counter."""
+    n_moe = recipe.model.mlp_types().count("moe")
+    return n_moe * 2 * recipe.model.moe.num_experts * 4 if recipe.model.moe.score_correction_bias else 0
+
+
+def total_parameters(recipe: Recipe) -> int:
+    """Parameters of the whole model (all ranks together, no replicas): the rank count at
+    tp = ep = etp = 1."""
+    single = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(
+        update={"tp": 1, "cp": 1, "ep": 1, "etp": 1, "sequence_parallel": False})})
+    return sum(g.numel for g in rank_parameters(single))
+
+
+def active_parameters(recipe: Recipe) -> int:
+    """Parameters one token passes through: everything but the routed experts, plus top_k of
+    them (the frozen indexer included; the embedding counted as a lookup of its table)."""
+    total = total_parameters(recipe)
+    e = recipe.model.moe
+    n_moe = recipe.model.mlp_types().count("moe")
+    routed = n_moe * e.num_experts * 3 * e.ffn_hidden_size * recipe.model.hidden_size
+    return total - routed + routed * e.top_k // e.num_experts
+
+
+# --- activations --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Row counts of one forward on one rank (one packed row of seq_len tokens)."""
+
+    whole: int  # T: tokens of the packed row (all CP ranks)
+    cp: int  # S = T / cp: this CP rank's tokens (what TP-sharded layers compute on)
+    sp: int  # s = S / tp under sequence parallelism, else S: rows of the residual stream
+
+
+def rows_of(recipe: Recipe) -> Rows:
+    p, T = recipe.parallel, recipe.data.seq_len
+    S = T // p.cp
+    return Rows(whole=T, cp=S, sp=S // p.tp if p.sequence_parallel else S)
+
+
+def _act_bytes(recipe: Recipe) -> int:
+    return _DTYPE_BYTES[recipe.model.params_dtype]
+
+
+def mhc_activation_bytes(recipe: Recipe) -> int:
+    """One layer's two hyper-connections (model/hyper_connections.py, glm.py's expand), per rank.
+
+    Per row and sub-block: the input streams [N, D]; the fp32 copy of the flattened streams
+    (absent when they are fp32 already) and its RMS-normalised copy [N*D]; the map projection
+    [(2+N)N], sigmoids, softmax and every Sinkhorn division (numerator [N, N] and denominator
+    [N], 2 * iterations - 1 of them); pre weights; then in expand the block output [D] and the
+    post [N] and comb [N, N] maps in the stream dtype."""
+    m, w = recipe.model, _act_bytes(recipe)
+    D, N = m.hidden_size, m.hyper_connections.num_streams
+    divs = 2 * m.hyper_connections.sinkhorn_iterations - 1
+    fp32_copy = 4 * N * D if w != 4 else 0
+    sub = fp32_copy + 4 + 4 * N * D + 4 * (2 + N) * N + 4 * 2 * N + 4 * N * N
+    sub += divs * 4 * (N * N + N) + 4 * N
+    sub += w * (N * D + N + D + N * N)
+    return 2 * rows_of(recipe).sp * sub
+
+
+def norm_activation_bytes(recipe: Recipe, width: int, rows: int) -> int:
+    """GLM's RMSNorm (glm.py): fp32 input copy, rsqrt, and the normalised tensor in the
+    activation dtype (``width`` channels, ``rows`` rows)."""
+    return rows * (4 * width + 4 + _act_bytes(recipe) * width)
+
+
+def kda_activation_bytes(recipe: Recipe) -> int:
+    """One KDA layer (kda/layer.py with fla's kernels), per rank, without the exchange's extra.
+
+    Kept for backward: the projection's input rows [S, D] (gathered from the SP shards) and the
+    low-rank gate outputs [S, rf + rg]; the concatenated projection weights; per head-token
+    (S * H / tp of them, for every exchange): the fused projection [q|k|v|f|g|beta] (5K + 1),
+    the conv output q|k|v (3K), fla's L2-normalised q and k (2K) with fp32 rstds, fp32 beta,
+    the intra-chunk matrices Aqk and Akk (chunk_size each), the kernel output (K, saved by the
+    gated norm) with its rstd, and the normalised output o_proj reads (K)."""
+    m, k, p, w = recipe.model, recipe.kda, recipe.parallel, _act_bytes(recipe)
+    r = rows_of(recipe)
+    D, K, h = m.hidden_size, k.head_dim, k.num_heads // p.tp
+    low = k.gate_low_rank + k.output_gate_low_rank
+    head_tokens = r.cp * h
+    per_head_token = w * (5 * K + 1 + 3 * K + 2 * K + 2 * k.chunk_size + 2 * K) + 4 * 4
+    weights = w * (3 * h * K + h + low) * D
+    return r.cp * (D + low) * w + weights + head_tokens * per_head_token
+
+
+def dsa_activation_bytes(recipe: Recipe) -> int:
+    """One DSA layer (model/dsa.py on megatron's MLA and ``unfused_dsa_fn``), per rank.
+
+    Kept: the layer input [s, D]; the q and KV latent norms; the q latent [s, q_lora]; the KV
+    latent of the whole sequence [T, kv_lora]; in the sparse attention, per (query of this CP
+    rank, local head): the fp32 query and the running max/sum/accumulator of each top-k chunk,
+    and per (query, head, selected key; index_topk + kpool - 1 of them): the gathered fp32 key
+    and value, the int64 index, the validity mask and the fp32 probability; the output
+    [S, heads/tp * v_head_dim]. The indexer runs without gradient: nothing kept."""
+    m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
+    a, r = m.dsa, rows_of(recipe)
+    D, n = m.hidden_size, a.num_heads // p.tp
+    dq, dv = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+    keys = a.index_topk + a.index_kpool - 1
+    chunks = -(-keys // DSA_TOPK_CHUNK)
+    total = r.sp * D * w
+    # torch.nn.RMSNorm (LatentRMSNorm) keeps its fp32 input and fp32 normalised tensor.
+    total += r.sp * (8 * a.q_lora_rank + 4) + r.sp * a.q_lora_rank * w
+    total += r.sp * (8 * a.kv_lora_rank + 4)
+    total += r.whole * a.kv_lora_rank * w
+    query_heads = r.cp * n
+    total += query_heads * (4 * dq + chunks * (8 * dv + 33))
+    total += query_heads * keys * (8 + 1 + 4 + 4 * (dq + dv))
+    total += r.cp * n * dv * w
+    return total
+
+
+def dsa_transient_bytes(recipe: Recipe) -> int:
+    """Working set of one DSA forward that is not kept: the indexer's fp32 scores of this CP
+    rank's queries against every pool of the sequence (twice: einsum and relu), and the
+    whole-sequence keys/values after the up projection (about three copies)."""
+    m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
+    a, r = m.dsa, rows_of(recipe)
+    pools = r.whole // a.index_kpool
+    scores = 2 * r.cp * pools * a.index_num_heads * 4
+    kv = 3 * r.whole * (a.num_heads // p.tp) * (a.qk_nope_head_dim + a.qk_rope_head_dim
+                                                   + a.v_head_dim) * w
+    return scores + kv
+
+
+def dense_mlp_activation_bytes(recipe: Recipe) -> int:
+    """One dense SwiGLU MLP (megatron MLP with GLM's clamp): the input [s, D] and, per row of
+    the CP rank, 6 intermediates of width F/tp (fc1 output 2F, both clamps and SiLU, fc2 input)."""
+    m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
+    return r.sp * m.hidden_size * w + r.cp * m.dense_ffn_hidden_size // p.tp * 6 * w
+
+
+def moe_activation_bytes(recipe: Recipe) -> int:
+    """One MoE block (megatron MoELayer, allgather dispatcher, model/moe.py), per rank.
+
+    Kept: the input [s, D] (router and shared expert read the same tensor); the router's fp32
+    scores [E], top-k indices and weights; the shared expert like a dense MLP of width
+    I * n_shared; the dispatcher's routing map and probabilities of the local experts for every
+    token gathered over EP x ETP, and one int64 index per assignment; per assignment to a local
+    expert (balanced routing: s * etp * top_k of them) the permuted input [D], six intermediates
+    of width I/etp, the routing weight and the fc2 input cast."""
+    m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
+    e, D = m.moe, m.hidden_size
+    total = r.sp * D * w
+    total += r.sp * (4 * e.num_experts + 12 * e.top_k + 4)
+    total += r.cp * e.ffn_hidden_size * e.num_shared_experts // p.tp * 6 * w
+    gathered = r.sp * p.ep * p.etp
+    local = e.num_experts // p.ep
+    assignments = gathered * e.top_k * local // e.num_experts
+    total += gathered * local * 5 + assignments * 8
+    total += assignments * (D * w + 7 * e.ffn_hidden_size // p.etp * w + 4)
+    return total
+
+
+def head_activation_bytes(recipe: Recipe) -> int:
+    """Embedding, final norm, output layer and loss: the token ids, the final norm, the output
+    layer's input [s, D], and megatron's vocab-parallel cross entropy on the fp32 logits
+    [S, V/tp] with its target mask and masked targets."""
+    m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
+    total = r.cp * 8 + norm_activation_bytes(recipe, m.hidden_size, r.sp)
+    total += r.sp * m.hidden_size * w
+    total += r.cp * (m.vocab_size // p.tp * 4 + 1 + 8)
+    return total
+
+
+def layer_activation_bytes(recipe: Recipe, index: int) -> int:
+    """Everything layer ``index`` keeps for backward without recompute (exchange excluded)."""
+    m = recipe.model
+    r = rows_of(recipe)
+    total = mhc_activation_bytes(recipe) + 2 * norm_activation_bytes(recipe, m.hidden_size, r.sp)
+    if m.layer_types()[index] == "kda":
+        total += kda_activation_bytes(recipe)
+    else:
+        total += dsa_activation_bytes(recipe)
+    if m.mlp_types()[index] == "dense":
+        total += dense_mlp_activation_bytes(recipe)
+    else:
+        total += moe_activation_bytes(recipe)
+    return total
+
+
+def exchange_extra_bytes(recipe: Recipe) -> tuple[str, int]:
+    """The KDA exchange this recipe runs (``auto`` resolved by the cost model) and the buffers
+    one KDA layer holds for it (kda/cost.py ``extra_memory_bytes``), for one packed row."""
+    from .kda.cost import choose, extra_memory_bytes, shape_of
+
+    name = recipe.kda.cp_exchange
+    if name == "auto":
+        name, _, _ = choose(recipe)
+    shape = dataclasses.replace(shape_of(recipe), batch=1,
+                                element_size=_act_bytes(recipe))
+    return name, extra_memory_bytes(name, shape)
+
+
+# --- the whole rank -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU bytes of one recipe; ``rows`` are (label, bytes) in table order."""
+
+    params: dict[str, int]  # by component group (PARAM_GROUPS labels)
+    buffers: int
+    grads: int
+    optimizer: int
+    activations: dict[str, int]  # by layer part, all layers together
+    exchange: str
+    exchange_buffers: int
+    transients: dict[str, int]  # working sets not kept for backward; the largest counts
+    recompute: str
+
+    @property
+    def states(self) -> int:
+        return sum(self.params.values()) + self.buffers + self.grads + self.optimizer
+
+    @property
+    def transient(self) -> int:
+        """The largest working set (they do not coexist: one layer or the loss at a time)."""
+        return max(self.transients.values(), default=0)
+
+    @property
+    def total(self) -> int:
+        return (self.states + sum(self.activations.values()) + self.exchange_buffers
+                + self.transient)
+
+
+PARAM_GROUPS: dict[str, tuple[str, ...]] = {
+    "KDA attention": ("kda",),
+    "DSA attention": ("dsa", "dsa_indexer"),
+    "dense MLP": ("dense_mlp",),
+    "MoE routed experts": ("moe_experts",),
+    "MoE shared + router": ("moe_shared", "moe_router"),
+    "embedding + output": ("embedding", "output_layer"),
+    "mHC + norms": ("mhc", "layer_norms", "final_norm"),
+}
+"""How the table groups the parameter kinds."""
+
+
+def optimizer_shards(recipe: Recipe) -> tuple[int, int]:
+    """(dense, expert) sizes of the groups the distributed optimizer shards Adam state over:
+    DP x CP = world / (tp * pp) and the expert data-parallel group = world / (ep * etp * pp)."""
+    p, world = recipe.parallel, recipe.run.num_workers
+    return world // (p.tp * p.pp), world // (p.ep * p.etp * p.pp)
+
+
+def estimate_memory(recipe: Recipe) -> MemoryEstimate:
+    """The per-GPU memory of ``recipe`` (see the module docstring for what is counted)."""
+    if recipe.train.recompute == "selective":
+        raise ValueError("train.recompute=selective is not implemented by the model "
+                         "(model/glm.py); estimate none or full")
+    groups = rank_parameters(recipe)
+    params = {label: sum(g.bytes for g in groups if g.component in kinds)
+              for label, kinds in PARAM_GROUPS.items()}
+    dense_shard, expert_shard = optimizer_shards(recipe)
+    grads = optimizer = 0
+    for g in groups:
+        if not g.trainable:
+            continue
+        grads += g.numel * GRAD_BYTES
+        per_element = 12 if g.dtype_bytes != 4 else 8
+        optimizer += g.numel * per_element // (expert_shard if g.expert else dense_shard)
+
+    m, r, w = recipe.model, rows_of(recipe), _act_bytes(recipe)
+    kinds, mlps = m.layer_types(), m.mlp_types()
+    exchange, per_layer_extra = exchange_extra_bytes(recipe)
+    layers = [layer_activation_bytes(recipe, i) for i in range(m.num_layers)]
+    head = head_activation_bytes(recipe)
+    logits = r.cp * m.vocab_size // recipe.parallel.tp * w
+    dsa_scratch = dsa_transient_bytes(recipe) if "dsa" in kinds else 0
+    if recipe.train.recompute == "full":
+        inputs = m.num_layers * r.sp * m.hyper_connections.num_streams * m.hidden_size * w
+        activations = {"layer inputs (checkpoints)": inputs, "embedding + head + loss": head}
+        extra = 0
+        candidates = {"logits [S, V/tp] (activation dtype)": logits}
+        for kind, label in (("kda", "rebuilt KDA layer + exchange"),
+                            ("dsa", "rebuilt DSA layer + indexer scores")):
+            rebuilt = [layers[i] + (per_layer_extra if kind == "kda" else dsa_scratch)
+                       for i in range(m.num_layers) if kinds[i] == kind]
+            if rebuilt:
+                candidates[label] = max(rebuilt)
+    else:
+        activations = {
+            "KDA attention": kinds.count("kda") * kda_activation_bytes(recipe),
+            "DSA attention": kinds.count("dsa") * dsa_activation_bytes(recipe),
+            "dense MLP": mlps.count("dense") * dense_mlp_activation_bytes(recipe),
+            "MoE": mlps.count("moe") * moe_activation_bytes(recipe),
+            "mHC + norms": m.num_layers * (mhc_activation_bytes(recipe) + 2 *
+                                           norm_activation_bytes(recipe, m.hidden_size, r.sp)),
+            "embedding + head + loss": head,
+        }
+        extra = kinds.count("kda") * per_layer_extra
+        candidates = {"logits [S, V/tp] (activation dtype)": logits}
+        if dsa_scratch:
+            candidates["DSA indexer scores + whole-seq K/V"] = dsa_scratch
+    return MemoryEstimate(params=params, buffers=rank_buffers_bytes(recipe), grads=grads,
+                          optimizer=optimizer, activations=activations, exchange=exchange,
+                          exchange_buffers=extra, transients=candidates,
+                          recompute=recipe.train.recompute)
+
+
+def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
+    """The ``plan`` table: per-GPU memory of every term, the total, and the share of the GPU.
+
+    ``gpu_bytes`` None: an H200 for ``run.device=gpu`` (the GPU this project targets), unknown
+    on CPU. Units: GiB, or MiB when the total is below 1 GiB."""
+    est = estimate_memory(recipe)
+    dense_shard, expert_shard = optimizer_shards(recipe)
+    r = rows_of(recipe)
+    unit, scale = ("GiB", GiB) if est.total >= GiB else ("MiB", 2**20)
+
+    def row(label: str, nbytes: int, indent: int = 0) -> str:
+        return f"{' ' * indent}{label:<{46 - indent}}{nbytes / scale:>12.2f}"
+
+    lines = [
+        f"per-GPU memory estimate ({unit}): one packed row of {r.whole} tokens, {r.cp} per CP "
+        f"rank, {r.sp} residual-stream rows per rank; train.recompute={est.recompute}",
+        row("parameters (+ router buffers)", sum(est.params.values()) + est.buffers),
+    ]
+    lines += [row(label, v, 2) for label, v in est.params.items() if v]
+    lines += [
+        row("gradients (fp32 DDP buffer)", est.grads),
+        row(f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard})", est.optimizer),
+        row("activations kept for backward", sum(est.activations.values())),
+    ]
+    lines += [row(label, v, 2) for label, v in est.activations.items() if v]
+    lines.append(row(f"KDA exchange buffers ({est.exchange}, all layers)", est.exchange_buffers))
+    lines.append(row("transient (largest of)", est.transient))
+    lines += [row(label, v, 2) for label, v in est.transients.items()]
+    lines.append(row("total", est.total))
+    if gpu_bytes is None and recipe.run.device == "gpu":
+        gpu_bytes, gpu_name = H200_BYTES, "H200"
+    else:
+        gpu_name = "GPU"
+    if gpu_bytes is None:
+        lines.append("GPU memory: unknown (run.device=cpu; --gpu-memory-gib to compare)")
+    else:
+        verdict = "fits" if est.total <= gpu_bytes else "does NOT fit"
+        lines.append(f"vs. {gpu_name} {gpu_bytes / GiB:.1f} GiB: {est.total / gpu_bytes:.1%} "
+                     f"-> {verdict}")
+    return lines
+
+
+def param_counts(groups: Iterable[ParamGroup]) -> dict[tuple[str, int, bool], int]:
+    """Elements by (component, dtype bytes, trainable): the key tests compare with a model."""
+    out: dict[tuple[str, int, bool], int] = {}
+    for g in groups:
+        key = (g.component, g.dtype_bytes, g.trainable)
+        out[key] = out.get(key, 0) + g.numel
+    return out

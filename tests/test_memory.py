@@ -1,0 +1,340 @@
+"""memory.py: parameter counts equal the built megatron model exactly (single rank, and every
+rank of TP2 x CP2 x EP2 and TP2 x EP2 x ETP2 meshes on gloo); activation terms equal the bytes
+autograd keeps on CPU for every block except KDA's (whose kernels differ between CPU and GPU);
+structural properties of the activation model; the full model's size against the model card;
+the ``plan`` table."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from skyrl_megatron_kda import cli, memory
+from skyrl_megatron_kda.recipes import load_recipe
+from tests.distributed import run_ranks
+
+TINY = "glm53_flash_tiny"
+FULL = "glm53_flash_1m"
+SINGLE = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.etp=1",
+          "parallel.sequence_parallel=false", "run.num_workers=1"]
+
+MODEL_CARD_TOTAL = 321.3e9
+"""GLM-5.3-Flash's parameter count with its MTP layer (reference/glm53-flash.md section 3)."""
+
+
+# --- parameters against the real model -----------------------------------------------------
+
+_COMPONENT_PATTERNS = [
+    (r"^embedding\.", "embedding"),
+    (r"^output_layer\.", "output_layer"),
+    (r"^final_norm\.", "final_norm"),
+    (r"^layers\.\d+\.(attn_hc|ffn_hc)\.", "mhc"),
+    (r"^layers\.\d+\.(input_layernorm|pre_mlp_layernorm)\.", "layer_norms"),
+    (r"^layers\.\d+\.self_attention\.core_attention\.indexer\.", "dsa_indexer"),
+    (r"^layers\.\d+\.self_attention\.(q_proj|k_proj|v_proj|f_b_proj|g_b_proj|b_proj|o_proj|"
+     r"f_a_weight|g_a_weight|o_norm_weight|conv_weight|A_log|dt_bias)", "kda"),
+    (r"^layers\.\d+\.self_attention\.", "dsa"),
+    (r"^layers\.\d+\.mlp\.router\.", "moe_router"),
+    (r"^layers\.\d+\.mlp\.shared_experts\.", "moe_shared"),
+    (r"^layers\.\d+\.mlp\.experts\.", "moe_experts"),
+    (r"^layers\.\d+\.mlp\.linear_fc", "dense_mlp"),
+]
+
+
+def _component(name: str) -> str:
+    for pattern, component in _COMPONENT_PATTERNS:
+        if re.match(pattern, name):
+            return component
+    raise AssertionError(f"parameter {name} belongs to no component")
+
+
+def _model_counts(model) -> tuple[dict, int]:
+    counts: dict[tuple[str, int, bool], int] = {}
+    for name, p in model.named_parameters():
+        key = (_component(name), p.element_size(), p.requires_grad)
+        counts[key] = counts.get(key, 0) + p.numel()
+    buffers = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
+    return counts, buffers
+
+
+def _build(recipe):
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda.model.glm import build_model
+
+    p = recipe.parallel
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp, context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
+    torch.manual_seed(0)
+    return build_model(recipe, use_cpu=True)
+
+
+def _count_on_rank(rank, world, overrides_list):
+    out = []
+    for overrides in overrides_list:
+        recipe = load_recipe(TINY, overrides)
+        counts, buffers = _model_counts(_build(recipe))
+        out.append((counts, buffers, memory.param_counts(memory.rank_parameters(recipe)),
+                    memory.rank_buffers_bytes(recipe)))
+    return out
+
+
+def _assert_counts(results):
+    for rank, per_recipe in enumerate(results):
+        for i, (model, model_buffers, formula, formula_buffers) in enumerate(per_recipe):
+            assert formula == model, f"rank {rank} recipe {i}: formula {formula} != model {model}"
+            assert formula_buffers == model_buffers, (rank, i)
+
+
+def test_parameter_count_equals_model_single_rank():
+    """fp32 (the tiny recipe) and bf16 (where the fp32-kept tensors differ from the rest)."""
+    variants = [SINGLE, SINGLE + ["model.params_dtype=bfloat16"],
+                SINGLE + ["model.tie_word_embeddings=true"]]
+    (result,) = run_ranks(1, _count_on_rank, variants)
+    _assert_counts([result])
+    bf16 = result[1][0]
+    assert any(dtype == 4 for (_, dtype, _) in bf16), "bf16 model keeps fp32 tensors (mHC, A_log)"
+
+
+def test_parameter_count_equals_model_on_mesh():
+    """Every rank of the tiny recipe's mesh (TP2 x CP2 +SP, EP2) and of TP2 x EP2 x ETP2."""
+    results = run_ranks(4, _count_on_rank, [[]])
+    _assert_counts(results)
+    results = run_ranks(2, _count_on_rank, [["parallel.cp=1", "run.num_workers=2"]])
+    _assert_counts(results)
+    results = run_ranks(4, _count_on_rank, [["parallel.cp=1", "parallel.etp=2", "run.num_workers=4"]])
+    _assert_counts(results)
+
+
+def test_negative_control_wrong_sharding_is_caught():
+    """The comparison is not vacuous: counting experts unsharded by ETP changes the total."""
+    recipe = load_recipe(TINY, ["parallel.cp=1", "parallel.etp=2", "run.num_workers=4"])
+    good = memory.param_counts(memory.rank_parameters(recipe))
+    no_etp = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"etp": 1})})
+    assert memory.param_counts(memory.rank_parameters(no_etp)) != good
+
+
+# --- activations against autograd's saved tensors on CPU -----------------------------------
+
+
+class _SavedTensorCensus:
+    """Bytes of the storages autograd holds for backward at the end of a forward, by the module
+    that first saved each one; parameter storages are left out (they are counted as params).
+
+    A storage counts while at least one saved reference to it is alive (a graph that forward
+    built and dropped releases its tensors), so reused addresses are not confused."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live: dict[int, list] = {}  # ptr -> [refcount, nbytes, module]
+        self.stack = [""]
+        names = {mod: n for n, mod in model.named_modules()}
+        for mod in model.modules():
+            mod.register_forward_pre_hook(lambda mod, args: self.stack.append(names[mod]))
+            mod.register_forward_hook(lambda mod, args, out: (self.stack.pop(), None)[1])
+
+    def pack(self, t):
+        census = self
+
+        class Holder:
+            def __init__(self):
+                self.t, self.ptr = t, t.untyped_storage().data_ptr()
+                entry = census.live.setdefault(self.ptr, [0, t.untyped_storage().nbytes(),
+                                                          census.stack[-1]])
+                entry[0] += 1
+
+            def __del__(self):
+                entry = census.live.get(self.ptr)
+                if entry is not None:
+                    entry[0] -= 1
+                    if entry[0] == 0:
+                        del census.live[self.ptr]
+
+        return Holder()
+
+    def by_module(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ptr, (_, nbytes, module) in self.live.items():
+            if ptr not in self.params:
+                out[module] = out.get(module, 0) + nbytes
+        return out
+
+
+def _part(module: str) -> str:
+    if not module.startswith("layers."):
+        return "head"
+    parts = module.split(".")
+    layer = parts[1]
+    if len(parts) == 2 or parts[2] in ("attn_hc", "ffn_hc", "input_layernorm", "pre_mlp_layernorm"):
+        return f"{layer}.mhc_norms"
+    return f"{layer}.{'attention' if parts[2] == 'self_attention' else 'mlp'}"
+
+
+def _census_on_rank(rank, world, overrides_list):
+    out = []
+    for overrides in overrides_list:
+        recipe = load_recipe(TINY, overrides)
+        model = _build(recipe)
+        census = _SavedTensorCensus(model)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, recipe.model.vocab_size, (1, recipe.data.seq_len), generator=gen)
+        with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda h: h.t):
+            loss = model(ids, labels=ids)
+        parts: dict[str, int] = {}
+        for module, nbytes in census.by_module().items():
+            parts[_part(module)] = parts.get(_part(module), 0) + nbytes
+        loss.sum().backward()  # the held tensors are what backward needs
+        out.append(parts)
+    return out
+
+
+@pytest.fixture(scope="module")
+def census():
+    variants = {
+        "fp32": SINGLE,
+        "bf16": SINGLE + ["model.params_dtype=bfloat16"],
+        "bf16_T96": SINGLE + ["model.params_dtype=bfloat16", "data.seq_len=96"],
+        "full": SINGLE + ["model.params_dtype=bfloat16", "train.recompute=full"],
+    }
+    (result,) = run_ranks(1, _census_on_rank, list(variants.values()))
+    return dict(zip(variants, result)), {k: load_recipe(TINY, v) for k, v in variants.items()}
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16_T96"])
+def test_activation_terms_equal_saved_tensors(census, variant):
+    """Every block but KDA attention, exactly: mHC + norms per layer, DSA, dense MLP, MoE, head."""
+    measured, recipes = census
+    parts, recipe = measured[variant], recipes[variant]
+    m = recipe.model
+    rows = memory.rows_of(recipe)
+    mhc_norms = (memory.mhc_activation_bytes(recipe)
+                 + 2 * memory.norm_activation_bytes(recipe, m.hidden_size, rows.sp))
+    print(variant, parts)
+    for i, (kind, mlp) in enumerate(zip(m.layer_types(), m.mlp_types())):
+        assert parts[f"{i}.mhc_norms"] == mhc_norms, (i, parts[f"{i}.mhc_norms"], mhc_norms)
+        want = (memory.dense_mlp_activation_bytes(recipe) if mlp == "dense"
+                else memory.moe_activation_bytes(recipe))
+        assert parts[f"{i}.mlp"] == want, (i, mlp, parts[f"{i}.mlp"], want)
+        if kind == "dsa":
+            assert parts[f"{i}.attention"] == memory.dsa_activation_bytes(recipe), i
+    assert parts["head"] == memory.head_activation_bytes(recipe)
+
+
+def test_full_recompute_keeps_layer_inputs_and_head(census):
+    measured, recipes = census
+    parts, recipe = measured["full"], recipes["full"]
+    est = memory.estimate_memory(recipe)
+    assert sum(parts.values()) == sum(est.activations.values()), (parts, est.activations)
+
+
+# --- structure of the activation model -----------------------------------------------------
+
+
+def _full(*overrides: str):
+    return load_recipe(FULL, list(overrides))
+
+
+def test_activations_linear_in_sequence_length():
+    """Every kept term doubles with seq_len, except KDA's concatenated projection weights (a
+    constant): affine there, exactly linear elsewhere."""
+    a, b, c = (memory.estimate_memory(_full("train.recompute=none", f"data.seq_len={t}"))
+               for t in (131072, 262144, 524288))
+    for label, value in a.activations.items():
+        if label == "KDA attention":
+            assert c.activations[label] - b.activations[label] == 2 * (b.activations[label] - value)
+            assert b.activations[label] < 2 * value
+        else:
+            assert b.activations[label] == 2 * value, label
+    assert b.exchange_buffers == 2 * a.exchange_buffers
+
+
+def test_cp_halves_sequence_sharded_terms():
+    """Doubling CP halves every per-token term; what stays is the part independent of the
+    tokens (KDA's concatenated projection weights; nothing elsewhere) and DSA's whole-sequence
+    KV latent."""
+    def recipe(cp, seq_len):
+        return _full("train.recompute=none", "kda.cp_exchange=a2a", f"data.seq_len={seq_len}",
+                     f"parallel.cp={cp}")
+
+    for fn in (memory.kda_activation_bytes, memory.moe_activation_bytes,
+               memory.dense_mlp_activation_bytes, memory.mhc_activation_bytes,
+               memory.head_activation_bytes):
+        fixed = [2 * fn(recipe(cp, 131072)) - fn(recipe(cp, 262144)) for cp in (1, 2)]
+        assert fixed[0] == fixed[1], fn.__name__
+        assert (fixed[0] > 0) == (fn is memory.kda_activation_bytes), fn.__name__
+        one, two = fn(recipe(1, 262144)) - fixed[0], fn(recipe(2, 262144)) - fixed[0]
+        assert one == 2 * two, fn.__name__
+    dsa, latent = memory.dsa_activation_bytes, 262144 * _full().model.dsa.kv_lora_rank * 2
+    assert dsa(recipe(1, 262144)) - latent == 2 * (dsa(recipe(2, 262144)) - latent)
+
+
+def test_full_recompute_reduces_kept_activations():
+    none = memory.estimate_memory(_full("train.recompute=none"))
+    full = memory.estimate_memory(_full("train.recompute=full"))
+    assert sum(full.activations.values()) < sum(none.activations.values()) / 100
+    assert full.states == none.states
+
+
+def test_exchange_buffers_come_from_the_cost_model():
+    from skyrl_megatron_kda.kda.cost import extra_memory_bytes, shape_of
+
+    recipe = _full("train.recompute=none", "kda.cp_exchange=a2a")
+    est = memory.estimate_memory(recipe)
+    n_kda = recipe.model.layer_types().count("kda")
+    assert est.exchange == "a2a"
+    assert est.exchange_buffers == n_kda * extra_memory_bytes("a2a", shape_of(recipe))
+    assert est.exchange_buffers > 0
+
+
+def test_optimizer_shards_dense_over_dp_cp_and_experts_over_expert_dp():
+    recipe = _full()
+    assert memory.optimizer_shards(recipe) == (64 // 8, 64 // (32 * 2))
+    groups = memory.rank_parameters(recipe)
+    dense = sum(g.numel * (12 if g.dtype_bytes == 2 else 8) for g in groups
+                if g.trainable and not g.expert)
+    expert = sum(g.numel * 12 for g in groups if g.expert)
+    assert memory.estimate_memory(recipe).optimizer == dense // 8 + expert
+
+
+def test_selective_recompute_is_refused():
+    with pytest.raises(ValueError, match="selective"):
+        memory.estimate_memory(_full("train.recompute=selective"))
+
+
+# --- the full model against its model card -------------------------------------------------
+
+
+def test_full_model_size_matches_model_card():
+    """Our trunk has no MTP layer; with one (a KDA + MoE decoder layer, as layer 45 of the
+    pattern, plus its [D, 2D] projection and two norms) the total is the card's 321.3B."""
+    trunk = _full()
+    total = memory.total_parameters(trunk)
+    with_mtp_layer = memory.total_parameters(
+        trunk.model_copy(update={"model": trunk.model.model_copy(update={"num_layers": 46})}))
+    D = trunk.model.hidden_size
+    mtp = with_mtp_layer - total + 2 * D * D + 2 * D
+    assert total < MODEL_CARD_TOTAL
+    assert abs(total + mtp - MODEL_CARD_TOTAL) / MODEL_CARD_TOTAL < 0.005, (total, mtp)
+    active = memory.active_parameters(trunk)
+    assert 16.5e9 < active < 18.0e9, active  # card: 18B active, MTP included
+
+
+# --- the plan table ------------------------------------------------------------------------
+
+
+def test_plan_prints_memory_table(capsys):
+    assert cli.main(["plan", FULL]) == 0
+    out = capsys.readouterr().out
+    assert "per-GPU memory estimate" in out and "choice:" in out
+    est = memory.estimate_memory(_full())
+    assert f"{est.total / memory.GiB:.2f}" in out
+    assert "vs. H200" in out
+
+
+def test_plan_gpu_memory_unknown_on_cpu(capsys):
+    assert cli.main(["plan", TINY]) == 0
+    assert "GPU memory: unknown" in capsys.readouterr().out
