@@ -203,16 +203,18 @@ def kda_activation_bytes(recipe: Recipe) -> int:
 
     Kept for backward: the projection's input rows [S, D] (gathered from the SP shards) and the
     low-rank gate outputs [S, rf + rg]; the concatenated projection weights; per head-token
-    (S * H / tp of them, for every exchange): the fused projection [q|k|v|f|g|beta] (5K + 1),
-    the conv output q|k|v (3K), fla's L2-normalised q and k (2K) with fp32 rstds, fp32 beta,
-    the intra-chunk matrices Aqk and Akk (chunk_size each), the kernel output (K, saved by the
-    gated norm) with its rstd, and the normalised output o_proj reads (K)."""
+    (S * H / tp of them, for every exchange): the fused projection [q|k|v|f|g|beta] (5K + 1,
+    alive as the conv's saved input), fla's L2-normalised q and k (2K) with fp32 rstds, the
+    contiguous copies fla's ``input_guard`` makes of v, the raw gate and beta (K + K + 1) and
+    fp32 beta, the intra-chunk matrices Aqk and Akk (chunk_size each), the kernel output and
+    the copied output gate the gated norm keeps (2K) with its rstd, and the normalised output
+    o_proj reads (K)."""
     m, k, p, w = recipe.model, recipe.kda, recipe.parallel, _act_bytes(recipe)
     r = rows_of(recipe)
     D, K, h = m.hidden_size, k.head_dim, k.num_heads // p.tp
     low = k.gate_low_rank + k.output_gate_low_rank
     head_tokens = r.cp * h
-    per_head_token = w * (5 * K + 1 + 3 * K + 2 * K + 2 * k.chunk_size + 2 * K) + 4 * 4
+    per_head_token = w * (5 * K + 1 + 2 * K + 2 * K + 1 + 2 * k.chunk_size + 3 * K) + 4 * 4
     weights = w * (3 * h * K + h + low) * D
     return r.cp * (D + low) * w + weights + head_tokens * per_head_token
 
