@@ -22,9 +22,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
-# The main job on its embedded default: CP=2 KDA layer on CPU over gloo, each exchange, parity + bytes.
+# The main job on its embedded default: train the tiny GLM-5.3-Flash recipe on 4 Ray CPU ranks.
 run: setup
-	$(VENV)/bin/skyrl-kda demo
+	$(VENV)/bin/skyrl-kda run glm53_flash_tiny
 
 test: setup
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q tests

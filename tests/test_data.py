@@ -445,3 +445,13 @@ def test_loader_is_an_endless_iterator():
         if len(rows) == 30:
             break
     assert_rows_equal(rows, take(synthetic_loader(seed=0), 30))
+
+
+def test_synthetic_documents_have_structure_to_learn():
+    # Each document repeats a short motif from a small alphabet: a trainer's loss can fall on it.
+    source = SyntheticSource(vocab_size=VOCAB, max_tokens=64, num_documents=50, seed=0)
+    for i in range(50):
+        tokens = source.fetch((i,)).tokens
+        assert int(tokens.max()) < SyntheticSource.ALPHABET
+        period = next(p for p in range(2, 9) if len(tokens) <= p or torch.equal(tokens[p:], tokens[:-p]))
+        assert period <= 8

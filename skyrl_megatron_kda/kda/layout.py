@@ -18,9 +18,11 @@ def zigzag_positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
     """Natural token position of every local row of every CP rank: LongTensor ``[cp, T/cp]``.
 
     ``cu_seqlens`` [N+1] are the global (natural) sequence boundaries; each length must divide
-    by ``2*cp``.
+    by ``2*cp`` when cp > 1 (one rank holds every sequence whole, in order, whatever its length).
     """
     cu = cu_seqlens.to(torch.long)
+    if cp == 1:
+        return torch.arange(int(cu[-1]), device=cu.device).unsqueeze(0)
     lens = cu.diff()
     if bool((lens % (2 * cp)).any()):
         raise ValueError(

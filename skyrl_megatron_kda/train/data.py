@@ -271,8 +271,13 @@ class JsonlSource:
 
 
 class SyntheticSource:
-    """Seeded random documents (used when data.path is None): document ``i`` is a function of
-    (seed, i) alone, with log-uniform lengths in [1, max_tokens] so rows mix short and long ones."""
+    """Seeded documents with something to learn (used when data.path is None): document ``i`` is
+    a function of (seed, i) alone, with log-uniform lengths in [1, max_tokens] so rows mix short
+    and long ones. Each repeats a random motif of 2-8 tokens drawn from a small alphabet, so a
+    model can learn the alphabet and to copy the motif: the loss of a working trainer falls
+    (uniform random tokens would pin it at ln(vocab))."""
+
+    ALPHABET = 16
 
     def __init__(self, *, vocab_size: int, max_tokens: int, num_documents: int = 1024, seed: int = 0):
         self.vocab_size, self.max_tokens = vocab_size, max_tokens
@@ -290,8 +295,10 @@ class SyntheticSource:
         rng = random.Random(f"synthetic:{self.seed}:{i}")
         length = min(self.max_tokens, int(math.exp(rng.uniform(0.0, math.log(self.max_tokens)))))
         gen = torch.Generator().manual_seed(rng.getrandbits(63))
-        tokens = torch.randint(0, self.vocab_size, (max(length, 1),), generator=gen, dtype=torch.int32)
-        return Document(ref, tokens)
+        alphabet = min(self.ALPHABET, self.vocab_size)
+        motif = torch.randint(0, alphabet, (rng.randint(2, 8),), generator=gen, dtype=torch.int32)
+        length = max(length, 1)
+        return Document(ref, motif.repeat(-(-length // motif.numel()))[:length])
 
 
 # ---------------------------------------------------------------------------------------------
