@@ -1,4 +1,4 @@
-"""The README's main job: the demo runs on Ray CPU ranks and every exchange passes."""
+"""`skyrl-kda demo`: one KDA layer at CP2 on Ray CPU ranks; every exchange must pass."""
 
 from skyrl_megatron_kda.cli import main
 

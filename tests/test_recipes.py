@@ -121,7 +121,7 @@ def test_tiny_recipe_loads(monkeypatch):
     assert (r.kda.num_heads, r.kda.head_dim, r.kda.kernel) == (4, 16, "torch")
     assert (p.tp, p.cp, p.ep, p.etp, p.sequence_parallel) == (2, 2, 2, 1, True)
     assert (r.run.num_workers, r.run.device, r.data_parallel_size) == (4, "cpu", 1)
-    assert (r.data.seq_len, r.data.path, r.train.steps) == (256, None, 5)
+    assert (r.data.seq_len, r.data.path, r.train.steps) == (256, None, 10)
 
 
 def test_builtin_recipes_ship_as_package_data():
