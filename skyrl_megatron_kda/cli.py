@@ -95,12 +95,29 @@ def main(argv: list[str] | None = None) -> int:
                        help="override the recipe, e.g. --set kda.cp_exchange=allgather")
     train.add_argument("--resume", action="store_true",
                        help="continue from the latest checkpoint in run.output_dir")
+    export = sub.add_parser(
+        "export", help="a run's latest checkpoint as a Hugging Face glm5_next safetensors folder")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
+    export.add_argument("--out", required=True, metavar="HF_DIR",
+                        help="new folder for the safetensors, config.json and tokenizer files")
+    export.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override the run's recipe.yaml, e.g. another mesh: "
+                             "--set run.num_workers=1 --set parallel.tp=1")
+    source = export.add_mutually_exclusive_group()
+    source.add_argument("--source", default=None, metavar="HF_DIR",
+                        help="checkpoint whose config.json, vision/MTP tensors and tokenizer are "
+                             "copied through (default: the run's run.init_from_hf)")
+    source.add_argument("--no-source", action="store_true",
+                        help="copy nothing; config.json is a text-only config from the recipe")
     report = sub.add_parser("report", help="PNG plots of a run's metrics.jsonl")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
     args = parser.parse_args(argv)
 
     if args.command == "run":
         return _run(args.recipe, args.overrides, args.resume)
+
+    if args.command == "export":
+        return _export(args)
 
     if args.command == "report":
         from .train.report import write_report
@@ -157,6 +174,24 @@ def _run(name: str, overrides: list[str], resume: bool) -> int:
     if lines:
         print(f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}; "
               f"{recipe.run.output_dir}", file=sys.stderr)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``skyrl-kda export``: exit 0 when written, 1 when a rank failed."""
+    import logging
+
+    from .train.export import export
+    from .workers.group import WorkerError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        ckpt, step = export(args.run_dir, args.out, overrides=args.overrides, source=args.source,
+                            use_source=not args.no_source)
+    except WorkerError as err:
+        print(f"export failed: {err}", file=sys.stderr)
+        return 1
+    print(f"exported {ckpt} (step {step}) to {args.out}", file=sys.stderr)
     return 0
 
 

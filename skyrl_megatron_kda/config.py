@@ -513,6 +513,17 @@ class RunConfig(_Config):
     """Ray cluster to join, e.g. "auto" or "ray://head:10001" (None: start a local cluster)."""
     resume: bool = Field(default=False, strict=True)
     """Continue from the latest checkpoint under output_dir/checkpoints (error if there is none)."""
+    init_from_hf: str | None = None
+    """Hugging Face glm5_next safetensors folder whose weights start the run (None: random init).
+    Every rank reads it, so it must exist on every node when the run starts; with ``resume`` the
+    checkpoint's weights win and this folder is only checked (export copies its config through)."""
+
+    @field_validator("init_from_hf")
+    @classmethod
+    def _init_path_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("run.init_from_hf is empty: give a checkpoint folder, or leave it unset")
+        return value
 
 
 class Recipe(LayerRecipe):

@@ -22,7 +22,9 @@ resumes any mesh.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import socket
 import time
 from collections.abc import Callable
 
@@ -76,6 +78,34 @@ def _glm_build_model(recipe: Recipe, *, use_cpu: bool, pg_collection=None) -> to
     return build_model(recipe, use_cpu=use_cpu, pg_collection=pg_collection)
 
 
+def load_initial_weights(module: torch.nn.Module, recipe: Recipe) -> bool:
+    """Load ``run.init_from_hf`` into the freshly built model; True when it did.
+
+    Called before megatron's DDP and optimizer exist on purpose: DDP copies every parameter into
+    its contiguous buffer and the distributed optimizer takes its (fp32) main parameters from
+    those at construction, so loading first is what makes both start from the released weights.
+    With ``run.resume`` the checkpoint about to be loaded holds the weights, so the folder is
+    only checked for existence (it is still the run's recorded source for ``skyrl-kda export``).
+    """
+    path = recipe.run.init_from_hf
+    if path is None:
+        return False
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"run.init_from_hf={path!r} is not a folder on {socket.gethostname()} (rank "
+            f"{dist.get_rank()}): every node needs the Hugging Face checkpoint at this path")
+    if recipe.run.resume:
+        if dist.get_rank() == 0:
+            logger.info("run.resume: weights come from the run's checkpoint, not %s", path)
+        return False
+    from ..model.hf_io import load_hf_checkpoint
+
+    load_hf_checkpoint(module, path)
+    if dist.get_rank() == 0:
+        logger.info("initial weights loaded from %s", path)
+    return True
+
+
 class RankTrainer:
     """Model, optimizer, schedule and data of one rank; ``train_step`` runs one optimizer step.
 
@@ -106,6 +136,7 @@ class RankTrainer:
 
         module = (build_model or _glm_build_model)(recipe, use_cpu=self.use_cpu,
                                                    pg_collection=self.pgs)
+        load_initial_weights(module, recipe)
         self.config = get_model_config(module)
         # The loss below is a per-rank token sum: DDP must sum gradients (not average them) and
         # finalize_model_grads divides by the global token count.
