@@ -94,10 +94,10 @@ def _model_sharded_state(trainer: RankTrainer) -> dict:
     """
     metadata = {"dp_cp_group": trainer.dp_cp_group}
     # The unwrapped model: DDP's own sharded_state_dict would prefix "module.".
-    return _module_sharded_state(trainer.model.module, "", metadata, trainer.pgs.tp)
+    return module_sharded_state(trainer.model.module, "", metadata, trainer.pgs.tp)
 
 
-def _module_sharded_state(module: torch.nn.Module, prefix: str, metadata: dict, tp_group) -> dict:
+def module_sharded_state(module: torch.nn.Module, prefix: str, metadata: dict, tp_group) -> dict:
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -112,7 +112,7 @@ def _module_sharded_state(module: torch.nn.Module, prefix: str, metadata: dict, 
     out = make_sharded_tensors_for_checkpoint(local, prefix, tp_axes, (), tp_group=tp_group,
                                               dp_cp_group=metadata["dp_cp_group"])
     for name, child in module.named_children():
-        out.update(_module_sharded_state(child, f"{prefix}{name}.", metadata, tp_group))
+        out.update(module_sharded_state(child, f"{prefix}{name}.", metadata, tp_group))
     return out
 
 

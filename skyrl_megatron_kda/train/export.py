@@ -60,7 +60,7 @@ def load_run_model(recipe: Recipe, path: str | Path):
     model = _glm_build_model(recipe, use_cpu=use_cpu, pg_collection=pgs)
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     # The same declaration of every tensor's sharding as the trainer's save (checkpoint.py).
-    request = {"model": checkpoint._module_sharded_state(model, "", metadata, pgs.tp)}
+    request = {"model": checkpoint.module_sharded_state(model, "", metadata, pgs.tp)}
     with cuda_names_cpu(use_cpu):
         state = dist_checkpointing.load(request, str(path))
     model.load_state_dict(state["model"])
