@@ -8,10 +8,11 @@
 #              cp .whl/*.whl .whl-gpu/ && rm .whl-gpu/ray-*.whl      # Ray is not needed on the GPU
 #              echo /.whl-gpu/ >> .git/info/exclude; echo /.tcache/ >> .git/info/exclude
 # On the device (carry [".whl-gpu", ".tcache"]):  bash bench/device_run.sh python3 bench/kda_layer.py ...
+# Runs that use Ray (bench/model_slice.py) carry [".whl", ".tcache"] and set WHEELS=.whl.
 # After the call, copy the returned triton.tgz.part* files into .tcache/ for the next call.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target .site .whl-gpu/*.whl || exit 1
+  --target .site "${WHEELS:-.whl-gpu}"/*.whl || exit 1
 export PYTHONPATH="$PWD/.site:$PWD" TORCHDYNAMO_DISABLE=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export TRITON_CACHE_DIR="$PWD/.triton"
 if ls .tcache/triton.tgz.part* >/dev/null 2>&1; then

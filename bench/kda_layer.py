@@ -44,6 +44,8 @@ def parse_args():
     p.add_argument("--exchanges", default="a2a,allgather,state")
     p.add_argument("--segments", type=int, default=16, help="segments of the state-passing kernel")
     p.add_argument("--skip-layer", action="store_true", help="kernel-level rows only (no layers)")
+    p.add_argument("--skip-recurrence", action="store_true",
+                   help="no CP2 recurrence-alone rows (state exchange, fla cp_context)")
     p.add_argument("--json", default=None, help="write all measurements here")
     p.add_argument("--profile", action="store_true",
                    help="only profile the CP1 layer and print the top CUDA kernels")
@@ -51,13 +53,13 @@ def parse_args():
     return p.parse_args()
 
 
-def _recipe(args, exchange: str, cp: int):
+def _recipe(args, exchange: str, cp: int, segments: int):
     from skyrl_megatron_kda.config import LayerRecipe
 
     return LayerRecipe(
         model={"hidden_size": args.hidden, "params_dtype": "bfloat16"},
         parallel={"tp": 1, "cp": cp},
-        kda={"cp_exchange": exchange, "kernel": "fla", "num_heads": args.heads,
+        kda={"cp_exchange": exchange, "kernel": "fla", "num_heads": args.heads, "kernel_segments": segments,
              "head_dim": args.head_dim, "gate_low_rank": args.low_rank,
              "output_gate_low_rank": args.low_rank},
         data={"seq_len": args.tokens},
@@ -89,6 +91,18 @@ def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def attempt(label: str, build, args):
+    """``timed(build())`` or None when the shape does not fit or the path fails: one failed row
+    is logged and the rest of the (expensive) device run goes on."""
+    try:
+        return timed(build(), args.warmup, args.iters)
+    except Exception as exc:  # noqa: BLE001 - reported, never hidden
+        log(f"{label}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        return None
+    finally:
+        torch.cuda.empty_cache()
 
 
 def kernel_fwd_bwd(args, heads: int, tokens: int):
@@ -143,10 +157,28 @@ def state_recurrence_fwd_bwd(args, tp_group, cp_group):
     layout = CPLayout.build(torch.tensor([0, args.tokens], device="cuda"), cp, 1, packed=False)
     leaves, do = _kda_leaves(args, args.heads, args.tokens // cp)
     return _backward_step(lambda *t: exchange.recurrence(*t, layout, lower_bound=-5.0, l2norm_eps=1e-6,
-                                                         chunk_size=64, backend="fla"), leaves, do)
+                                                         chunk_size=64, backend="fla", segments=args.segments),
+                          leaves, do)
 
 
-def layer_fwd_bwd(args, exchange: str, tp_group, cp_group):
+def cp_context_fwd_bwd(args, cp_group):
+    """The baseline: fla 0.6.0's own CP state passing (``chunk_kda(cp_context=...)``) on this
+    rank's contiguous shard, with the same in-kernel gate, L2 norm and beta as ours."""
+    from fla.ops.cp import build_cp_context
+    from fla.ops.kda import chunk_kda
+
+    context = build_cp_context(torch.tensor([0, args.tokens], device="cuda", dtype=torch.long), group=cp_group)
+    leaves, do = _kda_leaves(args, args.heads, args.tokens // cp_group.size())
+
+    def run(q, k, v, f, b, a_log, dt_bias):
+        return chunk_kda(q, k, v, f, b, A_log=a_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                         lower_bound=-5.0, cu_seqlens=context.cu_seqlens, cp_context=context)[0]
+
+    return _backward_step(run, leaves, do)
+
+
+def layer_fwd_bwd(args, exchange: str, tp_group, cp_group, segments: int | None = None):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from skyrl_megatron_kda.kda.exchange import CommLedger
@@ -155,7 +187,7 @@ def layer_fwd_bwd(args, exchange: str, tp_group, cp_group):
     from skyrl_megatron_kda.parallel import transformer_config
 
     cp = cp_group.size()
-    recipe = _recipe(args, exchange, cp)
+    recipe = _recipe(args, exchange, cp, args.segments if segments is None else segments)
     torch.manual_seed(0)
     ledger = CommLedger()
     layer = KimiDeltaAttention(
@@ -182,6 +214,12 @@ def layer_fwd_bwd(args, exchange: str, tp_group, cp_group):
     return step, ledger
 
 
+def _keep_ledger(step_and_ledger, ledgers: list):
+    step, ledger = step_and_ledger
+    ledgers.append(ledger)
+    return step
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -195,20 +233,24 @@ def _cp2_rank(rank: int, port: int, args, queue) -> None:
     single = [dist.new_group([r]) for r in range(2)][rank]
     cp_group = dist.new_group([0, 1])
     out = {}
-    if "state" in args.exchanges.split(","):
+    if "state" in args.exchanges.split(",") and not args.skip_recurrence:
         ms, gib = timed(state_recurrence_fwd_bwd(args, single, cp_group), args.warmup, args.iters)
         log(f"rank {rank} CP2 state recurrence alone: {ms:.1f} ms, {gib:.1f} GiB")
         out["state_recurrence"] = {"ms": ms, "peak_gib": gib}
         torch.cuda.empty_cache()
+        got = attempt(f"rank {rank} CP2 fla cp_context recurrence", lambda: cp_context_fwd_bwd(args, cp_group), args)
+        if got:
+            log(f"rank {rank} CP2 fla cp_context recurrence: {got[0]:.1f} ms, {got[1]:.1f} GiB")
+            out["cp_context"] = {"ms": got[0], "peak_gib": got[1]}
     for exchange in ([] if args.skip_layer else args.exchanges.split(",")):
-        step, ledger = layer_fwd_bwd(args, exchange, single, cp_group)
-        ms, gib = timed(step, args.warmup, args.iters)
-        log(f"rank {rank} CP2 {exchange}: {ms:.1f} ms, {gib:.1f} GiB")
-        calls = args.warmup + args.iters
-        out[exchange] = {"ms": ms, "peak_gib": gib,
-                         "cp_bytes_fwd_per_step": ledger.received("cp", "fwd") // calls}
-        del step
-        torch.cuda.empty_cache()
+        ledgers = []
+        got = attempt(f"rank {rank} CP2 {exchange}",
+                      lambda: _keep_ledger(layer_fwd_bwd(args, exchange, single, cp_group), ledgers), args)
+        if got:
+            log(f"rank {rank} CP2 {exchange}: {got[0]:.1f} ms, {got[1]:.1f} GiB")
+            calls = args.warmup + args.iters
+            out[exchange] = {"ms": got[0], "peak_gib": got[1],
+                             "cp_bytes_fwd_per_step": ledgers[0].received("cp", "fwd") // calls}
     queue.put((rank, out))
     dist.destroy_process_group()
 
@@ -240,12 +282,16 @@ def main() -> None:
         log(f"state-passing kernel, {args.segments} segments, {heads} heads, T={tokens}: {ms:.1f} ms")
         torch.cuda.empty_cache()
     if not args.skip_layer:
-        step, _ = layer_fwd_bwd(args, "a2a", single, single)
-        ms, gib = timed(step, args.warmup, args.iters)
-        results["layer_cp1"] = {"ms": ms, "peak_gib": gib}
-        log(f"layer CP1: {ms:.1f} ms, {gib:.1f} GiB")
-        del step
-        torch.cuda.empty_cache()
+        got = attempt("layer CP1", lambda: layer_fwd_bwd(args, "a2a", single, single)[0], args)
+        if got:
+            results["layer_cp1"] = {"ms": got[0], "peak_gib": got[1]}
+            log(f"layer CP1: {got[0]:.1f} ms, {got[1]:.1f} GiB")
+        if args.segments > 1:
+            got = attempt("layer CP1, whole-sequence kernel",
+                          lambda: layer_fwd_bwd(args, "a2a", single, single, segments=1)[0], args)
+            if got:
+                results["layer_cp1_whole"] = {"ms": got[0], "peak_gib": got[1]}
+                log(f"layer CP1, whole-sequence kernel (kernel_segments=1): {got[0]:.1f} ms, {got[1]:.1f} GiB")
     dist.destroy_process_group()
 
     if torch.cuda.device_count() >= 2:
@@ -260,7 +306,11 @@ def main() -> None:
             p.join()
         if "state_recurrence" in per_rank[0]:
             results["state_recurrence_cp2"] = {"ms": max(per_rank[r]["state_recurrence"]["ms"] for r in per_rank)}
+            if all("cp_context" in per_rank[r] for r in per_rank):
+                results["cp_context_cp2"] = {"ms": max(per_rank[r]["cp_context"]["ms"] for r in per_rank)}
         for exchange in ([] if args.skip_layer else args.exchanges.split(",")):
+            if not all(exchange in per_rank[r] for r in per_rank):
+                continue
             results[f"layer_cp2_{exchange}"] = {
                 "ms": max(per_rank[r][exchange]["ms"] for r in per_rank),
                 "peak_gib": max(per_rank[r][exchange]["peak_gib"] for r in per_rank),
@@ -313,7 +363,8 @@ def report_kernels(args, results) -> None:
         rows += [(f"fla chunk_kda, T={T // 2} (local-shard floor)", local),
                  (f"ours segmented ({args.segments}), T={T // 2}",
                   results.get("segmented_" + _kernel_key(H, T // 2, args), {}).get("ms")),
-                 ("CP2 state exchange recurrence, per rank", results.get("state_recurrence_cp2", {}).get("ms"))]
+                 ("CP2 state exchange recurrence, per rank", results.get("state_recurrence_cp2", {}).get("ms")),
+                 ("CP2 fla cp_context recurrence, per rank", results.get("cp_context_cp2", {}).get("ms"))]
     for name, ms in rows:
         if ms is None:
             continue
@@ -328,6 +379,10 @@ def report(args, results) -> None:
     cp1 = results["layer_cp1"]
     floor1 = results[_kernel_key(args.heads, args.tokens, args)]["ms"] + projection_flops(args, "a2a", 1) / GEMM_FLOPS_PER_S * 1e3
     rows = [("CP1 layer", cp1["ms"], floor1, 1.0, cp1["peak_gib"], model_ms(args, "a2a", 1))]
+    if "layer_cp1_whole" in results:
+        whole = results["layer_cp1_whole"]
+        rows.append(("CP1, 1 segment", whole["ms"], floor1, cp1["ms"] / whole["ms"], whole["peak_gib"],
+                     model_ms(args, "a2a", 1)))
     for exchange in args.exchanges.split(","):
         r = results.get(f"layer_cp2_{exchange}")
         if r is None:

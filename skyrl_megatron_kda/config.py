@@ -101,6 +101,13 @@ class KDAConfig(_Config):
     """Epsilon of the per-head gated RMSNorm on the output."""
     chunk_size: Literal[32, 64] = 64
     """Tokens per chunk of the chunked KDA (the sizes fla's kernels allow)."""
+    kernel_segments: PositiveInt = 16
+    """On the fla backend, each sequence (or CP piece) is cut into about this many segments of
+    whole chunks whose sequential state passes run side by side, chained exactly through fp32
+    state summaries (``kda/state_kernel.py``); 1 runs fla's ``chunk_kda`` on whole sequences.
+    fla's state pass gives one thread block per head and value block, so a long sequence with a
+    rank's few heads leaves most SMs idle. The torch backend (the CPU reference) runs a2a,
+    allgather and CP=1 on whole sequences; the state exchange always chains its pieces."""
     cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
     """How the model lays tokens over CP ranks: Megatron's load-balanced zigzag (what softmax
     attention layers need), or contiguous slices of the packed row."""
@@ -492,6 +499,9 @@ class TrainConfig(_Config):
     """Steps of linear LR warmup from 0 to lr before the cosine decay (0: start at lr)."""
     save_interval: NonNegativeInt = 0
     """Save a checkpoint every this many steps (0: only at the end and on SIGTERM/Ctrl-C)."""
+    save_at_end: bool = Field(default=True, strict=True)
+    """Save a checkpoint after the last step (benchmarks turn it off: the slice's optimizer state
+    alone is tens of GiB)."""
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> TrainConfig:

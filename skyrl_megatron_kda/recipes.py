@@ -29,6 +29,7 @@ RECIPES_DIR = Path(str(files(__package__).joinpath("recipes")))
 BUILTIN_RECIPES: dict[str, str] = {
     "glm53_flash_1m": "glm53_flash_1m.yaml",
     "glm53_flash_tiny": "glm53_flash_tiny.yaml",
+    "glm53_flash_slice": "glm53_flash_slice.yaml",
 }
 """The recipes ``register()`` adds: name -> YAML file under ``RECIPES_DIR``."""
 

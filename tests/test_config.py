@@ -176,7 +176,7 @@ def test_chunk_size_choices():
 
 
 @pytest.mark.parametrize(
-    "field", ["num_heads", "head_dim", "conv_size", "gate_low_rank", "output_gate_low_rank"]
+    "field", ["num_heads", "head_dim", "conv_size", "gate_low_rank", "output_gate_low_rank", "kernel_segments"]
 )
 def test_kda_sizes_positive(field):
     with pytest.raises(ValidationError, match=rf"{field}\n.*greater than 0"):

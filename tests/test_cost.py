@@ -342,3 +342,15 @@ def test_exactness_is_declared_once_per_exchange():
     from skyrl_megatron_kda.kda.exchange import EXCHANGES
 
     assert set(EXACT_EXCHANGES) == {name for name, cls in EXCHANGES.items() if cls.exact}
+
+
+def test_state_prepass_may_be_negative_but_not_erase_the_kernel():
+    """Our segmented recurrence runs faster than fla on the whole shard (measured -0.10), so a
+    negative value is valid; -1 or below would make the kernel free or negative."""
+    recipe = glm()
+    shape = shape_of(recipe)
+    faster = estimate("state", shape, False, recipe.cluster, calibration=Calibration(state_prepass=-0.10))
+    alone = estimate("state", shape, False, recipe.cluster, calibration=Calibration(state_prepass=0.0))
+    assert faster.kernel_s == pytest.approx(alone.kernel_s * 0.90)
+    with pytest.raises(ValueError, match=r"state_prepass=-1.0 must be > -1"):
+        Calibration(state_prepass=-1.0)

@@ -368,3 +368,19 @@ def test_dsa_with_tp_needs_sequence_parallel():
     with pytest.raises(ValidationError, match=r"DSA layers at tp=2 need parallel.sequence_parallel=true"):
         get_recipe(TINY, base, environ={})
     assert get_recipe(TINY, base + ["model.num_layers=3"], environ={}).model.layer_types() == ["kda"] * 3
+
+
+def test_slice_recipe_is_one_gpu_with_the_real_layer_widths():
+    """The device benchmark's slice: full-width GLM layers (KDA x3 + DSA at 3), MoE scaled down,
+    one GPU, fla kernels; its memory plan is what bench/model_slice.py checks against the peak."""
+    from skyrl_megatron_kda.memory import estimate_memory
+
+    slice_ = get_recipe("glm53_flash_slice")
+    full = get_recipe(FULL)
+    assert (slice_.parallel.tp, slice_.parallel.cp, slice_.run.num_workers) == (1, 1, 1)
+    assert slice_.model.hidden_size == full.model.hidden_size
+    assert slice_.model.vocab_size == full.model.vocab_size
+    assert slice_.kda.num_heads == full.kda.num_heads and slice_.kda.kernel == "fla"
+    assert slice_.model.num_layers == 4 and slice_.model.dsa_offset == 3
+    assert slice_.model.moe.num_experts < full.model.moe.num_experts
+    assert estimate_memory(slice_).total / 2**30 < 139  # one H200

@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.mappings import (
 from . import state as state_passing
 from .kernel import causal_conv_silu, kda
 from .layout import CPLayout, sort_index
-from .state_kernel import identity_summaries, state_passing_kda
+from .state_kernel import IsolatedPieces, identity_summaries, state_passing_kda
 
 # project(rows [s, b, D], heads) -> (fused [s, b, W(heads)], widths of its sections)
 Projection = Callable[[torch.Tensor, slice], tuple[torch.Tensor, list[int]]]
@@ -169,10 +169,20 @@ class _Exchange:
         """Causal short conv + SiLU on whole sequences in natural order ([b, T, C])."""
         return causal_conv_silu(qkv, weight, cu_seqlens=layout.kernel_cu_seqlens, backend=backend)
 
-    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, **kernel_args):
-        """The KDA recurrence on whole sequences in natural order."""
-        o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=layout.kernel_cu_seqlens, **kernel_args)
-        return o
+    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, *, segments: int, **kernel_args):
+        """The KDA recurrence on whole sequences in natural order ([b, T, H, K]); on the fla
+        backend each sequence runs as ``segments`` chained segments (``KDAConfig.kernel_segments``)."""
+        if kernel_args["backend"] != "fla" or segments == 1:
+            o, _ = kda(q, k, v, f, b, A_log, dt_bias, cu_seqlens=layout.kernel_cu_seqlens, **kernel_args)
+            return o
+        batch, rows = q.shape[:2]
+        cu = layout.kernel_cu_seqlens
+        if cu is None:
+            cu = torch.arange(0, (batch + 1) * rows, rows, device=q.device)
+        q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
+        o = state_passing_kda(q, k, v, f, b, A_log, dt_bias, piece_cu=cu, link=IsolatedPieces(),
+                              segments=segments, **kernel_args)
+        return o.reshape(batch, rows, *o.shape[2:])
 
 
 class _HeadParallelExchange(_Exchange):
@@ -331,9 +341,9 @@ class StateExchange(_Exchange):
         y = causal_conv_silu(padded.unsqueeze(0), weight, cu_seqlens=cu, backend=backend)[0]
         return y[keep].reshape(batch, rows, channels)
 
-    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, **kernel_args):
+    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, *, segments: int, **kernel_args):
         if self.cp == 1:
-            return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, **kernel_args)
+            return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, segments=segments, **kernel_args)
         batch, rows, heads, K = q.shape
         pieces = self._pieces(layout, batch, self.cp_rank)
         q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
@@ -344,7 +354,8 @@ class StateExchange(_Exchange):
         cu = torch.zeros(int(present.sum()) + 1, dtype=torch.long, device=q.device)
         cu[1:] = lengths[present].cumsum(0)
         link = _CPChain(self, present, layout.kind)
-        o = state_passing_kda(q, k, v, f, b, A_log, dt_bias, piece_cu=cu, link=link, **kernel_args)
+        o = state_passing_kda(q, k, v, f, b, A_log, dt_bias, piece_cu=cu, link=link, segments=segments,
+                              **kernel_args)
         return o.reshape(batch, rows, heads, -1)
 
 

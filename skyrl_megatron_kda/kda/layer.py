@@ -223,6 +223,7 @@ class KimiDeltaAttention(MegatronModule):
             q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk], layout,
             lower_bound=self.kda_config.gate_lower_bound, l2norm_eps=self.kda_config.l2norm_eps,
             chunk_size=self.kda_config.chunk_size, backend=self.backend,
+            segments=self.kda_config.kernel_segments,
         )
         o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),
                            self.kda_config.norm_eps, backend=self.backend)

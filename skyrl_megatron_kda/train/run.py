@@ -50,11 +50,14 @@ def _make_trainer(rank: int, world: int, recipe: Recipe):
 
 def merge_rank_metrics(per_rank: list[dict]) -> dict:
     """One metrics line from every rank's: the global values of rank 0, the slowest rank's step
-    time (the step ends when it does), the largest per-rank CP byte count, and tokens/s."""
+    time (the step ends when it does), the largest per-rank CP byte count and GPU memory peak
+    (None on CPU), and tokens/s."""
     first = per_rank[0]
     line = {k: first[k] for k in _GLOBAL_KEYS}
     line["step_time_s"] = max(m["step_time_s"] for m in per_rank)
     line["cp_bytes"] = max(m["cp_bytes"] for m in per_rank)
+    peaks = [m["peak_gib"] for m in per_rank if m.get("peak_gib") is not None]
+    line["peak_gib"] = max(peaks) if peaks else None
     line["tokens_per_s"] = line["tokens"] / line["step_time_s"]
     return line
 
@@ -173,6 +176,6 @@ def _train_loop(recipe: Recipe, group, out: Path, start: int, progress: TextIO |
             if stop.signum is not None:
                 path = Path(group.call_held("save_checkpoint", str(out))[0])
                 raise Interrupted(stop.signum, step, path)
-            if step == total or (interval and step % interval == 0):
+            if (step == total and recipe.train.save_at_end) or (interval and step % interval == 0):
                 group.call_held("save_checkpoint", str(out))
     return lines

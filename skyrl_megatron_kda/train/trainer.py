@@ -136,6 +136,10 @@ class RankTrainer:
 
         module = (build_model or _glm_build_model)(recipe, use_cpu=self.use_cpu,
                                                    pg_collection=self.pgs)
+        if not self.use_cpu:
+            # Parameters megatron's DDP does not take into its CUDA buffers (the frozen DSA
+            # indexer) and module-made ones must be on the GPU too, as in megatron's get_model.
+            module.cuda(torch.cuda.current_device())
         load_initial_weights(module, recipe)
         self.config = get_model_config(module)
         # The loss below is a per-rank token sum: DDP must sum gradients (not average them) and
@@ -239,6 +243,8 @@ class RankTrainer:
             "step_time_s": time.perf_counter() - start,
             "exchange": self.recipe.kda.cp_exchange,
             "cp_bytes": self.model.module.cp_bytes(),
+            # Peak of torch's allocator since the run started (what `skyrl-kda plan` estimates).
+            "peak_gib": None if self.use_cpu else torch.cuda.max_memory_allocated() / 2**30,
         }
 
     def resolved_recipe(self) -> dict:

@@ -1,0 +1,104 @@
+"""Train the GLM-5.3-Flash slice on GPUs through Ray actors: tokens/s, and peak memory against
+``skyrl-kda plan``'s estimate.
+
+Each run is the ``glm53_flash_slice`` recipe (full-width layers, MoE scaled to 16 experts) with
+``model.num_layers`` and ``data.seq_len`` set per run, trained for a few steps by ``train.run``
+exactly as ``skyrl-kda run`` does (Ray actor per GPU, megatron DDP + distributed optimizer, fla
+kernels). Tokens/s is the median of the steps after the first (which autotunes); the peak is
+torch's allocator peak on the busiest rank. A run that fails (out of memory) is reported, not fatal.
+
+Usage (on a CUDA machine with Ray):
+  python bench/model_slice.py --runs 4:256,3:16384,3:32768 --json slice.json
+  python bench/model_slice.py --runs 3:65536 --cp 2 --exchanges a2a,allgather,state
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+_T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - _T0:6.1f}s] {msg}", flush=True)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="4:256,3:16384,3:32768",
+                   help="comma-separated LAYERS:SEQ_LEN (4 = KDA x3 + DSA, 3 = KDA only)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (= GPUs used)")
+    p.add_argument("--exchanges", default="a2a", help="KDA CP exchanges to run (comma-separated)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def slice_recipe(layers: int, seq_len: int, cp: int, exchange: str, steps: int, output_dir: str):
+    from skyrl_megatron_kda.recipes import load_recipe
+
+    return load_recipe("glm53_flash_slice", [
+        f"model.num_layers={layers}", f"data.seq_len={seq_len}", f"parallel.cp={cp}",
+        f"run.num_workers={cp}", f"kda.cp_exchange={exchange}", f"train.steps={steps}",
+        "train.save_at_end=false", f"run.output_dir={output_dir}",
+    ])
+
+
+def measure(recipe) -> dict:
+    from skyrl_megatron_kda.memory import estimate_memory
+    from skyrl_megatron_kda.train.run import run
+
+    estimate = estimate_memory(recipe).total / 2**30
+    try:
+        lines = run(recipe, progress=None)
+    except Exception as exc:  # noqa: BLE001 - an out-of-memory run is a result of this benchmark
+        return {"estimate_gib": estimate, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    timed = lines[1:] or lines
+    return {
+        "estimate_gib": estimate,
+        "peak_gib": max(line["peak_gib"] for line in lines),
+        "tokens_per_s": statistics.median(line["tokens_per_s"] for line in timed),
+        "step_time_s": statistics.median(line["step_time_s"] for line in timed),
+        "losses": [line["loss"] for line in lines],
+        "cp_bytes": lines[-1]["cp_bytes"],
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    results = []
+    for spec in args.runs.split(","):
+        layers, seq_len = (int(x) for x in spec.split(":"))
+        for exchange in args.exchanges.split(","):
+            with tempfile.TemporaryDirectory() as out:
+                recipe = slice_recipe(layers, seq_len, args.cp, exchange, args.steps, out)
+                log(f"{layers} layers, T={seq_len}, CP{args.cp} {exchange}: training {args.steps} steps")
+                row = {"layers": layers, "seq_len": seq_len, "cp": args.cp, "exchange": exchange,
+                       **measure(recipe)}
+            log(json.dumps(row))
+            results.append(row)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=2)
+    report(results)
+
+
+def report(results: list[dict]) -> None:
+    print(f"\nGLM-5.3-Flash slice, bf16, fwd+bwd+optimizer step; peak = torch allocator, busiest rank")
+    print(f"{'layers':>6}{'T':>9}{'CP':>4}{'exchange':>11}{'tok/s':>10}{'s/step':>8}{'peak GiB':>10}"
+          f"{'plan GiB':>10}{'plan/peak':>10}")
+    for r in results:
+        head = f"{r['layers']:>6}{r['seq_len']:>9}{r['cp']:>4}{r['exchange']:>11}"
+        if "error" in r:
+            print(f"{head}  failed: {r['error']}  (plan {r['estimate_gib']:.1f} GiB)")
+            continue
+        print(f"{head}{r['tokens_per_s']:>10,.0f}{r['step_time_s']:>8.2f}{r['peak_gib']:>10.1f}"
+              f"{r['estimate_gib']:>10.1f}{r['estimate_gib'] / r['peak_gib']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
