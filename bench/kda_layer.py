@@ -46,9 +46,14 @@ def parse_args():
     p.add_argument("--skip-layer", action="store_true", help="kernel-level rows only (no layers)")
     p.add_argument("--skip-recurrence", action="store_true",
                    help="no CP2 recurrence-alone rows (state exchange, fla cp_context)")
+    p.add_argument("--emulate-cp2", action="store_true",
+                   help="with one GPU: run each CP2 rank's work on it in turn, collectives not run "
+                        "(torch's fake process group); the report adds the cost model's comm time")
     p.add_argument("--json", default=None, help="write all measurements here")
     p.add_argument("--profile", action="store_true",
                    help="only profile the CP1 layer and print the top CUDA kernels")
+    p.add_argument("--profile-cp2", action="store_true",
+                   help="also print the top CUDA kernels of each CP2 exchange on rank 0")
     p.add_argument("--stack-dump-after", type=float, default=900, help="seconds; print stacks if still running")
     return p.parse_args()
 
@@ -226,10 +231,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cp2_rank(rank: int, port: int, args, queue) -> None:
+def _cp2_rank(rank: int, port: int, args, queue, emulated: bool = False) -> None:
+    """One CP2 rank. ``emulated``: on GPU 0 with torch's fake process group, whose collectives
+    do nothing: the rank's own work (kernels, GEMMs, copies) at its real shapes, no traffic."""
     faulthandler.dump_traceback_later(args.stack_dump_after, exit=False)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if emulated:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("fake", rank=rank, world_size=2, store=FakeStore())
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     single = [dist.new_group([r]) for r in range(2)][rank]
     cp_group = dist.new_group([0, 1])
     out = {}
@@ -238,7 +251,9 @@ def _cp2_rank(rank: int, port: int, args, queue) -> None:
         log(f"rank {rank} CP2 state recurrence alone: {ms:.1f} ms, {gib:.1f} GiB")
         out["state_recurrence"] = {"ms": ms, "peak_gib": gib}
         torch.cuda.empty_cache()
-        got = attempt(f"rank {rank} CP2 fla cp_context recurrence", lambda: cp_context_fwd_bwd(args, cp_group), args)
+        # fla's cp_context needs real collectives to index its shards (not run when emulated).
+        got = None if emulated else attempt(f"rank {rank} CP2 fla cp_context recurrence",
+                                            lambda: cp_context_fwd_bwd(args, cp_group), args)
         if got:
             log(f"rank {rank} CP2 fla cp_context recurrence: {got[0]:.1f} ms, {got[1]:.1f} GiB")
             out["cp_context"] = {"ms": got[0], "peak_gib": got[1]}
@@ -251,6 +266,8 @@ def _cp2_rank(rank: int, port: int, args, queue) -> None:
             calls = args.warmup + args.iters
             out[exchange] = {"ms": got[0], "peak_gib": got[1],
                              "cp_bytes_fwd_per_step": ledgers[0].received("cp", "fwd") // calls}
+            if args.profile_cp2 and rank == 0:
+                profile_step(args, f"CP2 {exchange}, rank 0", layer_fwd_bwd(args, exchange, single, cp_group)[0])
     queue.put((rank, out))
     dist.destroy_process_group()
 
@@ -276,7 +293,7 @@ def main() -> None:
         results[_kernel_key(heads, tokens, args)] = {"ms": ms, "peak_gib": gib}
         log(f"kernel alone, {heads} heads, T={tokens}: {ms:.1f} ms, {gib:.1f} GiB")
         torch.cuda.empty_cache()
-    for heads, tokens in shapes[:1] + shapes[2:]:
+    for heads, tokens in shapes:
         ms, gib = timed(segmented_fwd_bwd(args, heads, tokens), args.warmup, args.iters)
         results["segmented_" + _kernel_key(heads, tokens, args)] = {"ms": ms, "peak_gib": gib}
         log(f"state-passing kernel, {args.segments} segments, {heads} heads, T={tokens}: {ms:.1f} ms")
@@ -294,16 +311,25 @@ def main() -> None:
                 log(f"layer CP1, whole-sequence kernel (kernel_segments=1): {got[0]:.1f} ms, {got[1]:.1f} GiB")
     dist.destroy_process_group()
 
-    if torch.cuda.device_count() >= 2:
+    results["cp2_emulated"] = torch.cuda.device_count() < 2
+    if torch.cuda.device_count() >= 2 or args.emulate_cp2:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         cp2_port = _free_port()
-        procs = [ctx.Process(target=_cp2_rank, args=(r, cp2_port, args, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        per_rank = dict(queue.get() for _ in procs)
-        for p in procs:
-            p.join()
+        procs = [ctx.Process(target=_cp2_rank, args=(r, cp2_port, args, queue, results["cp2_emulated"]))
+                 for r in range(2)]
+        per_rank = {}
+        if results["cp2_emulated"]:  # one rank after the other on the one GPU
+            for p in procs:
+                p.start()
+                per_rank.update([queue.get()])
+                p.join()
+        else:
+            for p in procs:
+                p.start()
+            per_rank = dict(queue.get() for _ in procs)
+            for p in procs:
+                p.join()
         if "state_recurrence" in per_rank[0]:
             results["state_recurrence_cp2"] = {"ms": max(per_rank[r]["state_recurrence"]["ms"] for r in per_rank)}
             if all("cp_context" in per_rank[r] for r in per_rank):
@@ -324,9 +350,13 @@ def main() -> None:
 
 def profile_cp1(args, group) -> None:
     """Where the CP1 layer's fwd+bwd time goes, by CUDA kernel (after a warm-up step)."""
-    step, _ = layer_fwd_bwd(args, "a2a", group, group)
+    profile_step(args, "CP1", layer_fwd_bwd(args, "a2a", group, group)[0])
+
+
+def profile_step(args, label: str, step) -> None:
+    """Top CUDA kernels of ``step`` over ``args.iters`` calls, after a warm-up step."""
     ms, _ = timed(step, args.warmup, 1)
-    log(f"layer CP1: {ms:.1f} ms; profiling {args.iters} steps")
+    log(f"layer {label}: {ms:.1f} ms; profiling {args.iters} steps")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
             step()
@@ -338,16 +368,25 @@ def _kernel_key(heads: int, tokens: int, args) -> str:
     return f"kernel_{heads}h" if tokens == args.tokens else f"kernel_{heads}h_T{tokens}"
 
 
-def model_ms(args, exchange: str, cp: int) -> float:
-    """The cost model's forward+backward estimate for this shape inside one node (NVLink)."""
+def _model(args, exchange: str, cp: int):
+    """The cost model's estimate (``kda/cost.py``) for this shape inside one node (NVLink)."""
     from skyrl_megatron_kda.config import ClusterConfig
     from skyrl_megatron_kda.kda.cost import estimate
     from skyrl_megatron_kda.kda.exchange import ExchangeShape
 
     shape = ExchangeShape(tokens=args.tokens, batch=1, hidden=args.hidden, num_heads=args.heads,
                           head_dim=args.head_dim, tp=1, cp=cp, sequence_parallel=False)
-    return estimate(exchange, shape, False, ClusterConfig(),
-                    gate_ranks=(args.low_rank, args.low_rank)).total_s * 1e3
+    return estimate(exchange, shape, False, ClusterConfig(), gate_ranks=(args.low_rank, args.low_rank))
+
+
+def model_ms(args, exchange: str, cp: int) -> float:
+    """The model's forward+backward milliseconds (its floor of the layer)."""
+    return _model(args, exchange, cp).total_s * 1e3
+
+
+def model_comm_ms(args, exchange: str) -> float:
+    """The model's CP communication milliseconds of one CP2 rank, fwd+bwd (added to emulated rows)."""
+    return _model(args, exchange, 2).cp_comm_s * 1e3
 
 
 def report_kernels(args, results) -> None:
@@ -383,14 +422,21 @@ def report(args, results) -> None:
         whole = results["layer_cp1_whole"]
         rows.append(("CP1, 1 segment", whole["ms"], floor1, cp1["ms"] / whole["ms"], whole["peak_gib"],
                      model_ms(args, "a2a", 1)))
+    emulated = results.get("cp2_emulated", False)
     for exchange in args.exchanges.split(","):
         r = results.get(f"layer_cp2_{exchange}")
         if r is None:
             continue
         heads, tokens = (args.heads, args.tokens // 2) if exchange == "state" else (args.heads // 2, args.tokens)
         floor = results[_kernel_key(heads, tokens, args)]["ms"] + projection_flops(args, exchange, 2) / GEMM_FLOPS_PER_S * 1e3
-        rows.append((f"CP2 {exchange}", r["ms"], floor, cp1["ms"] / r["ms"], r["peak_gib"], model_ms(args, exchange, 2)))
+        comm = model_comm_ms(args, exchange) if emulated else 0.0
+        rows.append((f"CP2 {exchange}", r["ms"] + comm, floor, cp1["ms"] / (r["ms"] + comm), r["peak_gib"],
+                     model_ms(args, exchange, 2)))
+        r["comm_ms_modeled"] = comm
     print(f"\nKDA layer fwd+bwd, T={args.tokens}, {args.heads} heads x {args.head_dim}, hidden {args.hidden}, bf16")
+    if emulated:
+        print("CP2 rows: one rank's work measured on one GPU (fake process group: collectives not run) "
+              "+ the cost model's NVLink comm time for that exchange")
     print(f"{'run':<16}{'ms':>9}{'floor ms':>10}{'x floor':>9}{'speedup vs CP1':>16}{'peak GiB':>10}"
           f"{'mem vs CP1':>11}{'model ms':>10}")
     for name, ms, floor, speedup, gib, predicted in rows:
@@ -403,7 +449,7 @@ def report(args, results) -> None:
         verdict = "same" if measured == predicted else "DIFFERENT"
         print(f"ranking, fastest first: measured {measured}; cost model {predicted} ({verdict})")
     elif torch.cuda.device_count() < 2:
-        print("(CP2 rows need 2 GPUs; only one is visible)")
+        print("(CP2 rows need 2 GPUs, or --emulate-cp2 on one)")
 
 
 if __name__ == "__main__":

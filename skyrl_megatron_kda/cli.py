@@ -30,7 +30,7 @@ def plan_lines(recipe: LayerRecipe, state_prepass: float | None = None) -> list[
         f"per node -> {where} ({link.bandwidth_gib_s:g} GiB/s all-gather, "
         f"{link.a2a_bandwidth_gib_s:g} GiB/s all-to-all, {link.latency_us:g} us); "
         f"state pre-pass {calibration.state_prepass:+.2f}x",
-        "per rank per KDA layer: bytes one forward pass (backward mirrors it), "
+        "per rank per KDA layer: bytes one forward pass (backward: the mirror, plus the row gathers again), "
         "time forward+backward",
         f"{'exchange':<10}{'CP in GiB':>10}{'CP out GiB':>11}{'TP GiB':>8}{'comm ms':>9}"
         f"{'compute ms':>11}{'total ms':>10}{'extra mem GiB':>14}  exact",

@@ -492,7 +492,16 @@ class TrainConfig(_Config):
     seed: int = Field(default=1234, strict=True, ge=0)
     """Seed of parameter init and synthetic data; the same seed gives the same first loss."""
     recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation (Megatron's recompute_granularity; none keeps all activations)."""
+    """Activation recomputation in backward for the layers of ``recompute_layers`` (Megatron's
+    recompute granularities): ``full`` reruns the whole layer and keeps only its input streams;
+    ``selective`` reruns its attention block (norm + KDA or DSA: the largest activations per
+    token) and keeps the FFN's; ``none`` keeps every activation."""
+    recompute_layers: list[LayerType] = ["kda", "dsa"]
+    """The layer types ``recompute`` applies to; layers of the other type keep their activations."""
+    offload_activations: bool = Field(default=False, strict=True)
+    """Keep the tensors saved for backward in host memory instead of the GPU (torch's
+    ``save_on_cpu``, pinned): under full recompute the layer inputs, else every kept activation.
+    Each is copied to the host in forward and back in backward."""
     log_every: PositiveInt = 1
     """Log metrics every this many steps."""
     warmup_steps: NonNegativeInt = 0
@@ -502,6 +511,17 @@ class TrainConfig(_Config):
     save_at_end: bool = Field(default=True, strict=True)
     """Save a checkpoint after the last step (benchmarks turn it off: the slice's optimizer state
     alone is tens of GiB)."""
+
+    @field_validator("recompute_layers")
+    @classmethod
+    def _layer_types_once(cls, value: list[str]) -> list[str]:
+        if not value or len(set(value)) != len(value):
+            raise ValueError(f"train.recompute_layers={value} must name 'kda' and/or 'dsa', each once")
+        return value
+
+    def recompute_of(self, layer_type: str) -> str:
+        """The recompute mode of layers of ``layer_type``."""
+        return self.recompute if layer_type in self.recompute_layers else "none"
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> TrainConfig:

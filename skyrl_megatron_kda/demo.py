@@ -48,7 +48,7 @@ def check_on_mesh(rank: int, world: int, recipe: LayerRecipe, lengths: tuple[int
 
 def byte_table(tokens: int = 2**20) -> list[str]:
     """The analytic per-rank forward bytes of each exchange at GLM-5.3-Flash dims (bf16, SP on)."""
-    lines = [f"analytic CP bytes per rank per KDA layer, forward, T={tokens}, bf16 (backward mirrors it)",
+    lines = [f"analytic CP bytes per rank per KDA layer, forward, T={tokens}, bf16 (backward: the mirror, plus allgather's rows gathered again)",
              f"{'model':<22}{'mesh':<10}{'a2a GiB':>9}{'allgather GiB':>15}{'a2a/allgather':>15}"
              f"{'input side':>12}"]
     for heads, hidden, meshes in ((64, 4096, ((8, 2), (8, 4), (8, 8), (1, 2))), (8, 4096, ((1, 2),))):

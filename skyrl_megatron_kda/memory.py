@@ -18,13 +18,19 @@ tensor); nothing is fitted to a measurement.
   of ``data.seq_len`` tokens (the trainer runs forward+backward one row at a time, so
   ``micro_batch_size`` does not multiply them). KDA is modeled on the fla (GPU) kernels;
   every other block runs the same torch/megatron code on CPU and GPU, and a CPU test checks
-  those terms against autograd's saved tensors. ``train.recompute=full`` keeps only each
-  layer's input streams and rebuilds one layer at a time in backward.
-- **Transient**: the largest working set that is not kept for backward (the bf16 logits, the
-  DSA indexer's score matrix, one rebuilt layer under full recompute); added once to the peak.
+  those terms against autograd's saved tensors. ``train.recompute`` (for the layer types of
+  ``train.recompute_layers``): ``full`` keeps only each layer's input streams and rebuilds one
+  layer at a time in backward, ``selective`` keeps the attention block's input instead of its
+  tensors. ``train.offload_activations`` moves the kept ones to host memory.
+- **Peak phase**: activations are not all alive at once. The estimate takes the largest of a
+  few phases of the step, each the activations alive then plus its working set: the loss (the
+  head's tensors and the bf16 logits), a KDA layer's kernel backward (fla's ``chunk_kda_bwd``
+  allocations; the head, the later layers and that layer's MLP are freed by then; a recomputed
+  layer's rebuilt tensors are alive), and the DSA indexer's scratch.
 
 Not counted: allocator fragmentation and caching, NCCL/communication buffers other than the KDA
-exchange's, CUDA context (about 0.5-1 GiB), gradients of activations beyond the transient term.
+exchange's, CUDA context (about 0.5-1 GiB), gradients of activations other than fla's kernel
+backward (for example the MLPs' and the projections' input gradients).
 """
 
 from __future__ import annotations
@@ -201,8 +207,9 @@ def norm_activation_bytes(recipe: Recipe, width: int, rows: int) -> int:
 def kda_activation_bytes(recipe: Recipe) -> int:
     """One KDA layer (kda/layer.py with fla's kernels), per rank, without the exchange's extra.
 
-    Kept for backward: the projection's input rows [S, D] (gathered from the SP shards) and the
-    low-rank gate outputs [S, rf + rg]; the concatenated projection weights; per head-token
+    Kept for backward: the projection's input, this rank's SP shard [s, D] (the rows gathered
+    from it are gathered again in backward, kda/rows.py), and the low-rank gate outputs
+    [S, rf + rg]; the concatenated projection weights; per head-token
     (S * H / tp of them, for every exchange): the fused projection [q|k|v|f|g|beta] (5K + 1,
     alive as the conv's saved input), fla's L2-normalised q and k (2K) with fp32 rstds, the
     contiguous copies fla's ``input_guard`` makes of v, the raw gate and beta (K + K + 1) and
@@ -216,7 +223,20 @@ def kda_activation_bytes(recipe: Recipe) -> int:
     head_tokens = r.cp * h
     per_head_token = w * (5 * K + 1 + 2 * K + 2 * K + 1 + 2 * k.chunk_size + 3 * K) + 4 * 4
     weights = w * (3 * h * K + h + low) * D
-    return r.cp * (D + low) * w + weights + head_tokens * per_head_token
+    return (r.sp * D + r.cp * low) * w + weights + head_tokens * per_head_token
+
+
+def kda_backward_bytes(recipe: Recipe) -> int:
+    """Working set of fla 0.6.0's ``chunk_kda_bwd`` for one KDA layer, per rank: every tensor it
+    allocates stays referenced until it returns, so at its last step (``chunk_kda_bwd_intra``)
+    all of these are alive at once, per head-token (S * H / tp): the recomputed fp32 gate
+    cumsum (K) and bf16 w, u, qg, kg (4K) and states h (K*V per chunk of C tokens); v_new and
+    dv (2V, bf16); fp32 dAqk and dAkk (2C); the bf16 state gradients dh (K*V per chunk); fp32
+    dq, dk, dg (3K), their copies in the intra-chunk pass (3K) and db (two of them)."""
+    m, k, p, w = recipe.model, recipe.kda, recipe.parallel, _act_bytes(recipe)
+    K, C, h = k.head_dim, k.chunk_size, k.num_heads // p.tp
+    per_head_token = 4 * K + w * 4 * K + 2 * w * K * K // C + 2 * w * K + 4 * 2 * C + 4 * 6 * K + 8
+    return rows_of(recipe).cp * h * per_head_token
 
 
 def dsa_activation_bytes(recipe: Recipe) -> int:
@@ -299,25 +319,69 @@ def head_activation_bytes(recipe: Recipe) -> int:
     return total
 
 
+def attention_activation_bytes(recipe: Recipe, index: int) -> int:
+    """The attention block of layer ``index`` (KDA or DSA; exchange excluded)."""
+    if recipe.model.layer_types()[index] == "kda":
+        return kda_activation_bytes(recipe)
+    return dsa_activation_bytes(recipe)
+
+
+def mlp_activation_bytes(recipe: Recipe, index: int) -> int:
+    """The FFN block of layer ``index`` (dense MLP or MoE)."""
+    if recipe.model.mlp_types()[index] == "dense":
+        return dense_mlp_activation_bytes(recipe)
+    return moe_activation_bytes(recipe)
+
+
 def layer_activation_bytes(recipe: Recipe, index: int) -> int:
     """Everything layer ``index`` keeps for backward without recompute (exchange excluded)."""
-    m = recipe.model
-    r = rows_of(recipe)
+    m, r = recipe.model, rows_of(recipe)
     total = mhc_activation_bytes(recipe) + 2 * norm_activation_bytes(recipe, m.hidden_size, r.sp)
-    if m.layer_types()[index] == "kda":
-        total += kda_activation_bytes(recipe)
+    return total + attention_activation_bytes(recipe, index) + mlp_activation_bytes(recipe, index)
+
+
+def checkpoint_input_bytes(recipe: Recipe, mode: str) -> int:
+    """What a recompute keeps to rebuild from: the layer's input streams [s, N, D] (``full``),
+    the attention block's input [s, D] (``selective``), nothing (``none``)."""
+    m, r, w = recipe.model, rows_of(recipe), _act_bytes(recipe)
+    width = {"full": m.hyper_connections.num_streams * m.hidden_size, "selective": m.hidden_size, "none": 0}
+    return r.sp * width[mode] * w
+
+
+def layer_kept_bytes(recipe: Recipe, index: int) -> dict[str, int]:
+    """What layer ``index`` keeps for backward at the end of the forward, under its recompute
+    mode (``train.recompute_of``), by the plan table's labels: ``full`` keeps its input streams
+    (the checkpoint); ``selective`` keeps the attention block's input [s, D] instead of its
+    norm and attention tensors; ``none`` keeps everything."""
+    m, r = recipe.model, rows_of(recipe)
+    kind = m.layer_types()[index]
+    mode = recipe.train.recompute_of(kind)
+    if mode == "full":
+        return {"layer inputs (checkpoints)": checkpoint_input_bytes(recipe, mode)}
+    norm = norm_activation_bytes(recipe, m.hidden_size, r.sp)
+    kept = {"dense MLP" if m.mlp_types()[index] == "dense" else "MoE": mlp_activation_bytes(recipe, index),
+            "mHC + norms": mhc_activation_bytes(recipe) + 2 * norm}
+    if mode == "selective":
+        kept["mHC + norms"] -= norm
+        kept["attention inputs (checkpoints)"] = checkpoint_input_bytes(recipe, mode)
     else:
-        total += dsa_activation_bytes(recipe)
-    if m.mlp_types()[index] == "dense":
-        total += dense_mlp_activation_bytes(recipe)
-    else:
-        total += moe_activation_bytes(recipe)
-    return total
+        kept[f"{kind.upper()} attention"] = attention_activation_bytes(recipe, index)
+    return kept
+
+
+def layer_backward_bytes(recipe: Recipe, index: int) -> int:
+    """What layer ``index`` holds while its attention block runs backward (its FFN has finished
+    backward): its tensors without the FFN's, rebuilt ones included, plus the checkpoint input
+    that a recompute keeps."""
+    mode = recipe.train.recompute_of(recipe.model.layer_types()[index])
+    return (layer_activation_bytes(recipe, index) - mlp_activation_bytes(recipe, index)
+            + checkpoint_input_bytes(recipe, mode))
 
 
 def exchange_extra_bytes(recipe: Recipe) -> tuple[str, int]:
-    """The KDA exchange this recipe runs (``auto`` resolved by the cost model) and the buffers
-    one KDA layer holds for it (kda/cost.py ``extra_memory_bytes``), for one packed row."""
+    """The KDA exchange this recipe runs (``auto`` resolved by the cost model) and the transient
+    buffers one KDA layer allocates for it (kda/cost.py ``extra_memory_bytes``), for one packed
+    row."""
     from .kda.cost import choose, extra_memory_bytes, shape_of
 
     name = recipe.kda.cp_exchange
@@ -339,25 +403,25 @@ class MemoryEstimate:
     buffers: int
     grads: int
     optimizer: int
-    activations: dict[str, int]  # by layer part, all layers together
+    activations: dict[str, int]  # kept for backward at the end of the forward, all layers
     exchange: str
-    exchange_buffers: int
-    transients: dict[str, int]  # working sets not kept for backward; the largest counts
+    exchange_buffers: int  # the KDA exchange's transient buffers (one layer at a time)
+    phases: dict[str, int]  # activations + working set alive at each candidate peak
     recompute: str
+    offloaded: bool  # the kept activations live in host memory (train.offload_activations)
 
     @property
     def states(self) -> int:
         return sum(self.params.values()) + self.buffers + self.grads + self.optimizer
 
     @property
-    def transient(self) -> int:
-        """The largest working set (they do not coexist: one layer or the loss at a time)."""
-        return max(self.transients.values(), default=0)
+    def peak_phase(self) -> tuple[str, int]:
+        """The phase of the step with the most activation memory, and that memory."""
+        return max(self.phases.items(), key=lambda item: item[1])
 
     @property
     def total(self) -> int:
-        return (self.states + sum(self.activations.values()) + self.exchange_buffers
-                + self.transient)
+        return self.states + self.peak_phase[1]
 
 
 PARAM_GROUPS: dict[str, tuple[str, ...]] = {
@@ -381,9 +445,6 @@ def optimizer_shards(recipe: Recipe) -> tuple[int, int]:
 
 def estimate_memory(recipe: Recipe) -> MemoryEstimate:
     """The per-GPU memory of ``recipe`` (see the module docstring for what is counted)."""
-    if recipe.train.recompute == "selective":
-        raise ValueError("train.recompute=selective is not implemented by the model "
-                         "(model/glm.py); estimate none or full")
     groups = rank_parameters(recipe)
     params = {label: sum(g.bytes for g in groups if g.component in kinds)
               for label, kinds in PARAM_GROUPS.items()}
@@ -397,41 +458,40 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
         optimizer += g.numel * per_element // (expert_shard if g.expert else dense_shard)
 
     m, r, w = recipe.model, rows_of(recipe), _act_bytes(recipe)
-    kinds, mlps = m.layer_types(), m.mlp_types()
+    kinds = m.layer_types()
     exchange, per_layer_extra = exchange_extra_bytes(recipe)
-    layers = [layer_activation_bytes(recipe, i) for i in range(m.num_layers)]
     head = head_activation_bytes(recipe)
     logits = r.cp * m.vocab_size // recipe.parallel.tp * w
+    kda_bwd = kda_backward_bytes(recipe) if "kda" in kinds else 0
     dsa_scratch = dsa_transient_bytes(recipe) if "dsa" in kinds else 0
-    if recipe.train.recompute == "full":
-        inputs = m.num_layers * r.sp * m.hyper_connections.num_streams * m.hidden_size * w
-        activations = {"layer inputs (checkpoints)": inputs, "embedding + head + loss": head}
-        extra = 0
-        candidates = {"logits [S, V/tp] (activation dtype)": logits}
-        for kind, label in (("kda", "rebuilt KDA layer + exchange"),
-                            ("dsa", "rebuilt DSA layer + indexer scores")):
-            rebuilt = [layers[i] + (per_layer_extra if kind == "kda" else dsa_scratch)
-                       for i in range(m.num_layers) if kinds[i] == kind]
-            if rebuilt:
-                candidates[label] = max(rebuilt)
-    else:
-        activations = {
-            "KDA attention": kinds.count("kda") * kda_activation_bytes(recipe),
-            "DSA attention": kinds.count("dsa") * dsa_activation_bytes(recipe),
-            "dense MLP": mlps.count("dense") * dense_mlp_activation_bytes(recipe),
-            "MoE": mlps.count("moe") * moe_activation_bytes(recipe),
-            "mHC + norms": m.num_layers * (mhc_activation_bytes(recipe) + 2 *
-                                           norm_activation_bytes(recipe, m.hidden_size, r.sp)),
-            "embedding + head + loss": head,
-        }
-        extra = kinds.count("kda") * per_layer_extra
-        candidates = {"logits [S, V/tp] (activation dtype)": logits}
-        if dsa_scratch:
-            candidates["DSA indexer scores + whole-seq K/V"] = dsa_scratch
+    offload = recipe.train.offload_activations
+    activations: dict[str, int] = {}
+    kept_below = [0]  # on the GPU: what the layers before layer i keep, at index i
+    for i in range(m.num_layers):
+        kept = layer_kept_bytes(recipe, i)
+        for label, nbytes in kept.items():
+            activations[label] = activations.get(label, 0) + nbytes
+        kept_below.append(kept_below[-1] + (0 if offload else sum(kept.values())))
+    activations["embedding + head + loss"] = head
+    # Backward runs the loss first and then the layers from the last one, a layer's FFN before
+    # its attention; each layer's saved tensors are freed after its backward. So at a layer's
+    # attention backward the head and the later layers are gone. The exchange's transient
+    # buffers live around the projection and the exchange, not during the kernel's backward:
+    # the larger of the two counts. Offloaded activations live on the host until their layer's
+    # backward copies them back.
+    loss = head + logits if offload else sum(activations.values()) + logits
+    phases = {"loss: kept + head + bf16 logits": loss}
+    for kind, working, label in (
+            ("kda", max(per_layer_extra, kda_bwd), "KDA layer backward (largest)"),
+            ("dsa", dsa_scratch, "DSA layer + indexer scores (largest)")):
+        per_layer = [kept_below[i] + layer_backward_bytes(recipe, i) + working
+                     for i in range(m.num_layers) if kinds[i] == kind]
+        if per_layer:
+            phases[label] = max(per_layer)
     return MemoryEstimate(params=params, buffers=rank_buffers_bytes(recipe), grads=grads,
                           optimizer=optimizer, activations=activations, exchange=exchange,
-                          exchange_buffers=extra, transients=candidates,
-                          recompute=recipe.train.recompute)
+                          exchange_buffers=per_layer_extra, phases=phases, recompute=recipe.train.recompute,
+                          offloaded=offload)
 
 
 def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
@@ -449,20 +509,23 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
 
     lines = [
         f"per-GPU memory estimate ({unit}): one packed row of {r.whole} tokens, {r.cp} per CP "
-        f"rank, {r.sp} residual-stream rows per rank; train.recompute={est.recompute}",
+        f"rank, {r.sp} residual-stream rows per rank; train.recompute={est.recompute} "
+        f"({', '.join(recipe.train.recompute_layers)} layers), "
+        f"offload_activations={str(est.offloaded).lower()}",
         row("parameters (+ router buffers)", sum(est.params.values()) + est.buffers),
     ]
     lines += [row(label, v, 2) for label, v in est.params.items() if v]
     lines += [
         row("gradients (fp32 DDP buffer)", est.grads),
         row(f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard})", est.optimizer),
-        row("activations kept for backward", sum(est.activations.values())),
+        row("activations kept for backward" + (" (in host memory)" if est.offloaded else ""),
+            sum(est.activations.values())),
     ]
     lines += [row(label, v, 2) for label, v in est.activations.items() if v]
-    lines.append(row(f"KDA exchange buffers ({est.exchange}, all layers)", est.exchange_buffers))
-    lines.append(row("transient (largest of)", est.transient))
-    lines += [row(label, v, 2) for label, v in est.transients.items()]
-    lines.append(row("total", est.total))
+    lines.append(row(f"KDA exchange transient ({est.exchange}, one layer)", est.exchange_buffers))
+    lines.append(row("peak phase (activations + working set)", est.peak_phase[1]))
+    lines += [row(label, v, 2) for label, v in est.phases.items()]
+    lines.append(row("total: states + peak phase", est.total))
     if gpu_bytes is None and recipe.run.device == "gpu":
         gpu_bytes, gpu_name = H200_BYTES, "H200"
     else:

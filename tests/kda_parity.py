@@ -143,3 +143,40 @@ def parity_matrix(rank: int, world: int, cases: list[Case], setup: Setup = CPU):
             results[case.id] = run_case(case, tp_group, cp_group, singles[rank], setup)
         dist.barrier()
     return results
+
+
+def _saved_bytes(layer, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of ``layer(x)``, parameters
+    excluded: the activation memory a rank holds between forward and backward."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x.clone().requires_grad_())
+    return sum(storages.values())
+
+
+def saved_activation_bytes(rank: int, world: int, exchanges: tuple[str, ...], setup: Setup, tokens: int):
+    """Activation bytes one KDA layer keeps for backward on this rank, per exchange at CP=world
+    (TP1), and for the CP=1 layer on the whole sequence."""
+    from skyrl_megatron_kda.kda import parity
+    from skyrl_megatron_kda.kda.layout import rank_rows
+
+    cp_group = dist.new_group(list(range(world)))
+    single = [dist.new_group([r]) for r in range(world)][rank]
+    batch = parity.make_batch(setup.hidden, tokens=tokens)
+    rows = rank_rows(batch.cu_seqlens, world, 1, rank, 0, False)
+    torch.manual_seed(0)
+    result = {}
+    for name in exchanges:
+        recipe = recipe_for(Case(name, 1, world, False, "sbhd"), setup, tokens)
+        result[name] = _saved_bytes(parity.build_layer(recipe, single, cp_group, on_cpu=True), batch.x[rows])
+    recipe = recipe_for(Case("a2a", 1, 1, False, "sbhd"), setup, tokens)
+    result["cp1"] = _saved_bytes(parity.build_layer(recipe, single, single, on_cpu=True), batch.x)
+    return result

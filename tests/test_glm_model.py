@@ -214,22 +214,38 @@ def _single(rank, world, path, export_path):
     return res
 
 
-def _recompute_gap(recipe, path, model, ids, labels) -> float:
-    """train.recompute=full (per-layer checkpointing) gives the same loss and gradients."""
+# train settings that change what is kept for backward, not what is computed
+MEMORY_VARIANTS = {
+    "full": {"recompute": "full"},
+    "selective": {"recompute": "selective"},
+    "full_dsa_only": {"recompute": "full", "recompute_layers": ["dsa"]},
+    "selective_kda_offload": {"recompute": "selective", "recompute_layers": ["kda"],
+                              "offload_activations": True},
+    "offload": {"offload_activations": True},
+}
+
+
+def _loss_and_grads(model, ids, labels):
+    model.zero_grad()
+    loss = model(ids, labels=labels)
+    loss.mean().backward()
+    return loss.detach(), {n: q.grad for n, q in model.named_parameters()}
+
+
+def _recompute_gap(recipe, path, model, ids, labels) -> dict[str, float]:
+    """Each recompute / offload setting gives the same loss and gradients as keeping all."""
     from skyrl_megatron_kda.model.glm import build_model
     from skyrl_megatron_kda.model.hf_io import load_hf_checkpoint
 
-    full = build_model(recipe.model_copy(update={"train": recipe.train.model_copy(
-        update={"recompute": "full"})}), use_cpu=True)
-    load_hf_checkpoint(full, path)
-    gaps = []
-    for m in (model, full):
-        m.zero_grad()
-        loss = m(ids, labels=labels)
-        loss.mean().backward()
-        gaps.append((loss.detach(), {n: q.grad for n, q in m.named_parameters()}))
-    (l0, g0), (l1, g1) = gaps
-    return max([_rel(l1, l0)] + [_rel(g1[n], g0[n]) for n in g0 if g0[n] is not None])
+    l0, g0 = _loss_and_grads(model, ids, labels)
+    gaps = {}
+    for name, update in MEMORY_VARIANTS.items():
+        other = build_model(recipe.model_copy(update={"train": recipe.train.model_copy(update=update)}),
+                            use_cpu=True)
+        load_hf_checkpoint(other, path)
+        l1, g1 = _loss_and_grads(other, ids, labels)
+        gaps[name] = max([_rel(l1, l0)] + [_rel(g1[n], g0[n]) for n in g0 if g0[n] is not None])
+    return gaps
 
 
 @pytest.fixture(scope="module")
@@ -242,14 +258,16 @@ def checkpoint(tmp_path_factory):
 
 def test_tp1_matches_transformers(checkpoint):
     res = checkpoint["res"]
-    print({k: v for k, v in res.items() if not isinstance(v, str)})
+    print({k: v for k, v in res.items() if not isinstance(v, (str, dict))}, res["recompute"])
     assert res["logits_shape"] == (B, T, TINY_MODEL["vocab_size"])
     assert res["loss_dtype"] == torch.float32
     assert res["logits"] < TOL and res["loss"] < TOL, res
     assert res["packed_logits"] < TOL and res["packed_loss"] < TOL, res
     assert res["mean_loss_vs_hf_loss"] < TOL, "our per-token loss averages to transformers' loss"
     assert res["cp_bytes"] == 0
-    assert res["recompute"] < 1e-6, "recompute=full changes the loss or gradients"
+    assert res["recompute"].keys() == MEMORY_VARIANTS.keys()
+    bad = {name: gap for name, gap in res["recompute"].items() if not gap < 1e-6}
+    assert not bad, f"recompute / offload changed the loss or gradients: {bad}"
 
 
 def test_negative_controls_are_caught(checkpoint):

@@ -43,3 +43,4 @@ def test_kda_is_a_transformer_layer_self_attention():
     ((err, shape),) = run_ranks(1, _layer_in_transformer_layer)
     assert shape == (70, 3, 32)
     assert err < 1e-6, f"TransformerLayer output != x + KDA(norm(x)): {err}"
+

@@ -89,6 +89,16 @@ def test_train_refuses_min_lr_above_lr():
         TrainConfig(lr=0.01, min_lr=0.1)
 
 
+def test_train_recompute_layers_name_each_layer_type_once():
+    for bad in ([], ["kda", "kda"]):
+        with pytest.raises(ValidationError, match=r"train.recompute_layers=.* must name 'kda' and/or 'dsa', each once"):
+            TrainConfig(recompute="full", recompute_layers=bad)
+    with pytest.raises(ValidationError, match="recompute_layers"):
+        TrainConfig(recompute_layers=["mlp"])
+    train = TrainConfig(recompute="selective", recompute_layers=["dsa"])
+    assert (train.recompute_of("dsa"), train.recompute_of("kda")) == ("selective", "none")
+
+
 def test_model_strict_ints():
     with pytest.raises(ValidationError, match=r"num_layers"):
         ModelConfig.model_validate({"num_layers": "45"})

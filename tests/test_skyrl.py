@@ -195,6 +195,49 @@ def test_launch_is_refused_until_the_workers_serve_the_rl_loop():
     assert "cannot run yet" in done.stderr
     for call in NOT_INTEGRATED:
         assert f"worker call {call}:" in done.stderr
+    # The RL calls are integrated now (tests/test_skyrl_rl.py runs them) and no longer listed.
+    assert "forward" not in NOT_INTEGRATED and "optim_step" not in NOT_INTEGRATED
+    for call in ("forward", "forward_backward", "optim_step"):
+        assert f"worker call {call}:" not in done.stderr
+
+
+def test_dry_run_lists_only_what_remains():
+    """The dry run's blockers are exactly the NOT_INTEGRATED calls plus this job's settings
+    (here the tiny recipe's CPU device), one line each."""
+    from skyrl_megatron_kda.integrations.skyrl.workers import NOT_INTEGRATED
+
+    done = _run(["-m", "skyrl.train.entrypoints.main_base", f"trainer.override_entrypoint={ENTRYPOINT}",
+                 *ALLGATHER, "trainer.kda.dry_run=true"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    blockers = lines[lines.index("launch blocked by:") + 1:]
+    assert [b.split(":")[0] for b in blockers] == (
+        ["  - run.device=cpu"] + [f"  - worker call {call}" for call in NOT_INTEGRATED])
+    assert set(NOT_INTEGRATED) == {"init_weight_sync_state", "broadcast_to_inference_engines",
+                                   "offload_to_cpu", "backload_to_gpu"}
+
+
+def test_worker_refuses_settings_it_does_not_implement():
+    """Token-based micro-batches, sample-support replay and the fused LM-head log-prob are refused
+    by the config check (so the entrypoint lists them) and by the worker, with the setting named."""
+    from skyrl_megatron_kda.integrations.skyrl.config import unsupported_settings
+
+    cfg = KDASkyRLConfig.from_cli_overrides(ALLGATHER + ["trainer.max_tokens_per_microbatch=4096",
+                                                         "trainer.fused_lm_head_logprob=true"])
+    # Set after parsing: SkyRL's own checks want the rollout side's sampling set up for it.
+    cfg.trainer.algorithm.enable_sample_support_replay = True
+    problems = unsupported_settings(cfg)
+    assert any("max_tokens_per_microbatch" in p for p in problems)
+    assert any("enable_sample_support_replay" in p for p in problems)
+    assert any("fused_lm_head_logprob" in p for p in problems)
+    from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorkerBase
+
+    worker = object.__new__(KDAPolicyWorkerBase)  # the checks run before the model is touched
+    worker.cfg = cfg.trainer
+    for call in (worker.forward, worker.forward_backward):
+        with pytest.raises(ValueError, match="max_tokens_per_microbatch.*enable_sample|"
+                                             "enable_sample.*max_tokens_per_microbatch"):
+            call(None)
 
 
 def test_missing_skyrl_names_the_extra():

@@ -5,21 +5,24 @@ No single exchange wins everywhere (reference/kda-cp.md sections 4, 7, 8): the w
 the CP degree, the heads per rank, the sequence length and whether the CP group leaves the node.
 So ``auto`` estimates all three for the recipe and takes the fastest one it is allowed to use.
 
-Time per layer, forward + backward, with communication and compute serialised (the layer issues
-its collectives synchronously, nothing overlaps them):
+Time per layer, forward + backward, with communication and compute serialised (the model credits
+no overlap; only the backward row re-gather of ``rows.py`` is issued asynchronously, and how much
+of it hides behind the GEMMs is not measured):
 
-- communication: the bytes of each exchange's own byte model (``bytes_moved``, one pass; the
-  backward mirrors it) over the link each group crosses, plus one latency per collective;
-- KDA kernel: fla ``chunk_kda`` at the rank's heads and tokens, slower per head-token when a rank
-  has few heads (head-parallel exchanges split the heads over CP); ``state`` pays a summary
-  pre-pass over its shard on top;
+- communication: the bytes of each exchange's own byte model (``bytes_moved`` forward,
+  ``backward_bytes``: the mirror plus the projection's rows gathered again) over the link each
+  group crosses, plus one latency per collective;
+- KDA kernel: the segmented kernel at the rank's heads and tokens, slower per head-token when a
+  rank has few heads (head-parallel exchanges split the heads over CP); ``state`` pays for its
+  summaries and correction (a factor on its shard's kernel) and a fixed cost per call;
 - projection GEMMs: the rank's FLOPs at the measured dense bf16 rate.
 
-Terms that are the same for every exchange (the o_proj reduce-scatter under SP, the gated norm,
-the conv, elementwise work) are left out: they do not change the ranking, so ``total_s`` is a
-floor, not a prediction of the layer's wall time (at the shape measured on two H200s, 8 heads,
-TP1 x CP2, T = 256K, the layer ran 1.75x this model's a2a and 1.96x its allgather estimate, in the
-same order, docs/benchmarks.md).
+Terms that scale alike for every exchange (the o_proj reduce-scatter under SP, the gated norm,
+the conv, elementwise work) are left out, so ``total_s`` is a floor, not the layer's wall time:
+measured per rank on one H200 (8 heads, TP1 x CP2, T = 128K..1M, docs/benchmarks.md) the layer
+took 1.44-1.51x this model with ``a2a`` and ``allgather``, and ``state`` the same ratio plus
+its fixed call cost, which the model includes. The model's order of the three exchanges matched
+the measured order at each length (tests/test_cost.py).
 """
 
 from __future__ import annotations
@@ -39,36 +42,51 @@ GiB = 2**30
 
 # --- calibration: measured on H200 (reference/environment.md, docs/benchmarks.md) -----------------
 
-KDA_CALL_OVERHEAD_S = 1.0e-3
-"""Fixed cost of one kernel forward+backward (launches, small per-call passes): the intercept of
-the 32-head T = 64K / 256K line (46.7 ms, 184 ms); the T = 8K point (7.9 ms) sits 1.2 ms above it."""
+# The kernel terms describe the kernel every fla path runs: chunk_kda on segments of the sequence
+# chained by our state-passing kernel (``kda.kernel_segments=16``, state_kernel.py). Measured on
+# one H200, GLM dims, bf16, forward+backward (bench/results/session4/kernels_T*.json):
+#   T         128K   256K   512K    1M
+#   8 heads   24.2   38.0   72.9  145.6 ms
+#   4 heads   14.2   20.9   39.5   75.6 ms
 
-KDA_HEAD_TOKENS_PER_S = 8 * 2**20 / (197.7e-3 - KDA_CALL_OVERHEAD_S)
-"""fla 0.6.0 chunk_kda forward+backward at 8 heads (GLM dims, gate in kernel): T = 1M on one H200
-in 197.7 ms, i.e. 42.6 M head-tokens/s. T = 512K ran 97.5 ms (the model says 99.4) and 32 heads
-at T = 256K 184 ms (the model: 198): at 8 heads per GPU the kernel is close to saturated."""
+KDA_CALL_OVERHEAD_S = 2.1e-3
+"""Fixed cost of one kernel forward+backward (launches, per-segment passes): the intercept of the
+8-head line through T = 256K and 1M (38.0 and 145.6 ms)."""
+
+KDA_HEAD_TOKENS_PER_S = 8 * 2**20 / (145.6e-3 - KDA_CALL_OVERHEAD_S)
+"""The segmented kernel at 8 heads: T = 1M in 145.6 ms, 58.5 M head-tokens/s. T = 512K ran 72.9
+ms (the model: 73.8). Below 256K each of the 16 segments is short and the model is optimistic:
+T = 128K ran 24.2 ms against 20.1."""
 
 KDA_SATURATED_HEADS = 8
 """Heads per GPU at and above which the kernel runs at ``KDA_HEAD_TOKENS_PER_S``."""
 
-KDA_EFFICIENCY_AT_4_HEADS = (4 / (134.1 - 1.0)) / (8 / (197.7 - 1.0))
-"""Per-head-token throughput at 4 heads (the head-parallel CP2 share of TP8) relative to 8 heads:
-T = 1M with 4 heads ran 134.1 ms against 197.7 ms with 8 (0.74 after the call overhead). The
-"68%" quoted beside these runs is the T = 256K pair (34.8 vs 46.8 ms), whose 8-head run was 5%
-faster per head-token than the 1M one this model's rate comes from; against that rate the 256K
-4-head run is 0.73 too (the model gives 34.3 ms, measured 34.0-34.8)."""
+KDA_EFFICIENCY_AT_4_HEADS = 0.96
+"""Per-head-token throughput at 4 heads (the head-parallel CP2 share of TP8) relative to 8: 0.95,
+0.96 and 0.98 at T = 256K, 512K and 1M (20.9, 39.5, 75.6 ms against the 8-head line). The
+segments give the kernel parallelism along the sequence, which fla's single pass over the
+sequence lacks with few heads (its chunk_kda at 4 heads ran at 0.74 of its 8-head rate)."""
 
 GEMM_FLOP_PER_S = 790e12
 """Dense bf16 GEMM on one H200 with random data (reference/environment.md); the profiled CP1
 layer's projections ran at this floor (8.8 ms measured vs 9.0 ms predicted at T = 64K)."""
 
-STATE_PREPASS = 239.0 / 97.5 - 1.0
-"""Extra kernel time of ``state`` relative to running its shard alone: fla 0.6.0's cp_context path
-at CP2, T = 1M, 8 heads took 239.0 ms per rank against 97.5 ms for the 512K shard alone (+1.45x).
-Our segmented recurrence has since been measured at -0.10 (82.7 ms per rank against 92.1 ms for
-the shard alone, two H200s, docs/benchmarks.md); the default and the scenario table of
-tests/test_cost.py move to it together (issue 3). ``skyrl-kda plan --state-prepass -0.10`` prices
-the measured path today."""
+STATE_PREPASS = 82.7 / 73.5 - 1.0
+"""Extra kernel time of ``state`` relative to the same kernel on its shard alone: at CP2, T = 1M,
+8 heads, two H200s, the state exchange's recurrence took 82.7 ms per rank against 73.5 ms for
+the segmented kernel on the 512K shard alone, in the same run (+0.125x: the summaries, their
+all-gather and the correction for the incoming state). fla 0.6.0's own state passing
+(``cp_context``) took 246.3 ms there, +2.35x over this shard's kernel; ``skyrl-kda plan
+--state-prepass 2.35`` prices it."""
+
+
+STATE_CALL_OVERHEAD_S = 7.0e-3
+"""Fixed cost of one ``state`` layer call beyond its kernel (host-side piece bookkeeping and the
+syncs it needs, the halo conv's extra launches and copies). Measured per rank on one H200
+(``bench/kda_layer.py --emulate-cp2``, 8 heads, CP2): the state layer exceeded the head-parallel
+exchanges' common ratio of measured time to this model (1.44-1.51x) by 6.8, 6.8 and 7.9 ms at
+T = 128K, 256K and 1M, a constant over an 8x range of T. It is what makes ``a2a`` the faster
+exchange below about 256K tokens at CP2 inside a node."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +98,7 @@ class Calibration:
     kda_call_overhead_s: float = KDA_CALL_OVERHEAD_S
     gemm_flop_per_s: float = GEMM_FLOP_PER_S
     state_prepass: float = STATE_PREPASS
+    state_call_overhead_s: float = STATE_CALL_OVERHEAD_S
 
     def __post_init__(self) -> None:
         if not 0.5 < self.kda_efficiency_at_4_heads <= 1.0:
@@ -89,8 +108,9 @@ class Calibration:
         for name in ("kda_head_tokens_per_s", "gemm_flop_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
-        if not self.kda_call_overhead_s >= 0:
-            raise ValueError(f"kda_call_overhead_s={self.kda_call_overhead_s} must be >= 0")
+        for name in ("kda_call_overhead_s", "state_call_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if not self.state_prepass > -1:
             raise ValueError(f"state_prepass={self.state_prepass} must be > -1 (a positive kernel time)")
 
@@ -102,12 +122,12 @@ def kda_efficiency(heads: float, at_4_heads: float = KDA_EFFICIENCY_AT_4_HEADS) 
     """Kernel throughput per head-token at ``heads`` heads per GPU, relative to 8 or more heads.
 
     Model: the kernel's time per token is ``c * (h + h0)`` below saturation: a part proportional to
-    the heads plus a part ``h0`` (in head units) that does not shrink with fewer heads (the serial
-    state pass over T/64 chunks runs on few SMs whatever the head count). Hence
+    the heads plus a part ``h0`` (in head units) that does not shrink with fewer heads (a serial
+    state pass runs on few SMs whatever the head count; the segments keep it short). Hence
 
         efficiency(h) = min(1, [h / (h + h0)] / [8 / (8 + h0)]),  h0 = 8 (e - 1) / (1 - 2e)
 
-    with e = efficiency(4) measured (0.74 -> h0 = 4.4, efficiency(2) = 0.49, efficiency(1) = 0.29).
+    with e = efficiency(4) measured (0.96 -> h0 = 0.35, efficiency(2) = 0.89, efficiency(1) = 0.77).
     """
     h0 = KDA_SATURATED_HEADS * (at_4_heads - 1.0) / (1.0 - 2.0 * at_4_heads)
     sat = KDA_SATURATED_HEADS
@@ -115,7 +135,7 @@ def kda_efficiency(heads: float, at_4_heads: float = KDA_EFFICIENCY_AT_4_HEADS) 
 
 
 def kda_kernel_s(heads: float, tokens: int, calibration: Calibration = DEFAULT_CALIBRATION) -> float:
-    """Forward+backward seconds of one chunk_kda call over ``tokens`` tokens of ``heads`` heads."""
+    """Forward+backward seconds of the (segmented) kernel over ``tokens`` tokens of ``heads`` heads."""
     c = calibration
     rate = c.kda_head_tokens_per_s * kda_efficiency(heads, c.kda_efficiency_at_4_heads)
     return c.kda_call_overhead_s + heads * tokens / rate
@@ -147,7 +167,8 @@ def projection_flops(name: str, shape: ExchangeShape, gate_ranks: tuple[int, int
 @dataclass(frozen=True)
 class Estimate:
     """One exchange's cost per rank per KDA layer. Bytes are one forward pass (what each rank
-    sends, equal to what it receives; backward mirrors it); times are forward + backward."""
+    sends, equal to what it receives; see ``backward_bytes`` for the backward's); times are
+    forward + backward."""
 
     name: str
     exact: bool  # outputs and gradients bitwise equal to CP=1 (up to fp32 summation order)
@@ -155,8 +176,8 @@ class Estimate:
     cp_out_bytes: int  # over CP: the output back to sequence shards
     tp_bytes: int  # over TP: the row gather under sequence parallelism
     cp_comm_s: float  # CP collectives: bytes over the CP link plus one latency each
-    tp_comm_s: float  # the TP row gather (and its reduce-scatter in backward)
-    kernel_s: float  # chunk_kda at this rank's heads and tokens (state: with its pre-pass)
+    tp_comm_s: float  # the TP row gather (backward: gathered again, and the reduce-scatter)
+    kernel_s: float  # the kernel at this rank's heads and tokens (state: + pre-pass, call overhead)
     gemm_s: float  # this rank's projection GEMMs
     extra_memory_bytes: int  # buffers only this exchange allocates (see ``extra_memory_bytes``)
     total_s: float  # comm + kernel + GEMMs: the quantity auto minimises
@@ -171,12 +192,15 @@ class Estimate:
 
 
 def extra_memory_bytes(name: str, shape: ExchangeShape) -> int:
-    """Buffers per rank per layer that a sequence-sharded layer with no exchange would not hold.
+    """Transient buffers per rank per layer that a sequence-sharded layer with no exchange
+    would not allocate, alive only while the exchange's own step runs (none is kept between
+    forward and backward; the plan adds it where no larger working set is alive).
 
-    ``allgather``: the full-length [T, D] hidden rows (saved for the projection's weight gradient;
-    its head-slice projections have the size a sequence shard's would). ``a2a``: the projected
-    tensors received in head layout next to the sequence-layout ones it sent. ``state``: the
-    gathered fp32 summaries and conv halos of all CP ranks.
+    ``allgather``: the full-length [T, D] hidden rows while the projection runs (forward, and
+    again for its weight gradients: ``rows.py``; its head-slice projections have the size a
+    sequence shard's would). ``a2a``: the projected tensors received in head layout next to the
+    sequence-layout ones it sent. ``state``: the gathered fp32 summaries and conv halos of all
+    CP ranks.
     """
     s = shape
     if s.cp == 1:
@@ -207,11 +231,11 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
     moved, moved_bwd = EXCHANGES[name].bytes_moved(s), EXCHANGES[name].backward_bytes(s)
     cp_out = EXCHANGES[name].output_bytes(s) if getattr(EXCHANGES[name], "splits_heads", False) else 0
     cp_in, cp_in_bwd = moved["cp"] - cp_out, moved_bwd["cp"] - cp_out
-    tp_bytes = moved["tp"]
+    tp_bytes, tp_bytes_bwd = moved["tp"], moved_bwd["tp"]
 
     cp_link: LinkConfig = cluster.inter_node if spans_nodes else cluster.intra_node
     tp_link: LinkConfig = cluster.inter_node if cluster.tp_spans_nodes(s.tp) else cluster.intra_node
-    cp_comm = tp_pass = 0.0
+    cp_comm = tp_comm = 0.0
     if s.cp > 1:
         # Two CP collectives per pass each: a2a = all-to-all in and out; allgather = all-gather in,
         # all-to-all out; state = all-gather of conv halo tails and one of the summaries.
@@ -219,18 +243,19 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
         out_s = _seconds(cp_out, cp_link.a2a_bandwidth_gib_s) + 2 * cp_link.latency_us * 1e-6
         cp_comm = _seconds(cp_in, in_bw) + _seconds(cp_in_bwd, in_bw) + 2 * out_s
     if tp_bytes:
-        tp_pass = _seconds(tp_bytes, tp_link.bandwidth_gib_s) + tp_link.latency_us * 1e-6
+        # Forward: one gather; backward: the rows gathered again and the reduce-scatter.
+        tp_comm = (_seconds(tp_bytes + tp_bytes_bwd, tp_link.bandwidth_gib_s)
+                   + 3 * tp_link.latency_us * 1e-6)
 
     local_heads = s.num_heads / s.tp
     if name == "state":
         kernel = kda_kernel_s(local_heads, s.tokens * s.batch // s.cp, calibration)
         if s.cp > 1:
-            kernel *= 1.0 + calibration.state_prepass
+            kernel = kernel * (1.0 + calibration.state_prepass) + calibration.state_call_overhead_s
     else:
         kernel = kda_kernel_s(local_heads / s.cp, s.tokens * s.batch, calibration)
     gemm = projection_flops(name, s, gate_ranks) / calibration.gemm_flop_per_s
 
-    tp_comm = 2 * tp_pass
     return Estimate(
         name=name, exact=name in EXACT_EXCHANGES, cp_in_bytes=cp_in, cp_out_bytes=cp_out,
         tp_bytes=tp_bytes, cp_comm_s=cp_comm, tp_comm_s=tp_comm, kernel_s=kernel, gemm_s=gemm,

@@ -26,19 +26,27 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from megatron.core.ssm.gated_delta_net.common import tensor_a2a_cp2hp, tensor_a2a_hp2cp
+from megatron.core.ssm.gated_delta_net.common import tensor_a2a_hp2cp
 from megatron.core.tensor_parallel.mappings import (
+    all_to_all,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 
 from . import state as state_passing
 from .kernel import causal_conv_silu, kda
-from .layout import CPLayout, sort_index
+from .layout import CPLayout, sort_index, take_rows
+from .rows import RowGather
 from .state_kernel import IsolatedPieces, identity_summaries, state_passing_kda
 
-# project(rows [s, b, D], heads) -> (fused [s, b, W(heads)], widths of its sections)
-Projection = Callable[[torch.Tensor, slice], tuple[torch.Tensor, list[int]]]
+# project(shard [s, b, D], rows, heads) -> sections [q, k, v, f, g, beta] of those heads, each
+# [s', b, w], for the rows that ``rows`` gathers from this rank's shard (None: the shard itself).
+Projection = Callable[[torch.Tensor, RowGather | None, slice], list[torch.Tensor]]
+
+
+def _fuse(sections: list[torch.Tensor]) -> torch.Tensor:
+    """The sections side by side, [s, b, W]: what the layer splits again after the exchange."""
+    return torch.cat(sections, dim=-1)
 
 
 class CommLedger:
@@ -87,6 +95,40 @@ def _counted(out: torch.Tensor, ledger: CommLedger, group: str, payload: int) ->
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
+
+
+class _CountedRowGather:
+    """The ``RowGather`` of an exchange: all-gathers of rows over ``steps`` (group, ledger name) in
+    order, reduce-scatters in reverse for the gradient, each counted in the ledger. The last
+    collective of each runs asynchronously (``rows.RowGather``)."""
+
+    def __init__(self, steps: list[tuple[dist.ProcessGroup, str]], ledger: CommLedger):
+        self.steps, self.ledger = steps, ledger
+
+    def _run(self, x: torch.Tensor, steps, phase: str, gather: bool):
+        """Each step's collective on the previous one's result, the last one left running."""
+        work = None
+        for group, name in steps:
+            if work is not None:
+                work.wait()
+            n = group.size()
+            x = x.contiguous()
+            out = x.new_empty((x.shape[0] * n if gather else x.shape[0] // n,) + x.shape[1:])
+            payload = (n - 1) * _nbytes(x if gather else out)
+            self.ledger.add(name, phase, payload, payload)
+            collective = dist.all_gather_into_tensor if gather else dist.reduce_scatter_tensor
+            work, x = collective(out, x, group=group, async_op=True), out
+
+        def result() -> torch.Tensor:
+            work.wait()
+            return x
+        return result
+
+    def start_gather(self, shard: torch.Tensor, phase: str) -> Callable[[], torch.Tensor]:
+        return self._run(shard, self.steps, phase, gather=True)
+
+    def start_reduce_scatter(self, rows_grad: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self._run(rows_grad, self.steps[::-1], "bwd", gather=False)
 
 
 @dataclass
@@ -141,13 +183,20 @@ class _Exchange:
 
     @staticmethod
     def _tp_gather_bytes(s: ExchangeShape) -> int:
-        """The SP row gather of this CP rank's shard over TP (``_tp_rows``), per rank, one pass."""
+        """The SP row gather of this CP rank's shard over TP (``_rows``), per rank, one pass."""
         return s.rows_bytes(s.tokens // (s.cp * s.tp), s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
 
     @classmethod
+    def _row_gather_bytes(cls, s: ExchangeShape) -> dict[str, int]:
+        """The gather of the rows this rank projects, per rank, one pass."""
+        return {"cp": 0, "tp": cls._tp_gather_bytes(s)}
+
+    @classmethod
     def backward_bytes(cls, s: ExchangeShape) -> dict[str, int]:
-        """Backward bytes per rank per group: the mirror of the forward collectives."""
-        return cls.bytes_moved(s)
+        """Backward bytes per rank per group: the mirror of the forward collectives, plus the
+        projection's rows gathered again for the weight gradients (``rows.py``)."""
+        forward, again = cls.bytes_moved(s), cls._row_gather_bytes(s)
+        return {group: forward[group] + again[group] for group in forward}
 
     def _gather_rows(self, x: torch.Tensor, group: dist.ProcessGroup, name: str) -> torch.Tensor:
         """All-gather along rows (backward: reduce-scatter), counted."""
@@ -157,13 +206,16 @@ class _Exchange:
         out = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
         return _counted(out, self.ledger, name, (n - 1) * _nbytes(x))
 
-    def _tp_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """All rows of this TP group: SP gather, or Megatron's copy (grad all-reduce) without SP."""
-        if self.groups.sequence_parallel:
-            return self._gather_rows(x, self.groups.tp, "tp")
-        if self.tp > 1:
-            return copy_to_tensor_model_parallel_region(x, group=self.groups.tp)
-        return x
+    def _rows(self, x: torch.Tensor, *, over_cp: bool = False) -> tuple[torch.Tensor, RowGather | None]:
+        """This rank's shard and how to gather the rows it projects: over CP first (when
+        ``over_cp``), then over TP under SP. Without SP every TP rank holds the rows already, and
+        Megatron's copy to the TP region all-reduces their gradient."""
+        steps = [(self.groups.cp, "cp")] if over_cp and self.cp > 1 else []
+        if self.groups.sequence_parallel and self.tp > 1:
+            steps.append((self.groups.tp, "tp"))
+        elif self.tp > 1:
+            x = copy_to_tensor_model_parallel_region(x, group=self.groups.tp)
+        return x, (_CountedRowGather(steps, self.ledger) if steps else None)
 
     def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, *, backend: str):
         """Causal short conv + SiLU on whole sequences in natural order ([b, T, C])."""
@@ -202,9 +254,12 @@ class _HeadParallelExchange(_Exchange):
         return slice(self.cp_rank * per_rank, (self.cp_rank + 1) * per_rank)
 
     def _a2a(self, x: torch.Tensor, to_heads: bool) -> torch.Tensor:
+        """to_heads: ``x`` [cp * S, b, w] holds rank j's share in rows [j*S, (j+1)*S), and the
+        result holds every rank's share for this rank, rows CP-rank major. Else the reverse
+        (megatron's hp2cp): [T, b, w] rows CP-rank major -> [T/cp, b, cp*w]."""
         payload = _nbytes(x) * (self.cp - 1) // self.cp
         if to_heads:
-            out = tensor_a2a_cp2hp(x, 0, -1, self.groups.cp, undo_attention_load_balancing=False)
+            out = all_to_all(self.groups.cp, x)
         else:
             out = tensor_a2a_hp2cp(x, 0, -1, self.groups.cp, redo_attention_load_balancing=False)
         return _counted(out, self.ledger, "cp", payload)
@@ -213,7 +268,7 @@ class _HeadParallelExchange(_Exchange):
         """[T, b, heads_slice*V] in natural order -> [T/cp, b, local_heads*V] on this CP rank's rows."""
         if self.cp == 1:
             return o_heads
-        o_rank_major = o_heads.index_select(0, layout.rank_major_positions())
+        o_rank_major = take_rows(o_heads, layout.rank_major_positions())
         return self._a2a(o_rank_major, to_heads=False)
 
 
@@ -224,20 +279,19 @@ class A2AExchange(_HeadParallelExchange):
 
     @classmethod
     def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
-        """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it."""
+        """Analytic bytes each rank sends (= receives) per group, forward."""
         cp_in = s.rows_bytes(s.tokens // s.cp, s.projected_width // s.tp) * (s.cp - 1) // s.cp
         return {"cp": cp_in + cls.output_bytes(s), "tp": cls._tp_gather_bytes(s)}
 
     def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
-        fused, widths = project(self._tp_rows(x), slice(0, num_local_heads))
+        sections = project(*self._rows(x), slice(0, num_local_heads))
         if self.cp == 1:
-            return fused
-        # Order the columns as [every section's head chunk 0 | every section's chunk 1 | ...] so one
-        # all-to-all hands rank j the j-th 1/cp of the heads of every section, in section order.
-        chunks = [s.chunk(self.cp, dim=-1) for s in fused.split(widths, dim=-1)]
-        by_rank = torch.cat([c[j] for j in range(self.cp) for c in chunks], dim=-1)
-        received = self._a2a(by_rank, to_heads=True)  # [T, b, W/cp], rows CP-rank major
-        return received.index_select(0, sort_index(layout.rank_major_positions()))
+            return _fuse(sections)
+        # One copy lays out [cp, S, b, W/cp]: block j is the j-th 1/cp of the heads of every
+        # section, in section order, so one all-to-all hands rank j its heads of all of them.
+        blocks = torch.cat([s.unflatten(-1, (self.cp, -1)).movedim(2, 0) for s in sections], dim=-1)
+        received = self._a2a(blocks.flatten(0, 1), to_heads=True)  # [T, b, W/cp], rows CP-rank major
+        return take_rows(received, sort_index(layout.rank_major_positions()))
 
 
 class AllGatherExchange(_HeadParallelExchange):
@@ -254,20 +308,25 @@ class AllGatherExchange(_HeadParallelExchange):
         super().__init__(groups, ledger)
 
     @classmethod
-    def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
-        """Analytic bytes each rank sends (= receives) per group, forward; backward mirrors it."""
+    def _row_gather_bytes(cls, s: ExchangeShape) -> dict[str, int]:
+        """The SP shards gathered over CP, then the CP-gathered rows over TP."""
         sp = s.tp if s.sequence_parallel else 1
         cp_in = s.rows_bytes(s.tokens // (s.cp * sp), s.hidden) * (s.cp - 1)
         tp_in = s.rows_bytes(s.tokens // s.tp, s.hidden) * (s.tp - 1) if s.sequence_parallel else 0
-        return {"cp": cp_in + cls.output_bytes(s), "tp": tp_in}
+        return {"cp": cp_in, "tp": tp_in}
+
+    @classmethod
+    def bytes_moved(cls, s: ExchangeShape) -> dict[str, int]:
+        """Analytic bytes each rank sends (= receives) per group, forward."""
+        rows = cls._row_gather_bytes(s)
+        return {"cp": rows["cp"] + cls.output_bytes(s), "tp": rows["tp"]}
 
     def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
         # CP first: when CP spans nodes, only the narrow SP shards cross the slow link.
-        rows = self._tp_rows(self._gather_rows(x, self.groups.cp, "cp"))
-        fused, _ = project(rows, self.heads(num_local_heads))
+        fused = _fuse(project(*self._rows(x, over_cp=True), self.heads(num_local_heads)))
         if self.cp == 1:
             return fused
-        return fused.index_select(0, sort_index(layout.gathered_positions()))
+        return take_rows(fused, sort_index(layout.gathered_positions()))
 
 
 class StateExchange(_Exchange):
@@ -294,11 +353,12 @@ class StateExchange(_Exchange):
 
     @classmethod
     def backward_bytes(cls, s: ExchangeShape) -> dict[str, int]:
-        """Backward: the entry-state gradients ([H_loc, K, V] per piece) and the halo's gradient."""
-        if s.cp == 1:
-            return cls.bytes_moved(s)
-        return {"cp": (s.cp - 1) * (cls._summary_bytes(s, s.head_dim) + cls._halo_bytes(s)),
-                "tp": cls._tp_gather_bytes(s)}
+        """Backward: the entry-state gradients ([H_loc, K, V] per piece) and the halo's gradient;
+        over TP as the other exchanges."""
+        out = super().backward_bytes(s)
+        if s.cp > 1:
+            out["cp"] = (s.cp - 1) * (cls._summary_bytes(s, s.head_dim) + cls._halo_bytes(s))
+        return out
 
     @staticmethod
     def _pieces_per_rank(s: ExchangeShape) -> int:
@@ -316,8 +376,7 @@ class StateExchange(_Exchange):
         return slice(0, num_local_heads)
 
     def to_heads(self, x: torch.Tensor, layout: CPLayout, project: Projection, num_local_heads: int):
-        fused, _ = project(self._tp_rows(x), slice(0, num_local_heads))
-        return fused
+        return _fuse(project(*self._rows(x), slice(0, num_local_heads)))
 
     def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
         return o
@@ -339,7 +398,7 @@ class StateExchange(_Exchange):
         halo = state_passing.halo_rows(all_tails, all_positions, mine, width)
         padded, cu, keep = state_passing.with_halo(x, halo, mine)
         y = causal_conv_silu(padded.unsqueeze(0), weight, cu_seqlens=cu, backend=backend)[0]
-        return y[keep].reshape(batch, rows, channels)
+        return take_rows(y, keep).reshape(batch, rows, channels)
 
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, *, segments: int, **kernel_args):
         if self.cp == 1:
@@ -369,11 +428,8 @@ class _CPChain:
 
     def _all_gather(self, x: torch.Tensor, phase: str) -> torch.Tensor:
         ex = self.exchange
-        out = x.new_empty((ex.cp * x.shape[0],) + x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous(), group=ex.groups.cp)
-        payload = (ex.cp - 1) * _nbytes(x)
-        ex.ledger.add("cp", phase, payload, payload)
-        return out.view((ex.cp,) + x.shape)
+        gathered = _CountedRowGather([(ex.groups.cp, "cp")], ex.ledger).start_gather(x, phase)()
+        return gathered.view((ex.cp,) + x.shape)
 
     def entry_states(self, summaries: torch.Tensor) -> torch.Tensor:
         heads, K = summaries.shape[1:3]

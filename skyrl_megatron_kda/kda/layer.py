@@ -5,13 +5,13 @@ same call signature, returns ``(output, bias)``. TP shards heads (column-paralle
 row-parallel o_proj), SP shards rows, and the CP exchange decides which rows and heads this rank
 computes; the layer math below never branches on the exchange.
 
-The projections use the column-parallel linears' weights directly (``F.linear`` on a head slice)
-rather than their ``forward``: every projection shares one row gather, and the ``allgather``
-exchange projects only a ``1/cp`` head slice of the weights. The low-rank f_a/g_a and the per-head
-norm weight are duplicated across TP; each TP rank only sees its own heads' share of their
-gradient, so they enter the graph through Megatron's ``copy_to_tensor_model_parallel_region``
-(identity forward, TP all-reduce of the gradient), which makes their gradients complete on
-every rank with or without SP.
+The projections use the column-parallel linears' weights directly (on a head slice) rather than
+their ``forward``: every projection shares one row gather (``rows.py``, gathered again in backward
+as megatron's SP linears do), and the ``allgather`` exchange projects only a ``1/cp`` head slice of
+the weights. The low-rank f_a/g_a and the per-head norm weight are duplicated across TP; each
+TP rank only sees its own heads' share of their gradient, so they enter the graph through
+Megatron's ``copy_to_tensor_model_parallel_region`` (identity forward, TP all-reduce of the
+gradient), which makes their gradients complete on every rank with or without SP.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..config import KDAConfig
 from .exchange import CommLedger, ExchangeGroups, build_exchange
 from .kernel import gated_rms_norm, resolve_backend
 from .layout import CPLayout, batch_sequences
+from .rows import RowGather, project_rows
 
 
 @dataclass
@@ -163,19 +164,22 @@ class KimiDeltaAttention(MegatronModule):
             return param
         return copy_to_tensor_model_parallel_region(param, group=self.tp_group)
 
-    def project(self, rows: torch.Tensor, heads: slice) -> tuple[torch.Tensor, list[int]]:
-        """Fused [q | k | v | f | g | beta] of ``heads`` (TP-local indices) for ``rows`` [s, b, D]."""
+    def project(self, shard: torch.Tensor, rows: RowGather | None, heads: slice) -> list[torch.Tensor]:
+        """[q, k, v, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
+        ``rows`` gathers from ``shard``, as views of three GEMM outputs: the exchange lays them
+        out in one copy (``exchange.Projection``)."""
         hk = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
-        w_qkvb = torch.cat([self.q_proj.weight[hk], self.k_proj.weight[hk],
-                            self.v_proj.weight[hk], self.b_proj.weight[heads]])
-        qkvb = F.linear(rows, w_qkvb)
-        low = F.linear(rows, self._dup(torch.cat([self.f_a_weight, self.g_a_weight])))
+        qkvb, low = project_rows(
+            shard, rows,
+            (self.q_proj.weight[hk], self.k_proj.weight[hk], self.v_proj.weight[hk], self.b_proj.weight[heads]),
+            (self._dup(torch.cat([self.f_a_weight, self.g_a_weight])),),
+        )
         f_low, g_low = low.split([self.kda_config.gate_low_rank, self.kda_config.output_gate_low_rank], -1)
         f = F.linear(f_low, self.f_b_proj.weight[hk])
         g = F.linear(g_low, self.g_b_proj.weight[hk])
-        n, nh = hk.stop - hk.start, heads.stop - heads.start
-        fused = torch.cat([qkvb[..., : 3 * n], f, g, qkvb[..., 3 * n :]], dim=-1)
-        return fused, [n, n, n, n, n, nh]
+        n = hk.stop - hk.start
+        q, k, v, beta = qkvb.split([n, n, n, heads.stop - heads.start], dim=-1)
+        return [q, k, v, f, g, beta]
 
     def _layout(self, hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> CPLayout:
         """Natural sequence boundaries (global) and the CP layout of this batch's rows."""

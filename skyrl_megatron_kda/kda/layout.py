@@ -107,6 +107,33 @@ class CPLayout:
         return per_tp.reshape(-1)
 
 
+class _TakeRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` for an index without repeats, with a backward that moves each
+    gradient row back to its source: autograd's own backward accumulates with atomics
+    (``index_add_``), which costs ~10x a copy for bf16 on the GPU (32 ms per step at 1M tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        if index.numel() == ctx.rows:  # a permutation: gather with its inverse
+            inverse = torch.empty_like(index)
+            inverse[index] = torch.arange(index.numel(), device=index.device)
+            return grad.index_select(0, inverse), None
+        out = grad.new_zeros((ctx.rows,) + grad.shape[1:])
+        return out.index_copy_(0, index, grad.contiguous()), None
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` (no repeats) of ``x`` along dim 0, differentiable without atomics."""
+    return _TakeRows.apply(x, index)
+
+
 def sort_index(positions: torch.Tensor) -> torch.Tensor:
     """Index that puts rows carrying ``positions`` into natural order: ``rows[sort_index(p)]``."""
     return torch.argsort(positions)

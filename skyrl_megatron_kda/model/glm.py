@@ -16,11 +16,17 @@ Why a decoder layer of our own instead of megatron's ``TransformerLayer``: mHC r
 residual add (each block reads a learned mix of N streams and writes back into all of them), and
 megatron-core 0.19.2 has no hook for that; every block inside is megatron's own module.
 
+``train.recompute`` rebuilds whole layers (``full``) or attention blocks (``selective``) of the
+types in ``train.recompute_layers`` in backward (reentrant checkpoints, as megatron's);
+``train.offload_activations`` keeps every tensor saved for backward in host memory.
+
 Tensors are megatron's ``[s, b, ...]`` inside; ``s`` is this rank's CP shard (zigzag by default)
 and, under sequence parallelism, its ``1/tp`` slice. The MTP layer is not built.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from megatron.core import tensor_parallel
@@ -121,6 +127,7 @@ class GLMDecoderLayer(MegatronModule):
         self.layer_type = m.layer_types()[layer_index]
         self.mlp_type = m.mlp_types()[layer_index]
         hc = m.hyper_connections
+        self.recompute = recipe.train.recompute_of(self.layer_type)
         hc_args = dict(hidden_size=m.hidden_size, num_streams=hc.num_streams,
                        sinkhorn_iters=hc.sinkhorn_iterations, hc_eps=hc.eps, norm_eps=m.rms_norm_eps)
         self.attn_hc = HyperConnection(**hc_args)
@@ -142,12 +149,18 @@ class GLMDecoderLayer(MegatronModule):
             self.mlp = moe_layer_spec(m.moe)(config=config, layer_number=number,
                                              pg_collection=pg_collection)
 
+    def _attention(self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:
+        out, bias = self.self_attention(self.input_layernorm(x), None, packed_seq_params=packed_seq_params)
+        return _with_bias(out, bias)
+
     def forward(self, streams: torch.Tensor, packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         """streams [s, b, N, D] -> streams [s, b, N, D]."""
         x, post, comb = self.attn_hc(streams)
-        out, bias = self.self_attention(self.input_layernorm(x), None,
-                                        packed_seq_params=packed_seq_params)
-        streams = self.attn_hc.expand(_with_bias(out, bias), streams, post, comb)
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            out = checkpoint(self._attention, x, packed_seq_params, use_reentrant=True)
+        else:
+            out = self._attention(x, packed_seq_params)
+        streams = self.attn_hc.expand(out, streams, post, comb)
         x, post, comb = self.ffn_hc(streams)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))
         return self.ffn_hc.expand(_with_bias(out, bias), streams, post, comb)
@@ -168,7 +181,6 @@ class GLMModel(MegatronModule):
         self.cp_exchange_reason = cp_exchange_reason
         self.pg_collection = pg_collection
         self.num_streams = m.hyper_connections.num_streams
-        self.recompute = recipe.train.recompute == "full"
         # megatron's VocabParallelEmbedding, not LanguageModelEmbedding: NoPE needs no position
         # table, and GLM has no embedding dropout (whose RNG fork is all the latter would add).
         # Under SP the TP all-reduce of the vocabulary shards is a reduce-scatter over rows.
@@ -229,24 +241,32 @@ class GLMModel(MegatronModule):
             raise ValueError(f"input_ids must be [b, s_local], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
-        hidden = self.embedding(input_ids)  # SP: [s/tp, b, D]; else [b, s, D]
-        if not self.config.sequence_parallel:
-            hidden = hidden.transpose(0, 1).contiguous()
-        streams = expand_to_streams(hidden, self.num_streams)
-        for layer in self.layers:
-            if self.recompute and torch.is_grad_enabled():
-                # Reentrant, like megatron's recompute: the first forward runs without grad, so
-                # stateful counters (the MoE router's tokens per expert) count each token once.
-                streams = checkpoint(layer, streams, packed_seq_params, use_reentrant=True)
-            else:
-                streams = layer(streams, packed_seq_params)
-        hidden = self.final_norm(reduce_streams(streams))
-        logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.float(), labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp)
-        return loss.transpose(0, 1).contiguous()
+        with self._saved_tensors_home():
+            hidden = self.embedding(input_ids)  # SP: [s/tp, b, D]; else [b, s, D]
+            if not self.config.sequence_parallel:
+                hidden = hidden.transpose(0, 1).contiguous()
+            streams = expand_to_streams(hidden, self.num_streams)
+            for layer in self.layers:
+                if layer.recompute == "full" and torch.is_grad_enabled():
+                    # Reentrant, like megatron's recompute: the first forward runs without grad, so
+                    # stateful counters (the MoE router's tokens per expert) count each token once.
+                    streams = checkpoint(layer, streams, packed_seq_params, use_reentrant=True)
+                else:
+                    streams = layer(streams, packed_seq_params)
+            hidden = self.final_norm(reduce_streams(streams))
+            logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
+            if labels is None:
+                return logits.transpose(0, 1).contiguous()
+            loss = tensor_parallel.vocab_parallel_cross_entropy(
+                logits.float(), labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp)
+            return loss.transpose(0, 1).contiguous()
+
+    def _saved_tensors_home(self):
+        """Where autograd keeps the tensors saved for backward: host memory under
+        ``train.offload_activations`` (pinned when the model is on a GPU), else where they are."""
+        if not self.recipe.train.offload_activations:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.embedding.weight.is_cuda)
 
 
 def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCollection | None = None
@@ -258,9 +278,6 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
     full tensors then sliced, so the same seed gives the same model for any TP size)."""
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     _check_mesh(recipe, pgs)
-    if recipe.train.recompute == "selective":
-        raise NotImplementedError(
-            "train.recompute=selective is not implemented for the GLM model; use none or full")
     recipe, reason = resolve_cp_exchange(recipe)
     config = glm_transformer_config(recipe, use_cpu=use_cpu)
     return GLMModel(config, recipe, pgs, cp_exchange_reason=reason)

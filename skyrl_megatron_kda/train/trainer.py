@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..config import Recipe
 from .cpu_device import cuda_names_cpu, seed_cpu_rng_tracker
-from .data import PackedLoader, build_loader, shard_for_rank
+from .data import PackedLoader, PackedRow, RankShard, build_loader, shard_for_rank
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,9 @@ class RankTrainer:
     """Model, optimizer, schedule and data of one rank; ``train_step`` runs one optimizer step.
 
     ``build_model`` defaults to ``model.glm.build_model``; ``loader`` to the recipe's data.
+    The pieces of a step are public for ``train.rl`` (SkyRL's RL calls, whose batches and loss
+    come from outside): ``shard`` / ``model_inputs`` for a packed row, ``finalize_grads`` and
+    ``optimizer_step`` once the gradients of a step are accumulated.
     """
 
     def __init__(self, recipe: Recipe, *, build_model: BuildModel | None = None,
@@ -171,13 +174,17 @@ class RankTrainer:
         rows = [self.loader.next_row() for _ in range(self.dp_size * mbs)]
         return rows[self.dp_rank * mbs:(self.dp_rank + 1) * mbs]
 
-    def _forward_backward(self, row) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local (loss sum, loss-token count) of one row, with its gradients accumulated."""
+    def shard(self, row: PackedRow) -> RankShard:
+        """This rank's part of a packed row (CP, and SP inside the layers) in the recipe's layout."""
+        p, pgs = self.recipe.parallel, self.pgs
+        return shard_for_rank(row, p.cp, pgs.cp.rank(), p.tp, pgs.tp.rank(), p.sequence_parallel,
+                              self.recipe.kda.cp_layout)
+
+    def model_inputs(self, shard: RankShard) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(input_ids [1, s_local], position_ids [1, s_local], PackedSeqParams) of a shard, on this
+        rank's device: what the model's forward takes (``train.rl`` calls it too)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        p, pgs = self.recipe.parallel, self.pgs
-        shard = shard_for_rank(row, p.cp, pgs.cp.rank(), p.tp, pgs.tp.rank(), p.sequence_parallel,
-                               self.recipe.kda.cp_layout)
         device = self._device()
         cu = shard.cu_seqlens.to(device)
         cu_real = shard.cu_seqlens_unpadded.to(device)
@@ -185,8 +192,15 @@ class RankTrainer:
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
                                  cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
-        loss = self.model(shard.tokens[None].to(device), shard.position_ids[None].to(device),
-                          packed_seq_params=packed, labels=shard.labels[None].to(device))
+        return shard.tokens[None].to(device), shard.position_ids[None].to(device), packed
+
+    def _forward_backward(self, row) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local (loss sum, loss-token count) of one row, with its gradients accumulated."""
+        shard = self.shard(row)
+        device = self._device()
+        tokens, position_ids, packed = self.model_inputs(shard)
+        loss = self.model(tokens, position_ids, packed_seq_params=packed,
+                          labels=shard.labels[None].to(device))
         mask = shard.loss_mask[None].to(device=device, dtype=torch.float32)
         if loss.shape != mask.shape:
             raise ValueError(f"model returned loss of shape {tuple(loss.shape)}; expected per-token "
@@ -194,6 +208,31 @@ class RankTrainer:
         local = (loss.float() * mask).sum()
         local.backward()
         return local.detach(), mask.sum()
+
+    def finalize_grads(self, num_tokens: torch.Tensor | None = None) -> None:
+        """Megatron's end-of-accumulation reduction: sums the gradients over DP x CP (DDP was built
+        with ``calculate_per_token_loss``, so it sums) and the SP norms over TP; with
+        ``num_tokens`` it divides them by that count, all-reduced in place. Run once per step."""
+        from megatron.core.distributed import finalize_model_grads
+
+        with self.cpu_mode():
+            finalize_model_grads([self.model], num_tokens=num_tokens)
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Apply the finalized gradients: optimizer step (with clipping), LR schedule, then clear
+        the grad buffers for the next accumulation. Returns (grad norm, the LR it stepped with)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        with self.cpu_mode():
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"step {self.step + 1}: the optimizer step failed (non-finite grads)")
+        self.scheduler.step(increment=1)
+        self.step += 1
+        # optimizer.zero_grad clears the main (fp32) grads only; DDP's buffers hold the next
+        # accumulation, so clear them too (train_step also clears both before it starts).
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return float(grad_norm), lr
 
     def cpu_mode(self):
         """Context for calls into megatron's CUDA-only optimizer code (``cpu_device``)."""
@@ -204,8 +243,6 @@ class RankTrainer:
 
     def train_step(self) -> dict:
         """One optimizer step; returns this rank's metrics (loss and counts are global)."""
-        from megatron.core.distributed import finalize_model_grads
-
         start = time.perf_counter()
         self.model.module.reset_cp_bytes()
         self.model.zero_grad_buffer()
@@ -220,17 +257,10 @@ class RankTrainer:
         # Sums the gradients over DP x CP (and SP norms over TP), then divides them by the
         # global number of loss tokens, which it all-reduces in place.
         num_tokens = count.clone()
-        with self.cpu_mode():
-            finalize_model_grads([self.model], num_tokens=num_tokens)
+        self.finalize_grads(num_tokens)
         if int(num_tokens) == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss tokens")
-        lr = self.optimizer.param_groups[0]["lr"]
-        with self.cpu_mode():
-            ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError(f"step {self.step + 1}: the optimizer step failed (non-finite grads)")
-        self.scheduler.step(increment=1)
-        self.step += 1
+        grad_norm, lr = self.optimizer_step()
         total = torch.stack([loss_sum, count])
         dist.all_reduce(total, group=self.dp_cp_group)
         return {

@@ -127,7 +127,12 @@ sizes are mirrored so that SkyRL's own checks (CP needs remove_microbatch_paddin
 
 def unsupported_settings(cfg) -> List[str]:
     """Settings of the SkyRL job that the KDA workers cannot serve, one line each (empty: none)."""
-    t = cfg.trainer
+    return unsupported_trainer_settings(cfg.trainer)
+
+
+def unsupported_trainer_settings(t) -> List[str]:
+    """``unsupported_settings`` of SkyRL's ``cfg.trainer`` (all a worker is given, so the worker
+    refuses the same settings when called)."""
     problems = []
     if t.strategy != "megatron":
         problems.append(f"trainer.strategy={t.strategy}: set trainer.strategy=megatron (the KDA "
@@ -141,6 +146,16 @@ def unsupported_settings(cfg) -> List[str]:
     if t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward:
         problems.append("trainer.algorithm.use_kl_loss / use_kl_in_reward need a reference "
                         "model, which the KDA integration does not build yet")
+    if t.algorithm.enable_sample_support_replay:
+        problems.append("trainer.algorithm.enable_sample_support_replay=true is not implemented by "
+                        "the KDA policy worker")
+    if t.fused_lm_head_logprob:
+        problems.append("trainer.fused_lm_head_logprob=true is not implemented by the KDA policy "
+                        "worker (it materialises each rank's logits); set it to false")
+    if t.max_tokens_per_microbatch > 0:
+        problems.append("trainer.max_tokens_per_microbatch > 0 (token-based micro-batches) is not "
+                        "implemented by the KDA policy worker; set micro_train_batch_size_per_gpu "
+                        "and micro_forward_batch_size_per_gpu")
     return problems
 
 

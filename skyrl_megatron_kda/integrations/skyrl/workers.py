@@ -1,35 +1,71 @@
 """The policy worker SkyRL's ``RayPPOTrainer`` drives, one Ray actor per GPU.
 
 It stays thin: the model, optimizer, schedule and checkpoints are ``train.trainer.RankTrainer``'s
-(the same per-rank trainer ``skyrl-kda run`` uses); this class only adapts SkyRL's worker calls to
-it. The RL calls that need more than ``RankTrainer`` offers today are listed in
-``NOT_INTEGRATED`` and raise; the entrypoint refuses to launch a job while that list is not empty.
+(the same per-rank trainer ``skyrl-kda run`` uses) and the log-probs of SkyRL's padded rollout
+batches are ``train.rl``'s; this class only adapts SkyRL's worker calls to them, with the inputs,
+outputs, micro-batching and metric names of SkyRL's own Megatron policy worker
+(``skyrl.backends.skyrl_train.workers.megatron.megatron_worker``). The calls it cannot serve yet
+are listed in ``NOT_INTEGRATED`` and raise; the entrypoint refuses to launch a job while that list
+is not empty.
 """
 
-import os
+from collections import defaultdict
+from dataclasses import asdict
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 import ray
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
+from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
 from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
+from skyrl.backends.skyrl_train.workers.worker_utils import (
+    BatchIterator,
+    all_reduce_metrics,
+    compute_minibatch_rollout_logprob_diff_metrics,
+    reduce_metrics,
+)
 from skyrl.env_vars import SKYRL_WORKER_NCCL_TIMEOUT_IN_S
+from skyrl.train.utils.utils import ray_noset_visible_devices
 
+from .config import unsupported_trainer_settings
 from .mesh import megatron_mesh_rank, mesh_rank
 
 NOT_INTEGRATED = {
-    "forward": "log-probs of SkyRL's rollout batches (RankTrainer steps packed rows of its own "
-               "data loader, not external batches)",
-    "forward_backward": "the policy loss on SkyRL's rollout batches",
-    "optim_step": "a step separate from forward_backward (RankTrainer.train_step does both)",
-    "init_weight_sync_state": "weight sync into the inference engines (vLLM serving glm5_next "
-                              "from this model's layout)",
-    "broadcast_to_inference_engines": "weight sync into the inference engines",
-    "offload_to_cpu": "offloading for trainer.placement.colocate_all=true",
-    "backload_to_gpu": "offloading for trainer.placement.colocate_all=true",
+    "init_weight_sync_state": "weight sync into the inference engines: vLLM would have to serve "
+                              "glm5_next (KDA + DSA + mHC) and load it from SkyRL's weight-transfer "
+                              "stream; neither exists or can be run on CPU here",
+    "broadcast_to_inference_engines": "weight sync into the inference engines (see "
+                                      "init_weight_sync_state)",
+    "offload_to_cpu": "offloading model, grad buffers and optimizer state for "
+                      "trainer.placement.colocate_all=true (GPU memory handling, untested)",
+    "backload_to_gpu": "the inverse of offload_to_cpu",
 }
 """SkyRL worker calls the KDA policy worker cannot serve yet -> what is missing."""
+
+
+class _GroupReducer:
+    """The ``strategy`` SkyRL's ``all_reduce_metrics`` takes: float metrics all-reduced over a
+    given group, on this rank's device (so NCCL groups work too)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def all_reduce(self, data: Dict[str, float], op: str = "mean", group=None) -> Dict[str, float]:
+        if not data:
+            return {}
+        names = sorted(data)
+        values = torch.tensor([float(data[k]) for k in names], dtype=torch.float64,
+                              device=self.device)
+        ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}
+        dist.all_reduce(values, op=ops[op], group=group)
+        if op == "mean":
+            values /= dist.get_world_size(group)
+        return dict(zip(names, values.tolist()))
 
 
 class NotIntegratedError(NotImplementedError):
@@ -50,7 +86,8 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         # init_model checks that both agree.
         self.recipe = self.cfg.kda.resolve()
         if not dist.is_initialized():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # The GPU SkyRL's Worker exports as LOCAL_RANK, computed the same way here.
+            torch.cuda.set_device(int(ray.get_gpu_ids()[0]) if ray_noset_visible_devices() else 0)
             dist.init_process_group(backend="cpu:gloo,cuda:nccl",
                                     timeout=timedelta(seconds=SKYRL_WORKER_NCCL_TIMEOUT_IN_S))
         if dist.get_world_size() != self.recipe.run.num_workers:
@@ -74,6 +111,143 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
 
     def get_lr(self) -> float:
         return self.trainer.optimizer.param_groups[0]["lr"]
+
+    # -- the RL calls ----------------------------------------------------------------------------
+
+    def _check_supported(self) -> None:
+        problems = unsupported_trainer_settings(self.cfg)
+        if problems:
+            raise ValueError("KDAPolicyWorker: " + "; ".join(problems))
+
+    def _action_logprobs(self, sequences, attention_mask, num_actions: int, *,
+                         entropy: bool = False, entropy_grad: bool = False):
+        """Log-probs (and entropies) [B, num_actions] of the last ``num_actions`` tokens of each
+        row, as SkyRL's workers slice them from the [B, S] per-token values."""
+        from ...train.rl import pack_rollout, token_logprobs
+
+        rollout = pack_rollout(sequences, attention_mask, self.trainer.recipe.parallel,
+                               self.trainer.recipe.kda.cp_layout)
+        logp, ent = token_logprobs(self.trainer, rollout, self.cfg.algorithm.temperature,
+                                   entropy=entropy, entropy_grad=entropy_grad)
+        return logp[:, -num_actions:], None if ent is None else ent[:, -num_actions:]
+
+    def _policy_loss(self, loss_fn: Optional[str], loss_fn_config: Optional[Dict[str, Any]]):
+        """(name, function, config) of the loss: SkyRL's ``PolicyLossRegistry`` entry named by
+        ``loss_fn`` (default ``cfg.algorithm.policy_loss_type``), with ``loss_fn_config``
+        merged over ``cfg.algorithm`` into the same config class, as SkyRL's workers do."""
+        name = loss_fn if loss_fn is not None else self.cfg.algorithm.policy_loss_type
+        config = self.cfg.algorithm
+        if loss_fn_config:
+            merged = OmegaConf.merge(OmegaConf.create(asdict(config)), OmegaConf.create(loss_fn_config))
+            config = type(config).from_dict_config(merged)
+        return name, PolicyLossRegistry.get(name), config
+
+    def _reduce_over_dp(self, metrics: Dict[str, float]) -> Dict[str, float]:
+        """SkyRL's reduction: losses summed, the rest averaged (``_min``/``_max`` kept) over the
+        DP group without CP (every CP and TP rank of a replica holds the same values)."""
+        from megatron.core import parallel_state
+
+        return all_reduce_metrics(metrics, _GroupReducer(self.trainer._device()),
+                                  group=parallel_state.get_data_parallel_group(with_context_parallel=False),
+                                  sum_loss_metrics=True)
+
+    def forward(self, data, loss_fn: Optional[str] = None,
+                loss_fn_config: Optional[Dict[str, Any]] = None,
+                return_per_token_outputs: bool = True) -> WorkerOutput:
+        """Per-sample ``logprobs`` (length ``response_length``) of SkyRL's rollout batch, in
+        micro-batches of ``micro_forward_batch_size_per_gpu``, without grad."""
+        self._check_supported()
+        if loss_fn is not None:
+            raise ValueError(f"KDAPolicyWorker.forward(loss_fn={loss_fn!r}): forward with a loss "
+                             "(SkyRL's SFT / Tinker evaluation) is not implemented; the RL loop "
+                             "calls forward without one")
+        self.trainer.model.eval()
+        rows = []
+        with torch.no_grad():
+            for micro in data.chunk(self.cfg.micro_forward_batch_size_per_gpu):
+                logp, _ = self._action_logprobs(micro["sequences"], micro["attention_mask"],
+                                                micro.metadata["response_length"])
+                rows.append(logp.cpu())
+        log_probs = torch.cat(rows)
+        return WorkerOutput(loss_fn_outputs=[{"logprobs": r.tolist()} for r in log_probs], metrics={})
+
+    def forward_backward(self, data, loss_fn: Optional[str] = None,
+                         loss_fn_config: Optional[Dict[str, Any]] = None,
+                         return_per_token_outputs: bool = True) -> WorkerOutput:
+        """SkyRL's policy loss on its rollout batch, gradients accumulated until ``optim_step``,
+        in micro-batches of ``micro_train_batch_size_per_gpu``; returns the metrics of SkyRL's
+        Megatron worker (``final_loss``, ``policy_loss``, ``policy_entropy``, ``policy_kl``,
+        ``loss_metrics/*``, ``policy_lr``; ``loss`` and ``response_length`` for cross_entropy)
+        and per-sample ``logprobs``."""
+        self._check_supported()
+        name, policy_loss_fn, config = self._policy_loss(loss_fn, loss_fn_config)
+        self.trainer.model.train()
+        micro_batches = list(BatchIterator(data, self.cfg.micro_train_batch_size_per_gpu))
+        # Policy losses arrive pre-scaled to sum over micro-batches and DP ranks, which is how
+        # our DDP reduces gradients; the entropy term is a mean, so it is spread over them.
+        spread = len(micro_batches) * self.mesh_rank.dp_size
+        all_metrics, outputs = defaultdict(list), []
+        for experience in micro_batches:
+            experience.to_device(self.trainer._device())
+            metrics = self._backward_micro(experience, name, policy_loss_fn, config, spread,
+                                           return_per_token_outputs)
+            outputs.extend(metrics.pop("loss_fn_outputs"))
+            for key, value in metrics.items():
+                all_metrics[key].append(value)
+        status = reduce_metrics(all_metrics, sum_loss_metrics=True)
+        if name != "cross_entropy":
+            status["policy_lr"] = self.get_lr()
+        return WorkerOutput(loss_fn_outputs=outputs, metrics=self._reduce_over_dp(status))
+
+    def _backward_micro(self, exp, name: str, policy_loss_fn, config, spread: int,
+                        return_per_token_outputs: bool) -> Dict[str, Any]:
+        sft = name == "cross_entropy"
+        logp, ent = self._action_logprobs(exp.sequences, exp.attention_mask, exp.num_actions,
+                                          entropy=not sft, entropy_grad=config.use_entropy_loss)
+        policy_loss, loss_metrics = policy_loss_fn(
+            logp, exp.action_log_probs, exp.advantages, config=config, loss_mask=exp.loss_mask,
+            rollout_logprobs=exp.rollout_logprobs)
+        if sft:
+            loss = policy_loss
+            metrics = {"loss": policy_loss.item(), "response_length": exp.num_actions}
+        else:
+            entropy = masked_mean(ent, exp.loss_mask)
+            loss = policy_loss
+            if config.use_entropy_loss:
+                loss = loss - entropy * config.entropy_loss_coef / spread
+            metrics = {"final_loss": loss.item(), "policy_loss": policy_loss.item(),
+                       "policy_entropy": entropy.item(), "policy_kl": 0.0,
+                       **{f"loss_metrics/{k}": v for k, v in loss_metrics.items()},
+                       **compute_minibatch_rollout_logprob_diff_metrics(
+                           logp, exp.rollout_logprobs, exp.loss_mask)}
+        loss.backward()
+        metrics["loss_fn_outputs"] = self._per_sample_outputs(
+            logp.detach(), exp, sft) if return_per_token_outputs else [{} for _ in range(len(logp))]
+        return metrics
+
+    @staticmethod
+    def _per_sample_outputs(logp: torch.Tensor, exp, sft: bool) -> List[Dict[str, list]]:
+        """The last ``valid_len`` response log-probs of each sample (and, for cross_entropy, the
+        masked NLL), ``valid_len`` from the response mask, else the loss mask."""
+        mask = exp.response_mask if exp.response_mask is not None else exp.loss_mask
+        valid = ((mask > 0).sum(dim=1) if mask is not None
+                 else torch.full((len(logp),), logp.shape[1])).tolist()
+        logp = logp.cpu()
+        nll = (-logp if exp.loss_mask is None else -logp * exp.loss_mask.cpu()) if sft else None
+        out = []
+        for i, n in enumerate(valid):
+            item = {"logprobs": logp[i, logp.shape[1] - n:].tolist()}
+            if sft:
+                item["elementwise_loss"] = nll[i, logp.shape[1] - n:].tolist()
+            out.append(item)
+        return out
+
+    def optim_step(self) -> float:
+        """Reduce the gradients accumulated since the last step (once, over DP x CP), step the
+        optimizer and the LR schedule, clear the buffers; returns the grad norm (pre-clip)."""
+        self.trainer.finalize_grads()
+        grad_norm, _ = self.trainer.optimizer_step()
+        return grad_norm
 
     def save_checkpoint(self, ckpt_dir: str, tokenizer=None) -> None:
         self.trainer.save_checkpoint(ckpt_dir)

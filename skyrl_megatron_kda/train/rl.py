@@ -1,0 +1,154 @@
+"""RL steps on external batches: per-token log-probs of padded rollout rows, a policy-loss
+backward, and the optimizer step on its own (what SkyRL's policy worker calls).
+
+``RankTrainer.train_step`` runs its own loader's rows with a cross-entropy loss in one call; an RL
+loop instead hands every rank the same padded batch ``sequences`` [B, S] / ``attention_mask``
+[B, S] (prompts left-padded, responses right-padded) and a loss over the log-probs, and steps the
+optimizer separately. The path here, per micro-batch:
+
+1. ``pack_rollout``: the real tokens of each row become one document of a packed THD row
+   (``data.pack_row``, padded for the recipe's CP layout), with the map back to [B, S].
+2. ``token_logprobs``: the model on this rank's shard (``RankTrainer.shard``: CP, and SP inside the
+   layers), logits / temperature, ``log p = -vocab_parallel_cross_entropy`` over the TP vocabulary
+   shards (and, on request, the vocab-parallel entropy); ``GatherCP`` all-gathers the CP shards
+   into natural token order and scatters them back into the batch's [B, S] layout.
+3. The caller's loss (a function of the [B, S] log-probs, the same on every TP and CP rank) is
+   backpropagated as a *sum*: ``GatherCP`` hands each CP rank the gradient of its own rows only,
+   megatron's DDP (built with ``calculate_per_token_loss``) sums parameter gradients over DP x CP,
+   and ``RankTrainer.finalize_grads`` without a token count does not rescale them.
+
+Row ``b``'s value at column ``t`` is ``log p(sequences[b, t] | real tokens of row b before t)``;
+columns whose token is padding or the row's first real token are 0 (no prediction exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..kda.layout import LAYOUTS
+from .data import PackedRow, pack_row, pad_multiple, padded_length, row_multiple
+
+
+@dataclass(frozen=True)
+class PackedRollout:
+    """A padded batch laid out as one packed row, with where each prediction goes back.
+
+    ``row.labels[src[i]]`` is the token at ``(dst_row[i], dst_col[i])`` of the batch, predicted
+    from the packed position ``src[i]``."""
+
+    row: PackedRow
+    src: torch.Tensor
+    dst_row: torch.Tensor
+    dst_col: torch.Tensor
+    shape: tuple[int, int]
+
+
+def pack_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, parallel,
+                 layout: str = "zigzag", pad_id: int = 0) -> PackedRollout:
+    """``sequences`` / ``attention_mask`` [B, S] (1 = real token, anywhere in the row) -> one
+    packed row whose length meets ``data.row_multiple`` for ``parallel`` and ``layout``."""
+    if sequences.dim() != 2 or sequences.shape != attention_mask.shape:
+        raise ValueError(f"sequences {tuple(sequences.shape)} and attention_mask "
+                         f"{tuple(attention_mask.shape)} must both be [batch, seq_len]")
+    sequences, real = sequences.cpu().long(), attention_mask.cpu().bool()
+    lengths = real.sum(dim=1)
+    if int(lengths.min()) < 1:
+        empty = int((lengths < 1).nonzero()[0])
+        raise ValueError(f"row {empty} of the batch has no real token (attention_mask all 0)")
+    multiple = pad_multiple(parallel, layout)
+    docs, src, dst_row, dst_col, start = [], [], [], [], 0
+    for b in range(sequences.shape[0]):
+        cols = real[b].nonzero().squeeze(1)
+        docs.append(sequences[b, cols])
+        # Packed position start + j predicts the row's real token j + 1 (pack_row's labels).
+        src.append(torch.arange(start, start + len(cols) - 1))
+        dst_row.append(torch.full((len(cols) - 1,), b))
+        dst_col.append(cols[1:])
+        start += padded_length(len(cols), multiple)
+    seq_len = padded_length(start, row_multiple(parallel, layout))
+    row = pack_row(docs, seq_len, multiple, pad_id)
+    return PackedRollout(row, torch.cat(src), torch.cat(dst_row), torch.cat(dst_col),
+                         tuple(sequences.shape))
+
+
+class GatherCP(torch.autograd.Function):
+    """All-gather per-token values of every CP rank into natural order [seq_len].
+
+    Every CP rank then computes the same loss from the same full tensor, so the backward takes
+    this rank's rows of the incoming gradient as they are (no reduction: summing over the CP
+    group would count the replicated loss ``cp`` times)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, positions: list[torch.Tensor], rank: int, group):
+        ctx.mine = positions[rank]
+        full = local.new_zeros(sum(p.numel() for p in positions))
+        if len(positions) == 1:
+            full[ctx.mine] = local
+            return full
+        parts = [torch.empty_like(local) for _ in positions]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        for pos, part in zip(positions, parts):
+            full[pos] = part
+        return full
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):
+        return grad_full[ctx.mine], None, None, None
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """Entropy [s] of softmax(logits) from this TP rank's vocabulary shard ``logits`` [s, V/tp].
+
+    ``H = log Z - sum p z`` with ``Z`` and ``sum e^z z`` summed over TP by megatron's
+    ``reduce_from_tensor_model_parallel_region`` (backward: identity, right for a loss replicated
+    on every TP rank); the max shift is a detached all-reduce (the entropy does not depend on it)."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    shift = logits.detach().max(dim=-1).values
+    if tp_group.size() > 1:
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
+    z = logits - shift[:, None]
+    e = z.exp()
+    total = reduce_from_tensor_model_parallel_region(e.sum(dim=-1), tp_group)
+    weighted = reduce_from_tensor_model_parallel_region((e * z).sum(dim=-1), tp_group)
+    return total.log() - weighted / total
+
+
+def token_logprobs(trainer, rollout: PackedRollout, temperature: float = 1.0, *,
+                   entropy: bool = False, entropy_grad: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, S] (and the entropy [B, S] of each predicting distribution when
+    ``entropy``) of ``rollout`` under ``trainer``'s model, identical on every rank of a DP
+    replica. Differentiable when grad is enabled (call ``model.train()`` / ``eval()`` first)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    shard = trainer.shard(rollout.row)
+    tokens, position_ids, packed = trainer.model_inputs(shard)
+    logits = trainer.model(tokens, position_ids, packed_seq_params=packed)  # [1, s_cp, V/tp]
+    logits = logits[0].float() / temperature  # a new tensor: CE below shifts its input in place
+    tp_group, cp_group = trainer.pgs.tp, trainer.pgs.cp
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = vocab_parallel_entropy(logits, tp_group)
+        if ent.requires_grad:
+            logits = logits.clone()  # the entropy's graph keeps the unshifted logits
+    labels = shard.labels.to(logits.device)
+    logp = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None], tp_group=tp_group)[:, 0]
+    p = trainer.recipe.parallel
+    positions = [pos.to(logits.device) for pos in
+                 LAYOUTS[trainer.recipe.kda.cp_layout](rollout.row.cu_seqlens, p.cp)]
+    outputs = []
+    for local in (logp, ent):
+        if local is None:
+            outputs.append(None)
+            continue
+        full = GatherCP.apply(local, positions, cp_group.rank(), cp_group)
+        index = (rollout.dst_row.to(full.device), rollout.dst_col.to(full.device))
+        outputs.append(full.new_zeros(rollout.shape).index_put(index, full[rollout.src.to(full.device)]))
+    return outputs[0], outputs[1]

@@ -1,0 +1,276 @@
+"""SkyRL's RL worker calls on the KDA policy worker: ``forward`` (log-probs of a padded rollout
+batch), ``forward_backward`` (SkyRL's own policy loss) and ``optim_step``, on spawned gloo ranks
+with the tiny recipe (fp32).
+
+One rank at TP1 x CP1 (EP1) builds the worker, writes its initial weights as a glm5_next folder and
+runs forward, forward_backward and optim_step; the oracle for its log-probs is log_softmax of the
+same model's logits on each unpadded sequence alone (no packing, no CP). Four ranks at TP2 x CP2
+(+SP, EP2) load those weights (``run.init_from_hf``) and run the same calls for each KDA CP
+exchange. A wrong CP gather, a mis-shifted label or a padding column read as a token gives
+log-prob errors above 1e-2 relative (the random model's log-probs spread over about -5.2 ..
+-6.1); the tolerance is 1e-5 relative (measured about 1e-7), 1e-4 for the ``state`` exchange's
+fp32 state chain.
+
+The worker is built without Ray (``object.__new__``): SkyRL's actor ``__init__`` redirects the
+process's output to files and reads Ray's GPU ids; everything the RL calls use is set by
+``init_worker_process_group`` / ``init_model``, exactly as on a cluster.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from skyrl_megatron_kda.config import CP_EXCHANGE_ENV
+from tests.distributed import run_ranks
+
+TEMPERATURE = 0.7
+PROMPTS, RESPONSES = (6, 3, 4), (8, 5, 7)  # rows of 14, 8 and 11 tokens, left-padded to 14
+EXCHANGES = ("a2a", "allgather", "state")
+TOL = {"a2a": 1e-5, "allgather": 1e-5, "state": 1e-4}
+ADAM_EPS = 1e-3
+STEP_TOL = 1e-3  # per tensor, relative; measured about 1.5e-5 (a dropped CP shard: order 1)
+CP1 = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
+       "run.num_workers=1"]
+CP2 = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+       "run.num_workers=4"]
+
+
+def _cfg(overrides: list[str], workers: int):
+    from skyrl_megatron_kda.integrations.skyrl.config import KDASkyRLConfig
+
+    return KDASkyRLConfig.from_cli_overrides([
+        "trainer.strategy=megatron", "trainer.logger=console",
+        "trainer.placement.colocate_all=false", "trainer.algorithm.use_kl_loss=false",
+        f"trainer.placement.policy_num_gpus_per_node={workers}",
+        f"trainer.algorithm.temperature={TEMPERATURE}",
+        # 3 rows in micro-batches of 2: two packed rows per call, the second with one sequence.
+        "trainer.micro_train_batch_size_per_gpu=2", "trainer.micro_forward_batch_size_per_gpu=2",
+        "trainer.kda.recipe=glm53_flash_tiny", "trainer.kda.overrides.train.warmup_steps=0",
+        *[f"trainer.kda.overrides.{o}" for o in overrides]])
+
+
+def _batch():
+    """SkyRL's layout (``TrainingInput``): every row left-padded, so the response is the last
+    ``r`` tokens and its masks are right-aligned in the ``response_length`` columns; one response
+    token is masked out of the loss."""
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+
+    gen = torch.Generator().manual_seed(11)
+    width, r_max = max(p + r for p, r in zip(PROMPTS, RESPONSES)), max(RESPONSES)
+    sequences = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(sequences)
+    response_mask = torch.zeros(len(PROMPTS), r_max, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        sequences[i, width - p - r:] = torch.randint(1, 256, (p + r,), generator=gen)
+        attention_mask[i, width - p - r:] = 1
+        response_mask[i, r_max - r:] = 1
+    loss_mask = response_mask.float()
+    loss_mask[1, -2] = 0.0
+    batch = TrainingInputBatch({
+        "sequences": sequences, "attention_mask": attention_mask, "response_mask": response_mask,
+        "loss_mask": loss_mask, "advantages": torch.randn(loss_mask.shape, generator=gen) * loss_mask,
+    })
+    batch.metadata = {"response_length": r_max}
+    return batch
+
+
+def _worker(overrides: list[str]):
+    from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorkerBase
+
+    worker = object.__new__(KDAPolicyWorkerBase)
+    worker.cfg = _cfg(overrides, int(next(o for o in overrides if o.startswith("run.num_workers"))
+                                     .split("=")[1])).trainer
+    worker.init_worker_process_group()
+    worker.init_model()
+    # Adam's first step moves each weight by lr * g / (|g| + eps): with the default eps (1e-8)
+    # that is lr * sign(g) for all but the tiniest gradients, which would hide a wrong gradient
+    # and amplify rounding in the tiny ones by lr / eps; with eps above the (clipped) gradients
+    # the step is a smooth function of the gradient, so equal steps mean equal gradients.
+    for group in worker.trainer.optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    return worker
+
+
+def _weights(worker) -> dict:
+    from skyrl_megatron_kda.model.hf_io import export_hf_tensors
+
+    return {name: t.clone() for name, t in export_hf_tensors(worker.trainer.model.module)}
+
+
+def _rl_calls(worker, old: torch.Tensor | None = None) -> dict:
+    """forward, then forward_backward + optim_step. The old log-probs are near the current ones
+    (so the PPO ratio clips some tokens, not all): drawn around this run's log-probs at CP1, and
+    the CP1 run's passed in at CP2 (the same loss inputs on every mesh)."""
+    batch = _batch()
+    worker.trainer.model.module.reset_cp_bytes()
+    logprobs = torch.tensor([s["logprobs"] for s in worker.forward(batch).loss_fn_outputs])
+    if old is None:
+        noise = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(5))
+        old = (logprobs + 0.15 * noise) * batch["response_mask"]
+    batch["action_log_probs"] = old
+    out = worker.forward_backward(batch)
+    grad_norm = worker.optim_step()
+    return {"logprobs": logprobs, "old": old, "metrics": out.metrics,
+            "outputs": out.loss_fn_outputs, "grad_norm": grad_norm,
+            "exchange": worker.trainer.recipe.kda.cp_exchange,
+            "cp_bytes": worker.trainer.model.module.cp_bytes()}
+
+
+def _cp1_rank(rank, world, hf_dir):
+    from skyrl_megatron_kda.model.hf_io import save_hf_checkpoint
+
+    worker = _worker(CP1)
+    save_hf_checkpoint(worker.trainer.model.module, hf_dir)
+    before = _weights(worker)
+    # The oracle: each sequence's real tokens alone through the model, log_softmax of its logits.
+    batch, model = _batch(), worker.trainer.model.module
+    model.eval()
+    oracle = torch.zeros(batch["sequences"].shape)
+    with torch.no_grad():
+        for i, (seq, mask) in enumerate(zip(batch["sequences"], batch["attention_mask"])):
+            cols = mask.nonzero().squeeze(1)
+            logits = model(seq[cols][None])[0].float() / TEMPERATURE
+            logp = torch.log_softmax(logits, dim=-1)[:-1].gather(1, seq[cols][1:, None])[:, 0]
+            oracle[i, cols[1:]] = logp
+    result = _rl_calls(worker)
+    result["after"] = _weights(worker)
+    # SkyRL's SFT loss through the same call (gradients only: no step follows).
+    batch["action_log_probs"] = result["old"]
+    now = torch.tensor([s["logprobs"] for s in worker.forward(batch).loss_fn_outputs])
+    sft = worker.forward_backward(batch, loss_fn="cross_entropy")
+    worker.trainer.close()
+    return {**result, "oracle": oracle[:, -max(RESPONSES):], "before": before,
+            "sft": {"logprobs": now, "metrics": sft.metrics, "outputs": sft.loss_fn_outputs}}
+
+
+def _cp2_rank(rank, world, hf_dir, old):
+    out = {}
+    for exchange in EXCHANGES:
+        worker = _worker([*CP2, f"kda.cp_exchange={exchange}", f"run.init_from_hf={hf_dir}"])
+        result = _rl_calls(worker, old)
+        result["after"] = _weights(worker)
+        worker.trainer.close()
+        out[exchange] = result if rank == 0 else None
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{"cp1": ..., "cp2": {exchange: ...}}: one 1-rank and one 4-rank spawn for all tests."""
+    mp = pytest.MonkeyPatch()
+    mp.delenv(CP_EXCHANGE_ENV, raising=False)  # the spawned ranks inherit the environment
+    try:
+        with tempfile.TemporaryDirectory() as hf_dir:
+            cp1 = run_ranks(1, _cp1_rank, hf_dir)[0]
+            cp2 = run_ranks(4, _cp2_rank, hf_dir, cp1["old"])[0]
+    finally:
+        mp.undo()
+    return {"cp1": cp1, "cp2": cp2}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _response_columns():
+    """[B, R] mask of the response-block columns that hold a prediction: a real token that is not
+    its row's first (the others, padding, must be 0). Shorter responses leave prompt tokens in
+    the block; those are predicted too, as in SkyRL's workers, and masked by the loss."""
+    mask = _batch()["attention_mask"].bool()
+    predicted = mask & (mask.cumsum(dim=1) > 1)
+    return predicted[:, -max(RESPONSES):]
+
+
+def test_cp1_logprobs_equal_log_softmax_of_the_models_logits(runs):
+    cp1, real = runs["cp1"], _response_columns()
+    assert cp1["logprobs"].shape == real.shape
+    err = _rel(cp1["logprobs"][real], cp1["oracle"][real])
+    assert err < 1e-5, f"packed TP1 x CP1 log-probs vs per-sequence log_softmax: {err:.1e}"
+    assert (cp1["logprobs"][~real] == 0).all()  # padding columns carry no prediction
+    assert float(cp1["logprobs"][real].max()) < 0
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_tp2_cp2_logprobs_equal_cp1(runs, exchange):
+    cp1, cp2, real = runs["cp1"], runs["cp2"][exchange], _response_columns()
+    err = _rel(cp2["logprobs"][real], cp1["logprobs"][real])
+    assert err < TOL[exchange], f"{exchange}: TP2 x CP2 vs TP1 x CP1 log-probs differ by {err:.1e}"
+    assert (cp2["logprobs"][~real] == 0).all()
+
+
+def test_policy_loss_is_skyrls_loss_on_the_cp1_logprobs(runs):
+    """forward_backward's policy_loss equals SkyRL's registered loss applied to the log-probs
+    ``forward`` returned, micro-batch by micro-batch (summed, as SkyRL's workers report it)."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+    cp1 = runs["cp1"]
+    algorithm = _cfg(CP1, 1).trainer.algorithm
+    loss_fn = PolicyLossRegistry.get(algorithm.policy_loss_type)
+    batch = _batch()
+    expected, clipped = 0.0, []
+    for rows in (slice(0, 2), slice(2, 3)):
+        loss, metrics = loss_fn(cp1["logprobs"][rows], cp1["old"][rows], batch["advantages"][rows],
+                                config=algorithm, loss_mask=batch["loss_mask"][rows])
+        expected += float(loss)
+        clipped.append(metrics["clip_ratio"])
+    m = cp1["metrics"]
+    assert abs(m["policy_loss"] - expected) <= 1e-5 * abs(expected), (m["policy_loss"], expected)
+    assert m["final_loss"] == pytest.approx(m["policy_loss"])  # no entropy / KL term configured
+    assert m["loss_metrics/clip_ratio"] == pytest.approx(sum(clipped) / 2)
+    assert 0 < sum(clipped) < 2  # some tokens clipped, not all: the loss has a gradient
+    assert {"policy_entropy", "policy_kl", "policy_lr"} <= set(m)
+    assert m["policy_entropy"] > 0
+    # Per-sample log-probs: the last valid_len response values, as SkyRL's workers return them.
+    assert [len(o["logprobs"]) for o in cp1["outputs"]] == list(RESPONSES)
+    for out, row, r in zip(cp1["outputs"], cp1["logprobs"], RESPONSES):
+        assert out["logprobs"] == pytest.approx(row[-r:].tolist(), rel=1e-5)
+
+
+def test_cross_entropy_loss_fn_gives_skyrls_sft_metrics(runs):
+    """forward_backward(loss_fn="cross_entropy"): SkyRL's registered SFT loss on the current
+    log-probs, with its metric names and per-token elementwise_loss."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+    sft, batch = runs["cp1"]["sft"], _batch()
+    algorithm = _cfg(CP1, 1).trainer.algorithm
+    loss_fn = PolicyLossRegistry.get("cross_entropy")
+    expected = sum(float(loss_fn(sft["logprobs"][rows], None, batch["advantages"][rows],
+                                 config=algorithm, loss_mask=batch["loss_mask"][rows])[0])
+                   for rows in (slice(0, 2), slice(2, 3)))
+    assert set(sft["metrics"]) == {"loss", "response_length"}
+    assert sft["metrics"]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert expected > 0
+    assert [len(o["elementwise_loss"]) for o in sft["outputs"]] == list(RESPONSES)
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_step_changes_weights_and_matches_cp1(runs, exchange):
+    """optim_step moves the weights; loss, grad norm and every tensor's step agree across meshes
+    (the step is a smooth function of the gradient, see ADAM_EPS, so this compares gradients)."""
+    cp1, cp2 = runs["cp1"], runs["cp2"][exchange]
+    assert cp2["exchange"] == exchange and cp2["cp_bytes"] > 0  # the KDA layers did cross CP
+    tol = TOL[exchange]
+    assert cp1["grad_norm"] > 0
+    moved = max(float((cp1["after"][k] - cp1["before"][k]).abs().max()) for k in cp1["before"])
+    assert moved > 1e-4, "optim_step did not change the weights"
+    for key in ("policy_loss", "final_loss", "policy_entropy"):
+        a, b = cp2["metrics"][key], cp1["metrics"][key]
+        assert abs(a - b) <= tol * abs(b), f"{exchange}: {key} {a} vs {b}"
+    err = abs(cp2["grad_norm"] - cp1["grad_norm"]) / cp1["grad_norm"]
+    assert err < tol, f"{exchange}: grad norm {cp2['grad_norm']} vs {cp1['grad_norm']}"
+    assert set(cp2["after"]) == set(cp1["after"])
+    for name, w in cp1["after"].items():
+        if name.endswith("e_score_correction_bias"):
+            # Not a gradient step: the router moves it by a fixed rate against the token count
+            # per expert, which includes the padding tokens, and documents are padded to 2*cp
+            # tokens (0 extra at CP1, several at CP2), so the counts differ by mesh by design.
+            continue
+        step1, step2 = w - cp1["before"][name], cp2["after"][name] - cp1["before"][name]
+        if not step1.any():  # frozen (the DSA indexer): it must stay put on every mesh
+            assert not step2.any(), f"{exchange}: {name} is frozen at CP1 but moved"
+            continue
+        err = float((step2 - step1).norm() / step1.norm())
+        assert err < STEP_TOL, f"{exchange}: {name} stepped {err:.1e} apart from CP1"
