@@ -1,6 +1,7 @@
 """SkyRL's RL worker calls on the KDA policy worker: ``forward`` (log-probs of a padded rollout
-batch), ``forward_backward`` (SkyRL's own policy loss) and ``optim_step``, on spawned gloo ranks
-with the tiny recipe (fp32).
+batch), ``forward_backward`` (SkyRL's own policy loss) and ``optim_step``, then the checkpoint
+calls (``save_checkpoint`` / ``load_checkpoint`` / ``finalize_pending_saves`` / ``save_hf_model``),
+on spawned gloo ranks with the tiny recipe (fp32).
 
 One rank at TP1 x CP1 (EP1) builds the worker, writes its initial weights as a glm5_next folder and
 runs forward, forward_backward and optim_step; the oracle for its log-probs is log_softmax of the
@@ -18,6 +19,7 @@ process's output to files and reads Ray's GPU ids; everything the RL calls use i
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -141,9 +143,38 @@ def _cp1_rank(rank, world, hf_dir):
     batch["action_log_probs"] = result["old"]
     now = torch.tensor([s["logprobs"] for s in worker.forward(batch).loss_fn_outputs])
     sft = worker.forward_backward(batch, loss_fn="cross_entropy")
+    result["checkpoint"] = _checkpoint_calls(worker)
     worker.trainer.close()
     return {**result, "oracle": oracle[:, -max(RESPONSES):], "before": before,
             "sft": {"logprobs": now, "metrics": sft.metrics, "outputs": sft.loss_fn_outputs}}
+
+
+def _checkpoint_calls(worker) -> dict:
+    """SkyRL's checkpoint calls as its trainer makes them: save to ``global_step_N/policy``, step
+    on (the SFT gradients accumulated before), load the same folder, finalize, export to HF."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = os.path.join(tmp, "global_step_1", "policy")
+        worker.save_checkpoint(policy)
+        saved, saved_lr = _weights(worker), worker.get_lr()
+        worker.optim_step()
+        stepped = _weights(worker)
+        try:
+            worker.load_checkpoint(os.path.join(tmp, "global_step_2", "policy"))
+            missing = ""
+        except FileNotFoundError as err:
+            missing = str(err)
+        resumed_step = worker.load_checkpoint(policy)
+        worker.finalize_pending_saves()
+        worker.save_hf_model(os.path.join(tmp, "hf"))
+        exported = {}
+        for name in sorted(os.listdir(os.path.join(tmp, "hf"))):
+            if name.endswith(".safetensors"):
+                exported.update(load_file(os.path.join(tmp, "hf", name)))
+        return {"saved": saved, "saved_lr": saved_lr, "stepped": stepped, "missing": missing,
+                "resumed_step": resumed_step, "loaded": _weights(worker), "lr": worker.get_lr(),
+                "exported": exported}
 
 
 def _cp2_rank(rank, world, hf_dir, old):
@@ -274,3 +305,34 @@ def test_step_changes_weights_and_matches_cp1(runs, exchange):
             continue
         err = float((step2 - step1).norm() / step1.norm())
         assert err < STEP_TOL, f"{exchange}: {name} stepped {err:.1e} apart from CP1"
+
+
+def test_skyrl_checkpoint_calls_restore_the_saved_step(runs):
+    """load_checkpoint(ckpt_dir) restores what save_checkpoint(ckpt_dir) wrote (SkyRL passes the
+    same folder to both), after a step that moved the weights away from it."""
+    ck = runs["cp1"]["checkpoint"]
+    moved = max(float((ck["stepped"][k] - ck["saved"][k]).abs().max()) for k in ck["saved"])
+    assert moved > 1e-4, "the step after the save did not change the weights"
+    assert ck["resumed_step"] == 1
+    assert set(ck["loaded"]) == set(ck["saved"])
+    for name, w in ck["saved"].items():
+        assert torch.equal(ck["loaded"][name], w), f"{name} differs from the saved checkpoint"
+    assert ck["lr"] == ck["saved_lr"]
+    assert "holds no checkpoint" in ck["missing"]
+
+
+def test_save_hf_model_exports_the_models_weights(runs):
+    ck = runs["cp1"]["checkpoint"]
+    assert set(ck["exported"]) == set(ck["loaded"])
+    for name, w in ck["loaded"].items():
+        assert torch.equal(ck["exported"][name], w), name
+
+
+def test_set_lr_is_refused_not_ignored():
+    """SkyRL's inherited set_lr would return without effect (this worker's optimizer lives in its
+    trainer); the worker refuses it instead."""
+    from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorkerBase
+
+    worker = object.__new__(KDAPolicyWorkerBase)
+    with pytest.raises(NotImplementedError, match="recipe's train schedule"):
+        worker.set_lr(1e-5)

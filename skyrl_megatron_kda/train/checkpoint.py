@@ -256,6 +256,10 @@ def load(trainer: RankTrainer, path: str | Path) -> None:
     with trainer.cpu_mode(), _adam_step_passes_through(trainer):
         trainer.optimizer.load_state_dict(state["optimizer"])
     _unshare_adam_steps(trainer)
+    # megatron's scheduler adds the saved step count to its own (it expects a fresh one): count
+    # from 0, so that loading into a trainer that has already stepped (SkyRL's load_checkpoint
+    # on a live worker) sets the saved LR too.
+    trainer.scheduler.num_steps = 0
     trainer.scheduler.load_state_dict(state["scheduler"])
     _continue_data(trainer, state["loader"])
     trainer.step = int(state["step"])

@@ -112,6 +112,14 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
     def get_lr(self) -> float:
         return self.trainer.optimizer.param_groups[0]["lr"]
 
+    def set_lr(self, learning_rate: float) -> None:
+        """Refused (SkyRL's own would do nothing here: it sets an optimizer this worker keeps in
+        its trainer). The LR follows the recipe's schedule, which checkpoints restore."""
+        raise NotImplementedError(
+            f"KDAPolicyWorker.set_lr({learning_rate}): the learning rate follows the recipe's train "
+            "schedule (train.lr, warmup_steps, min_lr: megatron's OptimizerParamScheduler); "
+            "external LR schedules (Tinker's set_lr) are not supported")
+
     # -- the RL calls ----------------------------------------------------------------------------
 
     def _check_supported(self) -> None:
@@ -249,14 +257,39 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         grad_norm, _ = self.trainer.optimizer_step()
         return grad_norm
 
+    # -- checkpoints and HF export ----------------------------------------------------------------
+    # SkyRL saves to and loads from the same ``ckpt_dir`` (``global_step_N/policy``); inside it
+    # the trainer keeps its own layout (``checkpoints/step_N`` and the ``latest`` marker).
+
     def save_checkpoint(self, ckpt_dir: str, tokenizer=None) -> None:
+        """Sharded checkpoint of model, optimizer, schedule and RNG (collective, synchronous)."""
         self.trainer.save_checkpoint(ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True) -> int:
+        """Restore what ``save_checkpoint(ckpt_dir)`` wrote; returns the step it continues from."""
+        from ...train.checkpoint import latest_checkpoint
+
         if not (load_optimizer_states and load_lr_scheduler_states):
             raise ValueError("KDAPolicyWorker restores model, optimizer and schedule together")
-        return self.trainer.load_checkpoint(ckpt_dir)
+        path = latest_checkpoint(ckpt_dir)
+        if path is None:
+            raise FileNotFoundError(f"{ckpt_dir} holds no checkpoint written by "
+                                    "KDAPolicyWorker.save_checkpoint")
+        return self.trainer.load_checkpoint(str(path))
+
+    def finalize_pending_saves(self) -> None:
+        """Nothing is pending: ``save_checkpoint`` returns once the checkpoint is written."""
+
+    def save_hf_model(self, export_dir: str, tokenizer=None) -> None:
+        """The model as a glm5_next safetensors checkpoint (collective; rank 0 writes), with the
+        config (and non-text tensors) of ``run.init_from_hf`` when the run started from one."""
+        from ...model.hf_io import save_hf_checkpoint
+
+        save_hf_checkpoint(self.trainer.model.module, export_dir,
+                           source=self.trainer.recipe.run.init_from_hf)
+        if tokenizer is not None and dist.get_rank() == 0:
+            tokenizer.save_pretrained(export_dir)
 
 
 def _refuse(call: str):
