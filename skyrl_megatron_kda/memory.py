@@ -333,11 +333,20 @@ def mlp_activation_bytes(recipe: Recipe, index: int) -> int:
     return moe_activation_bytes(recipe)
 
 
+def layer_parts(recipe: Recipe, index: int) -> dict[str, int]:
+    """What layer ``index`` keeps for backward without recompute (exchange excluded), by the
+    plan table's labels."""
+    m, r = recipe.model, rows_of(recipe)
+    return {
+        "dense MLP" if m.mlp_types()[index] == "dense" else "MoE": mlp_activation_bytes(recipe, index),
+        "mHC + norms": mhc_activation_bytes(recipe) + 2 * norm_activation_bytes(recipe, m.hidden_size, r.sp),
+        f"{m.layer_types()[index].upper()} attention": attention_activation_bytes(recipe, index),
+    }
+
+
 def layer_activation_bytes(recipe: Recipe, index: int) -> int:
     """Everything layer ``index`` keeps for backward without recompute (exchange excluded)."""
-    m, r = recipe.model, rows_of(recipe)
-    total = mhc_activation_bytes(recipe) + 2 * norm_activation_bytes(recipe, m.hidden_size, r.sp)
-    return total + attention_activation_bytes(recipe, index) + mlp_activation_bytes(recipe, index)
+    return sum(layer_parts(recipe, index).values())
 
 
 def checkpoint_input_bytes(recipe: Recipe, mode: str) -> int:
@@ -353,19 +362,16 @@ def layer_kept_bytes(recipe: Recipe, index: int) -> dict[str, int]:
     mode (``train.recompute_of``), by the plan table's labels: ``full`` keeps its input streams
     (the checkpoint); ``selective`` keeps the attention block's input [s, D] instead of its
     norm and attention tensors; ``none`` keeps everything."""
-    m, r = recipe.model, rows_of(recipe)
+    m = recipe.model
     kind = m.layer_types()[index]
     mode = recipe.train.recompute_of(kind)
     if mode == "full":
         return {"layer inputs (checkpoints)": checkpoint_input_bytes(recipe, mode)}
-    norm = norm_activation_bytes(recipe, m.hidden_size, r.sp)
-    kept = {"dense MLP" if m.mlp_types()[index] == "dense" else "MoE": mlp_activation_bytes(recipe, index),
-            "mHC + norms": mhc_activation_bytes(recipe) + 2 * norm}
+    kept = layer_parts(recipe, index)
     if mode == "selective":
-        kept["mHC + norms"] -= norm
+        del kept[f"{kind.upper()} attention"]
+        kept["mHC + norms"] -= norm_activation_bytes(recipe, m.hidden_size, rows_of(recipe).sp)
         kept["attention inputs (checkpoints)"] = checkpoint_input_bytes(recipe, mode)
-    else:
-        kept[f"{kind.upper()} attention"] = attention_activation_bytes(recipe, index)
     return kept
 
 

@@ -145,21 +145,26 @@ def parity_matrix(rank: int, world: int, cases: list[Case], setup: Setup = CPU):
     return results
 
 
-def _saved_bytes(layer, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward of ``layer(x)``, parameters
-    excluded: the activation memory a rank holds between forward and backward."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+def saved_bytes(fn, exclude=()) -> tuple[object, int]:
+    """``fn()`` and the bytes of the distinct storages autograd saves for its backward, the
+    storages of the ``exclude`` tensors (parameters) left out: the activation memory held
+    between forward and backward."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
     storages = {}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
+        if ptr not in skip:
             storages[ptr] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x.clone().requires_grad_())
-    return sum(storages.values())
+        out = fn()
+    return out, sum(storages.values())
+
+
+def _layer_saved_bytes(layer, x: torch.Tensor) -> int:
+    return saved_bytes(lambda: layer(x.clone().requires_grad_()), list(layer.parameters()))[1]
 
 
 def saved_activation_bytes(rank: int, world: int, exchanges: tuple[str, ...], setup: Setup, tokens: int):
@@ -176,7 +181,7 @@ def saved_activation_bytes(rank: int, world: int, exchanges: tuple[str, ...], se
     result = {}
     for name in exchanges:
         recipe = recipe_for(Case(name, 1, world, False, "sbhd"), setup, tokens)
-        result[name] = _saved_bytes(parity.build_layer(recipe, single, cp_group, on_cpu=True), batch.x[rows])
+        result[name] = _layer_saved_bytes(parity.build_layer(recipe, single, cp_group, on_cpu=True), batch.x[rows])
     recipe = recipe_for(Case("a2a", 1, 1, False, "sbhd"), setup, tokens)
-    result["cp1"] = _saved_bytes(parity.build_layer(recipe, single, single, on_cpu=True), batch.x)
+    result["cp1"] = _layer_saved_bytes(parity.build_layer(recipe, single, single, on_cpu=True), batch.x)
     return result

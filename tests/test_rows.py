@@ -4,6 +4,7 @@ import torch
 
 from skyrl_megatron_kda.kda import rows as rows_module
 from skyrl_megatron_kda.kda.rows import project_rows
+from tests.kda_parity import saved_bytes
 
 
 class _Doubling:
@@ -24,19 +25,6 @@ class _Doubling:
         return self._started("reduce_scatter", rows_grad[:n] + 2 * rows_grad[n:])
 
 
-def _saved_bytes(fn):
-    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
-
-
 def test_gathered_projection_equals_autograd_and_keeps_only_the_shard():
     g = torch.Generator().manual_seed(0)
     shard = torch.randn(6, 2, 64, generator=g, dtype=torch.float64)
@@ -46,7 +34,7 @@ def test_gathered_projection_equals_autograd_and_keeps_only_the_shard():
     gather = _Doubling()
 
     ours = [t.clone().requires_grad_() for t in (shard, w1, w2, w3)]
-    (a, b), saved = _saved_bytes(lambda: project_rows(ours[0], gather, (ours[1], ours[2]), (ours[3],)))
+    (a, b), saved = saved_bytes(lambda: project_rows(ours[0], gather, (ours[1], ours[2]), (ours[3],)))
     ref = [t.clone().requires_grad_() for t in (shard, w1, w2, w3)]
     full = torch.cat([ref[0], 2 * ref[0]])
     ref_a = torch.nn.functional.linear(full, torch.cat([ref[1], ref[2]]))
