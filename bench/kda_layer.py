@@ -155,7 +155,7 @@ def segmented_fwd_bwd(args, heads: int, tokens: int):
 def state_recurrence_fwd_bwd(args, tp_group, cp_group):
     """This CP rank's KDA recurrence under the state exchange (its shard, all heads), real NCCL."""
     from skyrl_megatron_kda.kda.exchange import CommLedger, ExchangeGroups, StateExchange
-    from skyrl_megatron_kda.kda.layout import CPLayout
+    from skyrl_megatron_kda.distributed.cp_layout import CPLayout
 
     cp = cp_group.size()
     exchange = StateExchange(ExchangeGroups(tp=tp_group, cp=cp_group, sequence_parallel=False), CommLedger())
@@ -188,8 +188,8 @@ def layer_fwd_bwd(args, exchange: str, tp_group, cp_group, segments: int | None 
 
     from skyrl_megatron_kda.kda.exchange import CommLedger
     from skyrl_megatron_kda.kda.layer import KDASubmodules, KimiDeltaAttention
-    from skyrl_megatron_kda.kda.layout import zigzag_positions
-    from skyrl_megatron_kda.parallel import transformer_config
+    from skyrl_megatron_kda.distributed.cp_layout import zigzag_positions
+    from skyrl_megatron_kda.megatron_config import transformer_config
 
     cp = cp_group.size()
     recipe = _recipe(args, exchange, cp, args.segments if segments is None else segments)

@@ -1,4 +1,4 @@
-"""Recipe registry: names -> YAML files shipped in ``skyrl_megatron_kda/recipes/`` or lazy
+"""Recipe registry: names -> YAML files in ``recipes/`` (shipped in the wheel) or lazy
 ``"module:attr"`` targets, loaded into one validated ``config.Recipe``.
 
 Precedence, lowest first: the recipe's source, dot-path overrides (``--set kda.cp_exchange=a2a``),
@@ -23,8 +23,9 @@ from pydantic import ValidationError
 
 from .config import Recipe, load_recipe_dict, merge, parse_overrides
 
-RECIPES_DIR = Path(str(files(__package__).joinpath("recipes")))
-"""Folder of the YAML recipes shipped with the package."""
+RECIPES_DIR = Path(str(files("skyrl_megatron_kda.builtin_recipes")))
+"""Folder of the built-in YAML recipes: ``recipes/`` of the repository, shipped in the wheel as
+the data package ``skyrl_megatron_kda.builtin_recipes``."""
 
 BUILTIN_RECIPES: dict[str, str] = {
     "glm53_flash_1m": "glm53_flash_1m.yaml",

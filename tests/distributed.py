@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from skyrl_megatron_kda.distributed.cpu import redirect_cuda_device_queries
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -23,9 +25,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, backend: str, fn, arg
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:
-        from tests import cpu_shim
-
-        cpu_shim.install()
+        redirect_cuda_device_queries()
         torch.set_num_threads(1)
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

@@ -171,7 +171,7 @@ def saved_activation_bytes(rank: int, world: int, exchanges: tuple[str, ...], se
     """Activation bytes one KDA layer keeps for backward on this rank, per exchange at CP=world
     (TP1), and for the CP=1 layer on the whole sequence."""
     from skyrl_megatron_kda.kda import parity
-    from skyrl_megatron_kda.kda.layout import rank_rows
+    from skyrl_megatron_kda.distributed.cp_layout import rank_rows
 
     cp_group = dist.new_group(list(range(world)))
     single = [dist.new_group([r]) for r in range(world)][rank]

@@ -260,7 +260,7 @@ def _finalize_grads(layer, config, tp_group, cp_group):
         _allreduce_non_tensor_model_parallel_grads,
     )
 
-    from skyrl_megatron_kda.parallel import gather_full_grads
+    from skyrl_megatron_kda.distributed.tensor_parallel import gather_full_grads
 
     layer.ddp_config = DistributedDataParallelConfig()
     _allreduce_non_tensor_model_parallel_grads([layer], config, tp_group)
@@ -275,10 +275,10 @@ def _run_case(case, single):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from skyrl_megatron_kda.kda.layout import rank_rows
+    from skyrl_megatron_kda.distributed.cp_layout import rank_rows
     from skyrl_megatron_kda.kda.parity import relative_error
     from skyrl_megatron_kda.model import dsa
-    from skyrl_megatron_kda.parallel import load_full_state
+    from skyrl_megatron_kda.distributed.tensor_parallel import load_full_state
 
     batch = _batch(case)
     ref = _ours(_config(4), 4, ProcessGroupCollection(tp=single, cp=single))

@@ -125,7 +125,7 @@ def _rel(a, b) -> float:
 def _run_ours(recipe, path, ref, tp_rank, cp_rank, *, backward=False):
     """Our model on this rank: errors of logits and loss against the reference at this rank's
     rows (CP zigzag) and vocab slice (TP)."""
-    from skyrl_megatron_kda.kda.layout import rank_rows
+    from skyrl_megatron_kda.distributed.cp_layout import rank_rows
     from skyrl_megatron_kda.model.glm import build_model
     from skyrl_megatron_kda.model.hf_io import load_hf_checkpoint
 
@@ -156,7 +156,7 @@ def _run_packed(model, recipe, ref, tp_rank, cp_rank, cols):
     """The packed THD row through ``model`` (b = 1, global cu_seqlens), vs per-document HF."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from skyrl_megatron_kda.kda.layout import rank_rows
+    from skyrl_megatron_kda.distributed.cp_layout import rank_rows
 
     ids, targets, cu = _packed()
     p = recipe.parallel
@@ -303,7 +303,7 @@ EXCHANGES = ("a2a", "allgather", "state")
 def _mesh(rank, world, path, export_path):
     from megatron.core import parallel_state
 
-    from skyrl_megatron_kda import parallel
+    from skyrl_megatron_kda.distributed import tensor_parallel
     from skyrl_megatron_kda.model import hf_io
 
     _hide_fla()
@@ -320,7 +320,7 @@ def _mesh(rank, world, path, export_path):
     hf_io.save_hf_checkpoint(model, export_path, source=path)
 
     # Negative control: GLU fc1 sliced as a plain tensor (not [gate shard; up shard]).
-    shard_of = parallel.shard_of
+    shard_of = tensor_parallel.shard_of
     hf_io.shard_of = lambda full, p, r, s, glu=False: shard_of(full, p, r, s)
     try:
         _, out["control_glu"] = _run_ours(tiny_recipe(MESH["tp"], MESH["cp"], MESH["ep"], sp=True),

@@ -35,7 +35,7 @@ def _compare(rank, world):
 
     from skyrl_megatron_kda.config import LayerRecipe
     from skyrl_megatron_kda.kda.parity import build_layer
-    from skyrl_megatron_kda.parallel import load_full_state
+    from skyrl_megatron_kda.distributed.tensor_parallel import load_full_state
 
     torch.manual_seed(0)
     config = Glm5NextTextConfig(

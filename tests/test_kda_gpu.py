@@ -25,7 +25,7 @@ def _single_rank_fla_vs_torch(rank, world, fmt):
     import torch.distributed as dist
 
     from skyrl_megatron_kda.kda.parity import build_layer, reference_weights, relative_error
-    from skyrl_megatron_kda.parallel import load_full_state
+    from skyrl_megatron_kda.distributed.tensor_parallel import load_full_state
     from tests.kda_parity import batch_for, recipe_for
 
     group = dist.new_group([0])

@@ -15,7 +15,7 @@ def _layer_in_transformer_layer(rank, world):
 
     from skyrl_megatron_kda.config import LayerRecipe
     from skyrl_megatron_kda.kda.layer import KimiDeltaAttention, kda_layer_spec
-    from skyrl_megatron_kda.parallel import transformer_config
+    from skyrl_megatron_kda.megatron_config import transformer_config
 
     parallel_state.initialize_model_parallel()
     recipe = LayerRecipe(model={"hidden_size": 32, "params_dtype": "float32"},

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from skyrl_megatron_kda.kda.layout import take_rows, zigzag_positions
+from skyrl_megatron_kda.distributed.cp_layout import take_rows, zigzag_positions
 
 
 def test_zigzag_cp2_gives_each_rank_a_front_and_a_back_chunk():

@@ -134,11 +134,13 @@ def test_tiny_recipe_loads(monkeypatch):
     assert (r.data.seq_len, r.data.path, r.train.steps) == (256, None, 10)
 
 
-def test_builtin_recipes_ship_as_package_data():
+def test_builtin_recipes_live_at_the_top_and_ship_as_package_data():
+    root = Path(__file__).parents[1]
     for source in BUILTIN_RECIPES.values():
-        assert (RECIPES_DIR / source).is_file()
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert "recipes/*.yaml" in pyproject["tool"]["setuptools"]["package-data"]["skyrl_megatron_kda"]
+        assert (root / "recipes" / source).is_file()
+        assert (RECIPES_DIR / source).resolve() == (root / "recipes" / source).resolve()
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "*.yaml" in pyproject["tool"]["setuptools"]["package-data"]["skyrl_megatron_kda.builtin_recipes"]
 
 
 def test_list_recipes_has_one_line_descriptions():

@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from . import state as state_passing
 from .kernel import causal_conv_silu, kda
-from .layout import CPLayout, sort_index, take_rows
+from ..distributed.cp_layout import CPLayout, sort_index, take_rows
 from .rows import RowGather
 from .state_kernel import IsolatedPieces, identity_summaries, state_passing_kda
 

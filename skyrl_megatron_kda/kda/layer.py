@@ -33,7 +33,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..config import KDAConfig
 from .exchange import CommLedger, ExchangeGroups, build_exchange
 from .kernel import gated_rms_norm, resolve_backend
-from .layout import CPLayout, batch_sequences
+from ..distributed.cp_layout import CPLayout, batch_sequences
+from ..distributed.tensor_parallel import shard_of
 from .rows import RowGather, project_rows
 
 
@@ -156,7 +157,7 @@ class KimiDeltaAttention(MegatronModule):
         full_a_log = torch.empty(kda_cfg.num_heads).uniform_(1, 16).log()
         full_dt_bias = torch.empty(kda_cfg.num_heads * self.head_dim).uniform_(-1.0, 1.0)
         for param, full in ((self.conv_weight, full_conv), (self.A_log, full_a_log), (self.dt_bias, full_dt_bias)):
-            param.copy_(full.chunk(tp, dim=param.partition_dim)[tp_rank])
+            param.copy_(shard_of(full, param, tp_rank, tp))
 
     def _dup(self, param: torch.Tensor) -> torch.Tensor:
         """A TP-duplicated parameter whose gradient is summed over TP in backward."""

@@ -17,10 +17,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..config import LayerRecipe
-from ..parallel import gather_full_grads, load_full_state, transformer_config
+X
 from .exchange import EXCHANGES, CommLedger, ExchangeShape
 from .layer import KDASubmodules, KimiDeltaAttention
-from .layout import rank_rows
+from ..distributed.cp_layout import rank_rows
 
 
 def fp32_tolerance(exchange: str) -> float:

@@ -17,7 +17,7 @@ What is ours, and why (megatron-core 0.19.2 has no equivalent):
   * CP: megatron's ``DSAttention`` all-gathers the up-projected keys and values (all local heads,
     zigzag only). We all-gather the normalised KV latent (``kv_lora_rank`` per token: num_heads/TP
     times fewer bytes than the keys and values at GLM sizes) and the indexer's [key | pool gate] (no grad), put them in natural token
-    order with the project's CP layouts (``kda.layout``: zigzag or contiguous, packed THD), and
+    order with the project's CP layouts (``distributed.cp_layout``: zigzag or contiguous, packed THD), and
     up-project the whole sequence locally. Queries stay local.
   * ``GlmDSASelfAttention.get_query_key_value_tensors``: megatron's version up-projects only
     local keys; ours inserts the latent gather between the KV norm and the up projection (NoPE only).
@@ -59,7 +59,7 @@ from megatron.core.transformer.multi_latent_attention import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..kda.layout import LAYOUTS, CPLayout, batch_sequences, sort_index
+from ..distributed.cp_layout import LAYOUTS, CPLayout, batch_sequences, sort_index
 
 
 class DuplicatedLinear(torch.nn.Module):

@@ -47,7 +47,7 @@ from ..config import Recipe
 from ..kda.cost import resolve_cp_exchange
 from ..kda.exchange import CommLedger
 from ..kda.layer import kda_layer_spec
-from ..parallel import mesh_config_kwargs
+from ..megatron_config import mesh_config_kwargs
 from .dsa import glm_dsa_layer_spec
 from .hyper_connections import HyperConnection, expand_to_streams, reduce_streams
 from .moe import check_glm_moe_config, moe_layer_spec, moe_transformer_config_kwargs

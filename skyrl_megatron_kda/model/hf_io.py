@@ -13,7 +13,7 @@ each megatron tensor to the HF tensor(s) it is made of (``docs/model.md`` prints
     kind "conv": megatron conv [3, HK, W] = stack of the q/k/v conv taps [HK, 1, W]
 
 TP/ETP sharding is generic: a tensor megatron marks ``tensor_model_parallel`` is sliced along its
-``partition_dim`` (``parallel.shard_of``; GLU fc1 as [gate shard; up shard]); routed experts are
+``partition_dim`` (``distributed.tensor_parallel.shard_of``; GLU fc1 as [gate shard; up shard]); routed experts are
 split over EP by ``model.moe.moe_weight_name_map``. Loading reads only this rank's experts.
 Vision-tower tensors and the MTP layer (index ``num_layers``) are not part of the text model: they
 are ignored on load and copied through on export when a source checkpoint is given.
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Recipe
-from ..parallel import shard_of, unshard
+from ..distributed.tensor_parallel import shard_of, unshard
 from .moe import moe_weight_name_map
 
 TEXT = "model.language_model."

@@ -4,7 +4,7 @@ The pipeline, one way::
 
     source (JSONL line by line, or synthetic) -> seeded shuffle buffer (documents)
       -> greedy, order-preserving packing into rows of exactly ``seq_len`` tokens
-      -> shard_for_rank (Megatron's CP layout from ``kda.layout``)
+      -> shard_for_rank (Megatron's CP layout from ``distributed.cp_layout``)
 
 Every document is padded to a multiple of ``pad_multiple`` (the CP layout cuts each packed sequence
 into ``2*cp`` chunks) and the row's tail is one masked padding sequence, so ``cu_seqlens`` always
@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 import torch
 
 from ..config import DataConfig, ParallelConfig
-from ..kda.layout import LAYOUTS, rank_rows
+from ..distributed.cp_layout import LAYOUTS, rank_rows
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ class SyntheticSource:
 
 def pad_multiple(parallel: ParallelConfig, layout: Layout = "zigzag") -> int:
     """What every packed sequence's length must divide by: the zigzag layout cuts each sequence
-    into 2*cp chunks (``kda.layout.zigzag_positions``); the contiguous one cuts the row anywhere."""
+    into 2*cp chunks (``distributed.cp_layout.zigzag_positions``); the contiguous one cuts the row anywhere."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown CP layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     return 2 * parallel.cp if layout == "zigzag" and parallel.cp > 1 else 1
@@ -387,7 +387,7 @@ class RankShard:
     layout: what the model takes, identical on every TP rank (under SP the embedding scatters its
     output over TP itself, and the loss runs on the TP-gathered rows). ``hidden_positions`` are the
     natural positions of the rows this rank's hidden states hold inside the layers: the CP rows,
-    then this TP rank's contiguous SP slice (``kda.layout.rank_rows``). ``cu_seqlens`` are the
+    then this TP rank's contiguous SP slice (``distributed.cp_layout.rank_rows``). ``cu_seqlens`` are the
     global natural boundaries that PackedSeqParams carries.
     """
 
@@ -403,7 +403,7 @@ class RankShard:
 
 def shard_for_rank(row: PackedRow, cp: int, cp_rank: int, tp: int = 1, tp_rank: int = 0,
                    sequence_parallel: bool = False, layout: Layout = "zigzag") -> RankShard:
-    """This (cp_rank, tp_rank)'s part of ``row`` in the layout ``kda.layout.LAYOUTS[layout]``."""
+    """This (cp_rank, tp_rank)'s part of ``row`` in the layout ``distributed.cp_layout.LAYOUTS[layout]``."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown CP layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     if not (0 <= cp_rank < cp and 0 <= tp_rank < tp):

@@ -50,7 +50,7 @@ def load_run_model(recipe: Recipe, path: str | Path):
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from .cpu_device import cuda_names_cpu
+    from ..distributed.cpu import cuda_names_cpu
     from .trainer import _glm_build_model, init_parallel_state, seed_everything
 
     use_cpu = recipe.run.device == "cpu"

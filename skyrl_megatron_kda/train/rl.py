@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..kda.layout import LAYOUTS
+from ..distributed.cp_layout import LAYOUTS
 from .data import PackedRow, pack_row, pad_multiple, padded_length, row_multiple
 
 

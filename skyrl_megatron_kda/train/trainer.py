@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Recipe
-from .cpu_device import cuda_names_cpu, seed_cpu_rng_tracker
+from ..distributed.cpu import cuda_names_cpu, seed_cpu_rng_tracker
 from .data import PackedLoader, PackedRow, RankShard, build_loader, shard_for_rank
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ class RankActor:
         import torch.distributed as dist
 
         if self.device == "cpu":
-            from .cpu import redirect_cuda_device_queries
+            from ..distributed.cpu import redirect_cuda_device_queries
 
             redirect_cuda_device_queries()
             backend = "gloo"

@@ -1,18 +1,23 @@
-"""Run megatron-core's optimizer stack and its RNG tracker on CPU ranks.
+"""Run megatron-core on CPU ranks (the laptop / CI mode of the tiny recipe, the demo and the tests).
 
-Those modules hard-code CUDA: ``torch.tensor(..., device='cuda')`` for their flags and norms,
-``param.type() == 'torch.cuda.FloatTensor'`` to pick the main-parameter path, the current CUDA
-stream and ``synchronize`` in the DDP gradient sync and checkpoint writes. A CPU rank (the
-tiny recipe, CI) wraps each call into them in ``cuda_names_cpu()``: a torch function mode that,
-while active, places tensors asked for on ``cuda`` on the CPU and reports CPU tensor types under
-their CUDA names. It is scoped to those calls (the model's forward and backward run without it),
-and it refuses to run where CUDA exists, so a GPU run never enters it.
+megatron-core hard-codes CUDA in three places we reach:
 
-Megatron's RNG tracker (``model_parallel_cuda_manual_seed``: per-TP and per-expert streams that
-TP-region code forks, e.g. the SP embedding's dropout scope) keeps CUDA generator states.
-``seed_cpu_rng_tracker`` installs a tracker with the same streams on the CPU generator, seeded by
-megatron's own function, so the seeds per rank are megatron's.
+- its sequence-parallel collectives allocate buffers on ``torch.cuda.current_device()``:
+  ``redirect_cuda_device_queries`` points that query at the CPU for the whole process;
+- its optimizer stack: ``torch.tensor(..., device='cuda')`` for flags and norms,
+  ``param.type() == 'torch.cuda.FloatTensor'`` to pick the main-parameter path, the current CUDA
+  stream and ``synchronize`` in the DDP gradient sync and checkpoint writes. A CPU rank wraps each
+  call into them in ``cuda_names_cpu()``: a torch function mode that, while active, places tensors
+  asked for on ``cuda`` on the CPU and reports CPU tensor types under their CUDA names. It is
+  scoped to those calls (the model's forward and backward run without it);
+- its RNG tracker (``model_parallel_cuda_manual_seed``: per-TP and per-expert streams that
+  TP-region code forks, e.g. the SP embedding's dropout scope) keeps CUDA generator states.
+  ``seed_cpu_rng_tracker`` installs a tracker with the same streams on the CPU generator, seeded
+  by megatron's own function, so the seeds per rank are megatron's.
+
+Every entry point refuses to run where CUDA exists, so a GPU run never picks any of it up.
 """
+
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
 
@@ -84,45 +91,44 @@ def _need_cpu_only(what: str) -> None:
         raise RuntimeError(f"{what} is for CPU-only ranks; this process sees CUDA")
 
 
-def _cpu_tracker_class():
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+class CPURNGStatesTracker(CudaRNGStatesTracker):
+    """megatron's tracker with its named streams kept as CPU generator states."""
 
-    class CPURNGStatesTracker(CudaRNGStatesTracker):
-        """megatron's tracker with its named streams kept as CPU generator states."""
+    def add(self, name, seed):
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"RNG stream {name!r} or seed {seed} is already tracked")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
-        def add(self, name, seed):
-            if seed in self.seeds_ or name in self.states_:
-                raise ValueError(f"RNG stream {name!r} or seed {seed} is already tracked")
-            self._is_initialized = True
-            self.seeds_.add(seed)
-            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-        @contextlib.contextmanager
-        def fork(self, name="model-parallel-rng"):
-            if name not in self.states_:
-                raise KeyError(f"RNG stream {name!r} was not added (seed the tracker first)")
-            outer = torch.get_rng_state()
-            torch.set_rng_state(self.states_[name])
-            try:
-                yield
-            finally:
-                self.states_[name] = torch.get_rng_state()
-                torch.set_rng_state(outer)
-
-    return CPURNGStatesTracker
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"RNG stream {name!r} was not added (seed the tracker first)")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
 
 
 def seed_cpu_rng_tracker(seed: int) -> None:
     """``model_parallel_cuda_manual_seed(seed)`` for a CPU rank: megatron's streams and seeds on a
     CPU tracker (replacing any tracker this process had)."""
     _need_cpu_only("seed_cpu_rng_tracker")
-    from megatron.core.tensor_parallel import random as mrandom
-
     mrandom.initialize_rng_tracker(force_reset=True)
-    mrandom._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
+    mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
     # megatron seeds the default CUDA generator first; on a CPU rank that is the CPU one.
     cuda_seed, torch.cuda.manual_seed = torch.cuda.manual_seed, torch.manual_seed
     try:
         mrandom.model_parallel_cuda_manual_seed(seed)
     finally:
         torch.cuda.manual_seed = cuda_seed
+
+
+def redirect_cuda_device_queries() -> None:
+    """Make ``torch.cuda.current_device()`` name the CPU in this process."""
+    _need_cpu_only("redirect_cuda_device_queries")
+    torch.cuda.current_device = lambda: "cpu"

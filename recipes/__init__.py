@@ -1,0 +1,1 @@
+"""The built-in YAML recipes (data package; see pyproject.toml)."""
