@@ -17,10 +17,11 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..config import LayerRecipe
-X
+from ..distributed.cp_layout import rank_rows
+from ..distributed.tensor_parallel import gather_full_grads, load_full_state
+from ..megatron_config import transformer_config
 from .exchange import EXCHANGES, CommLedger, ExchangeShape
 from .layer import KDASubmodules, KimiDeltaAttention
-from ..distributed.cp_layout import rank_rows
 
 
 def fp32_tolerance(exchange: str) -> float:
