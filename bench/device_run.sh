@@ -4,7 +4,8 @@
 # re-tuning every kernel shape before the first timed step). Wrap a long command in
 # `timeout` so this script still saves what was tuned when the device call's limit nears.
 #
-# Here, once:  ../shared/tools/device-wheels.sh && mkdir -p .whl-gpu .tcache &&
+# Here, once (.whl/ holds the wheels the GPU image lacks, from `pip download --no-deps`):
+#              mkdir -p .whl-gpu .tcache &&
 #              cp .whl/*.whl .whl-gpu/ && rm .whl-gpu/ray-*.whl      # Ray is not needed on the GPU
 #              echo /.whl-gpu/ >> .git/info/exclude; echo /.tcache/ >> .git/info/exclude
 # On the device (carry [".whl-gpu", ".tcache"]):  bash bench/device_run.sh python3 bench/kda_layer.py ...

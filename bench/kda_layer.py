@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import os
 import socket
 import statistics
 import time
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-GEMM_FLOPS_PER_S = 790e12
+from skyrl_megatron_kda.kda.calibration import GEMM_FLOP_PER_S
 _T0 = time.time()
 
 
@@ -59,9 +58,9 @@ def parse_args():
 
 
 def _recipe(args, exchange: str, cp: int, segments: int):
-    from skyrl_megatron_kda.config import LayerRecipe
+    from skyrl_megatron_kda.config import MeshRecipe
 
-    return LayerRecipe(
+    return MeshRecipe(
         model={"hidden_size": args.hidden, "params_dtype": "bfloat16"},
         parallel={"tp": 1, "cp": cp},
         kda={"cp_exchange": exchange, "kernel": "fla", "num_heads": args.heads, "kernel_segments": segments,
@@ -74,10 +73,9 @@ def _recipe(args, exchange: str, cp: int, segments: int):
 def projection_flops(args, exchange: str, cp: int) -> float:
     """Forward+backward GEMM FLOPs of one rank: the cost model's count (one definition)."""
     from skyrl_megatron_kda.kda.cost import projection_flops as flops
-    from skyrl_megatron_kda.kda.exchange import ExchangeShape
+    from skyrl_megatron_kda.kda.exchanges import ExchangeShape
 
-    shape = ExchangeShape(tokens=args.tokens, batch=1, hidden=args.hidden, num_heads=args.heads,
-                          head_dim=args.head_dim, tp=1, cp=cp, sequence_parallel=False)
+    shape = ExchangeShape.of(_recipe(args, exchange, cp, args.segments))
     return flops(exchange, shape, (args.low_rank, args.low_rank))
 
 
@@ -154,16 +152,16 @@ def segmented_fwd_bwd(args, heads: int, tokens: int):
 
 def state_recurrence_fwd_bwd(args, tp_group, cp_group):
     """This CP rank's KDA recurrence under the state exchange (its shard, all heads), real NCCL."""
-    from skyrl_megatron_kda.kda.exchange import CommLedger, ExchangeGroups, StateExchange
+    from skyrl_megatron_kda.kda.exchanges import CommLedger, ExchangeGroups, KernelArgs, StateExchange
     from skyrl_megatron_kda.distributed.cp_layout import CPLayout
 
     cp = cp_group.size()
     exchange = StateExchange(ExchangeGroups(tp=tp_group, cp=cp_group, sequence_parallel=False), CommLedger())
     layout = CPLayout.build(torch.tensor([0, args.tokens], device="cuda"), cp, 1, packed=False)
     leaves, do = _kda_leaves(args, args.heads, args.tokens // cp)
-    return _backward_step(lambda *t: exchange.recurrence(*t, layout, lower_bound=-5.0, l2norm_eps=1e-6,
-                                                         chunk_size=64, backend="fla", segments=args.segments),
-                          leaves, do)
+    kernel = KernelArgs(backend="fla", lower_bound=-5.0, l2norm_eps=1e-6, chunk_size=64,
+                        segments=args.segments)
+    return _backward_step(lambda *t: exchange.recurrence(*t, layout, kernel), leaves, do)
 
 
 def cp_context_fwd_bwd(args, cp_group):
@@ -186,7 +184,7 @@ def cp_context_fwd_bwd(args, cp_group):
 def layer_fwd_bwd(args, exchange: str, tp_group, cp_group, segments: int | None = None):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from skyrl_megatron_kda.kda.exchange import CommLedger
+    from skyrl_megatron_kda.kda.exchanges import CommLedger
     from skyrl_megatron_kda.kda.layer import KDASubmodules, KimiDeltaAttention
     from skyrl_megatron_kda.distributed.cp_layout import zigzag_positions
     from skyrl_megatron_kda.megatron_config import transformer_config
@@ -372,10 +370,9 @@ def _model(args, exchange: str, cp: int):
     """The cost model's estimate (``kda/cost.py``) for this shape inside one node (NVLink)."""
     from skyrl_megatron_kda.config import ClusterConfig
     from skyrl_megatron_kda.kda.cost import estimate
-    from skyrl_megatron_kda.kda.exchange import ExchangeShape
+    from skyrl_megatron_kda.kda.exchanges import ExchangeShape
 
-    shape = ExchangeShape(tokens=args.tokens, batch=1, hidden=args.hidden, num_heads=args.heads,
-                          head_dim=args.head_dim, tp=1, cp=cp, sequence_parallel=False)
+    shape = ExchangeShape.of(_recipe(args, exchange, cp, args.segments))
     return estimate(exchange, shape, False, ClusterConfig(), gate_ranks=(args.low_rank, args.low_rank))
 
 
@@ -416,7 +413,7 @@ def report(args, results) -> None:
     if "layer_cp1" not in results:
         return
     cp1 = results["layer_cp1"]
-    floor1 = results[_kernel_key(args.heads, args.tokens, args)]["ms"] + projection_flops(args, "a2a", 1) / GEMM_FLOPS_PER_S * 1e3
+    floor1 = results[_kernel_key(args.heads, args.tokens, args)]["ms"] + projection_flops(args, "a2a", 1) / GEMM_FLOP_PER_S * 1e3
     rows = [("CP1 layer", cp1["ms"], floor1, 1.0, cp1["peak_gib"], model_ms(args, "a2a", 1))]
     if "layer_cp1_whole" in results:
         whole = results["layer_cp1_whole"]
@@ -428,7 +425,7 @@ def report(args, results) -> None:
         if r is None:
             continue
         heads, tokens = (args.heads, args.tokens // 2) if exchange == "state" else (args.heads // 2, args.tokens)
-        floor = results[_kernel_key(heads, tokens, args)]["ms"] + projection_flops(args, exchange, 2) / GEMM_FLOPS_PER_S * 1e3
+        floor = results[_kernel_key(heads, tokens, args)]["ms"] + projection_flops(args, exchange, 2) / GEMM_FLOP_PER_S * 1e3
         comm = model_comm_ms(args, exchange) if emulated else 0.0
         rows.append((f"CP2 {exchange}", r["ms"] + comm, floor, cp1["ms"] / (r["ms"] + comm), r["peak_gib"],
                      model_ms(args, exchange, 2)))

@@ -97,7 +97,7 @@ def main() -> None:
 
 
 def report(results: list[dict]) -> None:
-    print(f"\nGLM-5.3-Flash slice, bf16, fwd+bwd+optimizer step; peak = torch allocator, busiest rank")
+    print("\nGLM-5.3-Flash slice, bf16, fwd+bwd+optimizer step; peak = torch allocator, busiest rank")
     print(f"{'layers':>6}{'T':>9}{'CP':>4}{'exchange':>11}{'recompute':>10}{'tok/s':>10}{'s/step':>8}{'peak GiB':>10}"
           f"{'plan GiB':>10}{'plan/peak':>10}")
     for r in results:

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .config import LayerRecipe, Recipe, parse_overrides
-from .demo import byte_table, run_demo
+# Only light modules here: the warning filters must be in place before the commands import the
+# package's config, megatron, fla, torch and Ray (see main).
+from .console import error_lines, quiet_warnings, yaml_message
+from .tables import format_table
 
-def plan_lines(recipe: LayerRecipe, state_prepass: float | None = None) -> list[str]:
+if TYPE_CHECKING:
+    from .config import MeshRecipe, Recipe
+
+
+def plan_lines(recipe: MeshRecipe, state_prepass: float | None = None) -> list[str]:
     """The cost model's table of the three exchanges for a recipe, and the choice with its reason;
     a whole ``Recipe`` gets a first line with its model and mesh."""
+    from .config import Recipe
     from .kda.cost import DEFAULT_CALIBRATION, Calibration, choose
 
     calibration = DEFAULT_CALIBRATION
@@ -32,16 +41,16 @@ def plan_lines(recipe: LayerRecipe, state_prepass: float | None = None) -> list[
         f"state pre-pass {calibration.state_prepass:+.2f}x",
         "per rank per KDA layer: bytes one forward pass (backward: the mirror, plus the row gathers again), "
         "time forward+backward",
-        f"{'exchange':<10}{'CP in GiB':>10}{'CP out GiB':>11}{'TP GiB':>8}{'comm ms':>9}"
-        f"{'compute ms':>11}{'total ms':>10}{'extra mem GiB':>14}  exact",
     ]
-    for e in table:
-        lines.append(
-            f"{e.name:<10}{e.cp_in_bytes / 2**30:>10.3f}{e.cp_out_bytes / 2**30:>11.3f}"
-            f"{e.tp_bytes / 2**30:>8.3f}{e.comm_s * 1e3:>9.1f}{e.compute_s * 1e3:>11.1f}"
-            f"{e.total_s * 1e3:>10.1f}{e.extra_memory_bytes / 2**30:>14.2f}  "
-            f"{'yes' if e.exact else 'no'}")
-    if k.cp_exchange == "auto":
+    lines += format_table(
+        ("exchange", "CP in GiB", "CP out GiB", "TP GiB", "comm ms", "compute ms", "total ms",
+         "extra mem GiB", "exact"),
+        [(e.name, f"{e.cp_in_bytes / 2**30:.3f}", f"{e.cp_out_bytes / 2**30:.3f}",
+          f"{e.tp_bytes / 2**30:.3f}", f"{e.comm_s * 1e3:.1f}", f"{e.compute_s * 1e3:.1f}",
+          f"{e.total_s * 1e3:.1f}", f"{e.extra_memory_bytes / 2**30:.2f}",
+          "yes" if e.exact else "no") for e in table],
+        align="<>>>>>>><")
+    if k.cp_exchange == "auto" or k.exchange_reason is not None:  # auto, maybe resolved at load
         lines.append(f"choice: {reason}")
     else:
         lines.append(f"choice: {k.cp_exchange} (configured); auto would pick {reason}")
@@ -61,20 +70,36 @@ def recipe_line(recipe: Recipe) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="skyrl-kda", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``skyrl-kda`` parser; ``--debug`` is accepted before or after the subcommand."""
+    from .recipes import DEFAULT_RECIPE
+
+    debug_help = "on an error, show the full traceback instead of one line"
+    parser = argparse.ArgumentParser(
+        prog="skyrl-kda", description="GLM-5.3-Flash-shaped KDA models on Megatron and Ray: plan a "
+        "recipe, train it, export it, and check the KDA layer's context-parallel exchanges.")
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    # A subcommand's copy must not reset a --debug given before it: absent, it sets nothing.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="KDA layer on a CP mesh of Ray CPU ranks: each exchange vs CP=1, and bytes moved")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[debug])
+
+    demo = command(
+        "demo", "check of the KDA layer's CP exchanges (not training): one layer of the tiny "
+        "recipe on a CP mesh of Ray CPU ranks, each exchange against CP=1, and the bytes moved")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override the tiny layer recipe, e.g. --set parallel.cp=4 "
-                           "--set parallel.tp=2 --set parallel.sequence_parallel=true")
+                      help="override the demo's recipe (glm53_flash_tiny at TP1 x CP2), e.g. "
+                           "--set parallel.cp=4 --set parallel.tp=2 "
+                           "--set parallel.sequence_parallel=true")
     demo.add_argument("--exchanges", default="a2a,allgather,state",
                       help="comma-separated exchanges to check (default: all)")
-    sub.add_parser("bytes", help="analytic CP bytes per exchange at GLM-5.3-Flash dims")
-    sub.add_parser("recipes", help="the registered recipes and what each is for")
-    plan = sub.add_parser(
-        "plan", help="cost model of the three CP exchanges for a recipe, and what auto picks")
+    command("bytes", "analytic CP bytes per exchange at GLM-5.3-Flash dims")
+    command("recipes", "the registered recipes and what each is for")
+    plan = command("plan", "cost model of the three CP exchanges for a recipe, what auto picks, "
+                           "and the per-GPU memory estimate")
     plan.add_argument("recipe", nargs="?", default="glm53_flash_1m", metavar="RECIPE",
                       help="registered recipe name (skyrl-kda recipes) or YAML path "
                            "(default: glm53_flash_1m)")
@@ -82,21 +107,23 @@ def main(argv: list[str] | None = None) -> int:
                       help="override the recipe, e.g. "
                            "--set cluster.inter_node_kind=efa --set kda.allow_inexact=false")
     plan.add_argument("--state-prepass", type=float, default=None, metavar="FACTOR",
-                      help="extra kernel time of state over its shard alone "
-                           "(default: fla's measured 1.45; ours measured -0.10)")
+                      help="extra kernel time of the state exchange relative to the same kernel "
+                           "on its shard alone: the state kernel takes the shard's time x "
+                           "(1 + FACTOR) (default: ours as measured, +0.125; 2.35 prices fla's own "
+                           "cp_context state passing)")
     plan.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
                       help="memory of one GPU for the per-GPU memory table "
                            "(default: H200 for run.device=gpu, unknown on CPU)")
-    train = sub.add_parser(
-        "run", help="train a recipe on Ray actors (metrics.jsonl, recipe.yaml, checkpoints)")
-    train.add_argument("recipe", metavar="RECIPE",
-                       help="registered recipe name (skyrl-kda recipes) or YAML path")
+    train = command("run", "train a recipe on Ray actors (metrics.jsonl, recipe.yaml, checkpoints)")
+    train.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, metavar="RECIPE",
+                       help="registered recipe name (skyrl-kda recipes) or YAML path "
+                            f"(default: {DEFAULT_RECIPE}, which runs on a laptop CPU)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override the recipe, e.g. --set kda.cp_exchange=allgather")
     train.add_argument("--resume", action="store_true",
                        help="continue from the latest checkpoint in run.output_dir")
-    export = sub.add_parser(
-        "export", help="a run's latest checkpoint as a Hugging Face glm5_next safetensors folder")
+    export = command("export",
+                     "a run's latest checkpoint as a Hugging Face glm5_next safetensors folder")
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
     export.add_argument("--out", required=True, metavar="HF_DIR",
                         help="new folder for the safetensors, config.json and tokenizer files")
@@ -109,10 +136,32 @@ def main(argv: list[str] | None = None) -> int:
                              "copied through (default: the run's run.init_from_hf)")
     source.add_argument("--no-source", action="store_true",
                         help="copy nothing; config.json is a text-only config from the recipe")
-    report = sub.add_parser("report", help="PNG plots of a run's metrics.jsonl")
+    report = command("report", "PNG plots of a run's metrics.jsonl")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; a refused input or a failure prints ``error: ...`` lines to stderr and
+    returns 2 (bad input) or 1 (failure while running), or raises it with ``--debug``."""
+    quiet_warnings()  # before the commands import megatron, fla, torch and Ray
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.debug:
+            raise
+        lines, status = error_lines(err, args.command)
+        print("\n".join(lines), file=sys.stderr)
+        return status
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return _run(args.recipe, args.overrides, args.resume)
 
@@ -129,14 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "recipes":
         from .recipes import list_recipes
 
-        recipes = list_recipes()
-        width = max(map(len, recipes), default=0)
-        print("\n".join(f"{name:<{width}}  {text}" for name, text in recipes.items()))
+        print("\n".join(format_table(None, list_recipes().items(), align="<<")))
         return 0
 
     if args.command == "plan":
-        from .recipes import load_recipe
-
         recipe = load_recipe(args.recipe, args.overrides)
         print("\n".join(plan_lines(recipe, args.state_prepass)))
         from .memory import GiB, memory_lines
@@ -145,32 +190,63 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(["", *memory_lines(recipe, gpu)]))
         return 0
 
+    from .demo import byte_table, run_demo
+
     if args.command == "bytes":
         print("\n".join(byte_table()))
         return 0
-    ok = run_demo(parse_overrides(args.overrides), args.exchanges.split(","))
+    ok = run_demo(args.overrides, args.exchanges.split(","))
     return 0 if ok else 1
+
+
+def load_recipe(name: str, overrides: list[str]) -> Recipe:
+    """``recipes.load_recipe``, with a recipe file's YAML syntax error named by the file."""
+    import yaml
+
+    from .recipes import load_recipe as load
+
+    try:
+        return load(name, overrides)
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {name}: {yaml_message(err)}") from err
+
+
+def check_run_inputs(recipe: Recipe) -> None:
+    """Refuse, before Ray starts, the inputs of a run that this machine can see are missing: the
+    checkpoint ``--resume`` continues from, and on a local cluster (whose ranks read this
+    machine's files) ``data.path`` and ``run.init_from_hf``."""
+    from .train import checkpoint
+
+    out = recipe.run.output_dir
+    if recipe.run.resume and checkpoint.latest_checkpoint(out) is None:
+        raise FileNotFoundError(f"--resume: {checkpoint.checkpoints_dir(out)} has no checkpoint "
+                                "(run without --resume to start over)")
+    if recipe.run.ray_address is not None:
+        return
+    if recipe.data.path is not None:
+        from .train.data import list_jsonl
+
+        list_jsonl(recipe.data.path)
+    hf = recipe.run.init_from_hf
+    if hf is not None and not Path(hf).expanduser().is_dir():
+        raise FileNotFoundError(f"run.init_from_hf={hf!r} is not a folder")
 
 
 def _run(name: str, overrides: list[str], resume: bool) -> int:
     """``skyrl-kda run``: exit 0 when done, 1 when a rank failed, 128+signal when interrupted."""
     import logging
 
-    from .recipes import load_recipe
+    recipe = load_recipe(name, [*overrides, *(["run.resume=true"] if resume else [])])
+    check_run_inputs(recipe)
     from .train.run import Interrupted, run
-    from .workers.group import WorkerError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    recipe = load_recipe(name, [*overrides, *(["run.resume=true"] if resume else [])])
     print(recipe_line(recipe), file=sys.stderr)
     try:
         lines = run(recipe)
     except Interrupted as err:
         print(err, file=sys.stderr)
         return 128 + err.signum
-    except WorkerError as err:
-        print(f"run failed: {err}", file=sys.stderr)
-        return 1
     if lines:
         print(f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}; "
               f"{recipe.run.output_dir}", file=sys.stderr)
@@ -182,15 +258,10 @@ def _export(args: argparse.Namespace) -> int:
     import logging
 
     from .train.export import export
-    from .workers.group import WorkerError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        ckpt, step = export(args.run_dir, args.out, overrides=args.overrides, source=args.source,
-                            use_source=not args.no_source)
-    except WorkerError as err:
-        print(f"export failed: {err}", file=sys.stderr)
-        return 1
+    ckpt, step = export(args.run_dir, args.out, overrides=args.overrides, source=args.source,
+                        use_source=not args.no_source)
     print(f"exported {ckpt} (step {step}) to {args.out}", file=sys.stderr)
     return 0
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .config import LayerRecipe
+from .config import MeshRecipe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def transformer_config(recipe: LayerRecipe, *, use_cpu: bool, initialize: bool = True) -> TransformerConfig:
+def transformer_config(recipe: MeshRecipe, *, use_cpu: bool, initialize: bool = True) -> TransformerConfig:
     """Megatron's config for a model built from ``recipe``.
 
     On CPU, weights are initialised as full tensors and then sliced (``use_cpu_initialization``),
@@ -25,7 +25,7 @@ def transformer_config(recipe: LayerRecipe, *, use_cpu: bool, initialize: bool =
     )
 
 
-def mesh_config_kwargs(recipe: LayerRecipe, *, use_cpu: bool, initialize: bool = True) -> dict:
+def mesh_config_kwargs(recipe: MeshRecipe, *, use_cpu: bool, initialize: bool = True) -> dict:
     """The ``TransformerConfig`` fields every model of ``recipe`` shares: mesh sizes, dtype,
     CPU initialisation (see ``transformer_config``)."""
     dtype = _DTYPES[recipe.model.params_dtype]

@@ -35,11 +35,14 @@ backward (for example the MLPs' and the projections' input gradients).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import Recipe
+from .kda import exchanges
+from .kda.cost import choose
+from .kda.exchanges import ExchangeShape
+from .tables import format_table
 
 GiB = 2**30
 
@@ -233,7 +236,7 @@ def kda_backward_bytes(recipe: Recipe) -> int:
     cumsum (K) and bf16 w, u, qg, kg (4K) and states h (K*V per chunk of C tokens); v_new and
     dv (2V, bf16); fp32 dAqk and dAkk (2C); the bf16 state gradients dh (K*V per chunk); fp32
     dq, dk, dg (3K), their copies in the intra-chunk pass (3K) and db (two of them)."""
-    m, k, p, w = recipe.model, recipe.kda, recipe.parallel, _act_bytes(recipe)
+    k, p, w = recipe.kda, recipe.parallel, _act_bytes(recipe)
     K, C, h = k.head_dim, k.chunk_size, k.num_heads // p.tp
     per_head_token = 4 * K + w * 4 * K + 2 * w * K * K // C + 2 * w * K + 4 * 2 * C + 4 * 6 * K + 8
     return rows_of(recipe).cp * h * per_head_token
@@ -386,16 +389,13 @@ def layer_backward_bytes(recipe: Recipe, index: int) -> int:
 
 def exchange_extra_bytes(recipe: Recipe) -> tuple[str, int]:
     """The KDA exchange this recipe runs (``auto`` resolved by the cost model) and the transient
-    buffers one KDA layer allocates for it (kda/cost.py ``extra_memory_bytes``), for one packed
-    row."""
-    from .kda.cost import choose, extra_memory_bytes, shape_of
-
+    buffers one KDA layer allocates for it (the exchange's own ``extra_memory_bytes``), for one
+    packed row."""
     name = recipe.kda.cp_exchange
-    if name == "auto":
+    if name == exchanges.AUTO:  # the plan of an unresolved recipe
         name, _, _ = choose(recipe)
-    shape = dataclasses.replace(shape_of(recipe), batch=1,
-                                element_size=_act_bytes(recipe))
-    return name, extra_memory_bytes(name, shape)
+    shape = ExchangeShape.of(recipe, batch=1, element_size=_act_bytes(recipe))
+    return name, exchanges.get(name).extra_memory_bytes(shape)
 
 
 # --- the whole rank -----------------------------------------------------------------------
@@ -510,28 +510,28 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
     r = rows_of(recipe)
     unit, scale = ("GiB", GiB) if est.total >= GiB else ("MiB", 2**20)
 
-    def row(label: str, nbytes: int, indent: int = 0) -> str:
-        return f"{' ' * indent}{label:<{46 - indent}}{nbytes / scale:>12.2f}"
+    def rows(items: Iterable[tuple[str, int]], indent: int = 0) -> list[tuple[str, str]]:
+        return [(" " * indent + label, f"{nbytes / scale:.2f}") for label, nbytes in items]
 
-    lines = [
+    title = (
         f"per-GPU memory estimate ({unit}): one packed row of {r.whole} tokens, {r.cp} per CP "
         f"rank, {r.sp} residual-stream rows per rank; train.recompute={est.recompute} "
         f"({', '.join(recipe.train.recompute_layers)} layers), "
-        f"offload_activations={str(est.offloaded).lower()}",
-        row("parameters (+ router buffers)", sum(est.params.values()) + est.buffers),
-    ]
-    lines += [row(label, v, 2) for label, v in est.params.items() if v]
-    lines += [
-        row("gradients (fp32 DDP buffer)", est.grads),
-        row(f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard})", est.optimizer),
-        row("activations kept for backward" + (" (in host memory)" if est.offloaded else ""),
-            sum(est.activations.values())),
-    ]
-    lines += [row(label, v, 2) for label, v in est.activations.items() if v]
-    lines.append(row(f"KDA exchange transient ({est.exchange}, one layer)", est.exchange_buffers))
-    lines.append(row("peak phase (activations + working set)", est.peak_phase[1]))
-    lines += [row(label, v, 2) for label, v in est.phases.items()]
-    lines.append(row("total: states + peak phase", est.total))
+        f"offload_activations={str(est.offloaded).lower()}")
+    table = rows([("parameters (+ router buffers)", sum(est.params.values()) + est.buffers)])
+    table += rows(((label, v) for label, v in est.params.items() if v), 2)
+    table += rows([
+        ("gradients (fp32 DDP buffer)", est.grads),
+        (f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard})", est.optimizer),
+        ("activations kept for backward" + (" (in host memory)" if est.offloaded else ""),
+         sum(est.activations.values())),
+    ])
+    table += rows(((label, v) for label, v in est.activations.items() if v), 2)
+    table += rows([(f"KDA exchange transient ({est.exchange}, one layer)", est.exchange_buffers),
+                   ("peak phase (activations + working set)", est.peak_phase[1])])
+    table += rows(est.phases.items(), 2)
+    table += rows([("total: states + peak phase", est.total)])
+    lines = [title, *format_table(None, table)]
     if gpu_bytes is None and recipe.run.device == "gpu":
         gpu_bytes, gpu_name = H200_BYTES, "H200"
     else:

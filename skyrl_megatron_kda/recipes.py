@@ -2,7 +2,8 @@
 ``"module:attr"`` targets, loaded into one validated ``config.Recipe``.
 
 Precedence, lowest first: the recipe's source, dot-path overrides (``--set kda.cp_exchange=a2a``),
-then ``SKYRL_KDA_CP_EXCHANGE`` (applied by ``config.apply_env_overrides``, the only env reader).
+then ``SKYRL_KDA_CP_EXCHANGE`` (applied by ``config.apply_env_overrides``, the only env reader);
+``load_recipe`` then resolves ``kda.cp_exchange=auto``.
 Unknown keys are errors at every depth (``extra="forbid"``), named by their dotted path.
 
 ``register()`` adds the built-in recipes; it runs at import and is re-entrant, so the driver and
@@ -22,6 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from .config import Recipe, load_recipe_dict, merge, parse_overrides
+from .kda.cost import resolve_cp_exchange
 
 RECIPES_DIR = Path(str(files("skyrl_megatron_kda.builtin_recipes")))
 """Folder of the built-in YAML recipes: ``recipes/`` of the repository, shipped in the wheel as
@@ -35,7 +37,8 @@ BUILTIN_RECIPES: dict[str, str] = {
 """The recipes ``register()`` adds: name -> YAML file under ``RECIPES_DIR``."""
 
 DEFAULT_RECIPE = "glm53_flash_tiny"
-"""The embedded default: runs on a laptop CPU."""
+"""What ``skyrl-kda run`` trains when no recipe is named: the tiny recipe, which runs on a laptop
+CPU (``skyrl-kda demo`` checks its KDA layer too)."""
 
 _YAML_SUFFIXES = (".yaml", ".yml")
 _REGISTRY: dict[str, str] = {}
@@ -138,8 +141,15 @@ def get_recipe(name: str, overrides: Sequence[str] = (),
 
 def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = (),
                 environ: Mapping[str, str] | None = None) -> Recipe:
-    """A registered name, or a path to a YAML recipe file, loaded like ``get_recipe``."""
-    key = str(name_or_path)
+    """A registered name, or a path to a YAML recipe file, loaded like ``get_recipe`` and ready
+    to run: ``kda.cp_exchange=auto`` is resolved here, once, by the cost model (arithmetic on the
+    recipe), after the overrides and the environment; the choice's reason is logged and kept in
+    ``kda.exchange_reason``. ``get_recipe`` leaves ``auto`` as written."""
+    resolved, _ = resolve_cp_exchange(_load_as_written(str(name_or_path), overrides, environ))
+    return resolved
+
+
+def _load_as_written(key: str, overrides: Sequence[str], environ: Mapping[str, str] | None) -> Recipe:
     if key in _REGISTRY:
         return get_recipe(key, overrides, environ)
     if _is_yaml(key):

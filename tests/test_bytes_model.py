@@ -1,10 +1,10 @@
-"""The analytic byte model of the exchanges at GLM-5.3-Flash dims (reference/kda-cp.md section 4).
+"""The analytic byte model of the exchanges at GLM-5.3-Flash dims (kda/README.md, byte formulas).
 
 The measured bytes of real runs are checked against this same model in test_kda_parity.py."""
 
 import pytest
 
-from skyrl_megatron_kda.kda.exchange import A2AExchange, AllGatherExchange, ExchangeShape
+from skyrl_megatron_kda.kda.exchanges import A2AExchange, AllGatherExchange, ExchangeShape
 
 T = 2**20
 GiB = 2**30

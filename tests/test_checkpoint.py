@@ -6,37 +6,37 @@ import signal
 
 import pytest
 
-from tests import train_cli
-from tests.train_meshes import SAVE_AFTER, mesh_runs
+from tests.support import cli_runs
+from tests.support.mesh_runs import SAVE_AFTER, mesh_runs
 
 EXACT_KEYS = ("step", "loss", "grad_norm", "lr", "loss_tokens", "cp_bytes")
 
 
 def test_sigterm_then_resume_repeats_the_uninterrupted_losses():
-    out = train_cli.ROOT / "interrupted"
-    proc = train_cli.start(out)
-    train_cli.wait_for_steps(proc, out, 2)
+    out = cli_runs.ROOT / "interrupted"
+    proc = cli_runs.start(out)
+    cli_runs.wait_for_steps(proc, out, 2)
     proc.send_signal(signal.SIGTERM)
-    rc, err = train_cli.finish(proc)
+    rc, err = cli_runs.finish(proc)
     assert rc == 128 + signal.SIGTERM, err[-3000:]
-    stopped = len(train_cli.metrics(out))
-    assert 2 <= stopped < train_cli.STEPS, "stopped too late to test a resume"
+    stopped = len(cli_runs.metrics(out))
+    assert 2 <= stopped < cli_runs.STEPS, "stopped too late to test a resume"
     assert f"stopped by SIGTERM after step {stopped}" in err
     assert (out / "checkpoints" / "latest").read_text() == f"step_{stopped:08d}"
 
-    rc, err = train_cli.finish(train_cli.start(out, "--resume"))
+    rc, err = cli_runs.finish(cli_runs.start(out, "--resume"))
     assert rc == 0, err[-3000:]
-    resumed = train_cli.metrics(out)
-    ref_dir, ref_rc, _ = train_cli.reference_run()
+    resumed = cli_runs.metrics(out)
+    ref_dir, ref_rc, _ = cli_runs.reference_run()
     assert ref_rc == 0
-    reference = train_cli.metrics(ref_dir)
+    reference = cli_runs.metrics(ref_dir)
     # Identical on CPU: same weights, Adam state, LR schedule and data position.
     assert [{k: m[k] for k in EXACT_KEYS} for m in resumed] == \
         [{k: m[k] for k in EXACT_KEYS} for m in reference]
 
 
 def test_resume_without_checkpoint_is_refused(tmp_path):
-    rc, err = train_cli.finish(train_cli.start(tmp_path / "empty", "--resume"), timeout=120)
+    rc, err = cli_runs.finish(cli_runs.start(tmp_path / "empty", "--resume"), timeout=120)
     assert rc != 0 and "has no checkpoint" in err
 
 

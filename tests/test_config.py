@@ -11,27 +11,27 @@ from skyrl_megatron_kda.config import (
     ClusterConfig,
     DataConfig,
     KDAConfig,
-    LayerRecipe,
+    MeshRecipe,
     LinkConfig,
     ModelConfig,
     ParallelConfig,
     apply_env_overrides,
-    load_layer_recipe,
+    load_mesh_recipe,
     merge,
     parse_overrides,
 )
 
 
-def recipe(**sections) -> LayerRecipe:
-    return LayerRecipe.model_validate(sections)
+def recipe(**sections) -> MeshRecipe:
+    return MeshRecipe.model_validate(sections)
 
 
 # --- defaults --------------------------------------------------------------------------------
 
 
 def test_defaults_are_glm53_flash():
-    r = LayerRecipe()
-    # reference/glm53-flash.md sections 2-3.
+    r = MeshRecipe()
+    # GLM-5.3-Flash's published config (hidden 4096, 64 KDA heads of 128).
     assert r.model == ModelConfig(hidden_size=4096, params_dtype="bfloat16")
     assert r.kda.num_heads == 64
     assert r.kda.head_dim == 128
@@ -57,13 +57,13 @@ def test_defaults_are_glm53_flash():
 
 def test_every_field_has_a_docstring():
     for model in (ParallelConfig, KDAConfig, ModelConfig, DataConfig, LinkConfig, ClusterConfig,
-                  LayerRecipe):
+                  MeshRecipe):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no docstring"
 
 
 def test_frozen():
-    r = LayerRecipe()
+    r = MeshRecipe()
     with pytest.raises(ValidationError, match="frozen"):
         r.kda.num_heads = 8
 
@@ -217,10 +217,10 @@ def test_link_partial_override_keeps_the_preset():
 
 
 def test_cluster_from_overrides_round_trips():
-    r = load_layer_recipe(parse_overrides(["cluster.inter_node_kind=tcp", "cluster.gpus_per_node=4",
+    r = load_mesh_recipe(parse_overrides(["cluster.inter_node_kind=tcp", "cluster.gpus_per_node=4",
                                            "cluster.inter_node.bandwidth_gib_s=2.5"]), environ={})
     assert (r.cluster.gpus_per_node, r.cluster.inter_node.bandwidth_gib_s) == (4, 2.5)
-    assert LayerRecipe.model_validate(r.model_dump()) == r
+    assert MeshRecipe.model_validate(r.model_dump()) == r
 
 
 @pytest.mark.parametrize(
@@ -256,7 +256,7 @@ def test_cluster_spans_nodes():
 def test_env_override_applies_and_logs(caplog):
     raw = {"parallel": {"tp": 2, "cp": 2, "sequence_parallel": True}, "kda": {"cp_exchange": "a2a"}}
     with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.config"):
-        r = load_layer_recipe(raw, environ={CP_EXCHANGE_ENV: "allgather"})
+        r = load_mesh_recipe(raw, environ={CP_EXCHANGE_ENV: "allgather"})
     assert r.kda.cp_exchange == "allgather"
     assert raw["kda"]["cp_exchange"] == "a2a", "the input dict must not be mutated"
     [record] = caplog.records
@@ -266,7 +266,7 @@ def test_env_override_applies_and_logs(caplog):
 
 def test_env_override_without_kda_section_logs_default(caplog):
     with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.config"):
-        r = load_layer_recipe({"parallel": {"cp": 2}}, environ={CP_EXCHANGE_ENV: "allgather"})
+        r = load_mesh_recipe({"parallel": {"cp": 2}}, environ={CP_EXCHANGE_ENV: "allgather"})
     assert r.kda.cp_exchange == "allgather"
     assert "config value: a2a (default)" in caplog.text
 
@@ -281,28 +281,28 @@ def test_env_unset_or_empty_changes_nothing(caplog):
 
 def test_env_override_auto(monkeypatch):
     monkeypatch.setenv(CP_EXCHANGE_ENV, "auto")
-    assert load_layer_recipe({"kda": {"cp_exchange": "a2a"}}).kda.cp_exchange == "auto"
+    assert load_mesh_recipe({"kda": {"cp_exchange": "a2a"}}).kda.cp_exchange == "auto"
 
 
 def test_env_defaults_to_os_environ(monkeypatch):
     monkeypatch.setenv(CP_EXCHANGE_ENV, "allgather")
-    assert load_layer_recipe({}).kda.cp_exchange == "allgather"
+    assert load_mesh_recipe({}).kda.cp_exchange == "allgather"
     monkeypatch.delenv(CP_EXCHANGE_ENV)
-    assert load_layer_recipe({}).kda.cp_exchange == "a2a"
+    assert load_mesh_recipe({}).kda.cp_exchange == "a2a"
 
 
 def test_env_invalid_value_refused():
     match = (r"SKYRL_KDA_CP_EXCHANGE='foo' is not a KDA CP exchange; "
              r"allowed values: a2a, allgather, state, auto")
     with pytest.raises(ValueError, match=match):
-        load_layer_recipe({}, environ={CP_EXCHANGE_ENV: "foo"})
+        load_mesh_recipe({}, environ={CP_EXCHANGE_ENV: "foo"})
 
 
 def test_env_override_that_breaks_config_refused():
     raw = {"parallel": {"tp": 2, "cp": 2}}  # valid with the default a2a
-    assert load_layer_recipe(raw, environ={}).kda.cp_exchange == "a2a"
+    assert load_mesh_recipe(raw, environ={}).kda.cp_exchange == "a2a"
     with pytest.raises(ValidationError, match=r"allgather with tp=2 needs sequence parallelism"):
-        load_layer_recipe(raw, environ={CP_EXCHANGE_ENV: "allgather"})
+        load_mesh_recipe(raw, environ={CP_EXCHANGE_ENV: "allgather"})
 
 
 # --- CLI overrides and merge -----------------------------------------------------------------
@@ -352,11 +352,11 @@ def test_merge_deep_and_pure():
 def test_overrides_end_to_end():
     base = {"parallel": {"cp": 2}, "data": {"seq_len": 4096}}
     pairs = ["kda.cp_exchange=allgather", "parallel.tp=2", "parallel.sequence_parallel=true"]
-    r = load_layer_recipe(merge(base, parse_overrides(pairs)), environ={})
+    r = load_mesh_recipe(merge(base, parse_overrides(pairs)), environ={})
     assert (r.parallel.tp, r.parallel.cp, r.parallel.sequence_parallel) == (2, 2, True)
     assert r.kda.cp_exchange == "allgather"
 
 
 def test_unknown_key_from_override_refused():
     with pytest.raises(ValidationError, match=r"parallel\.tpp\n.*Extra inputs are not permitted"):
-        load_layer_recipe(parse_overrides(["parallel.tpp=2"]), environ={})
+        load_mesh_recipe(parse_overrides(["parallel.tpp=2"]), environ={})

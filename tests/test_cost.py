@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from skyrl_megatron_kda import cli
-from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, LayerRecipe, load_layer_recipe, merge
+from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, MeshRecipe, load_mesh_recipe, merge
+from skyrl_megatron_kda.kda import exchanges
 from skyrl_megatron_kda.kda.cost import (
-    CONCRETE,
     Calibration,
     choose,
     estimate,
@@ -19,9 +19,11 @@ from skyrl_megatron_kda.kda.cost import (
     kda_efficiency,
     kda_kernel_s,
     resolve_cp_exchange,
-    shape_of,
 )
-from skyrl_megatron_kda.kda.exchange import EXCHANGES
+from skyrl_megatron_kda.kda.exchanges import ExchangeShape
+
+CONCRETE = exchanges.names()
+shape_of = ExchangeShape.of
 
 # GLM-5.3-Flash (64 heads x 128, hidden 4096) at TP8 x CP2 with SP and 1M-token sequences, auto.
 GLM_1M = {
@@ -34,8 +36,8 @@ EXACT = {"allow_inexact": False}
 FLA_STATE = Calibration(state_prepass=246.3 / 73.5 - 1)  # fla 0.6.0's cp_context instead of ours
 
 
-def glm(**sections) -> LayerRecipe:
-    return load_layer_recipe(merge(GLM_1M, sections), environ={})
+def glm(**sections) -> MeshRecipe:
+    return load_mesh_recipe(merge(GLM_1M, sections), environ={})
 
 
 def ms(recipe, calibration=Calibration()) -> dict[str, float]:
@@ -123,7 +125,7 @@ def test_cp8_inside_a_node_allgather_loses_by_its_backward_row_gather():
     recipe = glm(parallel={**NO_TP, "cp": 8})
     t = ms(recipe)
     # Without gathering its rows again in backward, allgather would tie with a2a (within 1%).
-    again = EXCHANGES["allgather"]._row_gather_bytes(shape_of(recipe))["cp"]
+    again = exchanges.get("allgather")._row_gather_bytes(shape_of(recipe))["cp"]
     again_ms = again / (recipe.cluster.intra_node.bandwidth_gib_s * 2**30) * 1e3
     assert again_ms > 20 and t["a2a"] < t["allgather"]
     assert abs(t["a2a"] - (t["allgather"] - again_ms)) / t["a2a"] < 0.01
@@ -133,13 +135,13 @@ def test_cp8_inside_a_node_allgather_loses_by_its_backward_row_gather():
 @pytest.mark.parametrize("tokens", [131072, 262144, 1048576])
 def test_ranking_matches_the_measured_one(tokens):
     """The model's order of the three exchanges equals the order measured per rank on one H200
-    (bench/results/session4/emulated_T*.json: ``bench/kda_layer.py --emulate-cp2``, each CP2
+    (bench/results/h200_per_rank/emulated_T*.json: ``bench/kda_layer.py --emulate-cp2``, each CP2
     rank's work with collectives not run, plus this model's NVLink comm time), 8 heads, TP1 x
     CP2. ``STATE_CALL_OVERHEAD_S`` was calibrated on these runs (one constant for all three)."""
     import json
     from pathlib import Path
 
-    run = json.loads((Path(__file__).parents[1] / f"bench/results/session4/emulated_T{tokens}.json").read_text())
+    run = json.loads((Path(__file__).parents[1] / f"bench/results/h200_per_rank/emulated_T{tokens}.json").read_text())
     measured = {n: run[f"layer_cp2_{n}"]["ms"] + run[f"layer_cp2_{n}"]["comm_ms_modeled"] for n in CONCRETE}
     model = ms(glm(parallel=NO_TP, kda={"num_heads": 8}, data={"seq_len": tokens}))
     assert sorted(CONCRETE, key=measured.get) == sorted(CONCRETE, key=model.get), (measured, model)
@@ -179,13 +181,13 @@ def _grid():
                "kda": {"cp_exchange": "auto", "allow_inexact": inexact, "num_heads": heads},
                "data": {"seq_len": seq_len}, "cluster": {"inter_node_kind": kind}}
         try:
-            yield load_layer_recipe(raw, environ={})
+            yield load_mesh_recipe(raw, environ={})
         except ValidationError:
             # Only auto with heads that CP cannot split and state forbidden is refused.
             assert not inexact and (heads // tp) % cp
     # Exchanges that SP excludes, and CP groups that straddle nodes at 4 GPUs per node.
     for tp, cp in ((2, 2), (4, 2), (2, 4)):
-        yield load_layer_recipe({"parallel": {"tp": tp, "cp": cp}, "kda": {"cp_exchange": "auto"},
+        yield load_mesh_recipe({"parallel": {"tp": tp, "cp": cp}, "kda": {"cp_exchange": "auto"},
                                  "data": {"seq_len": 2**20}, "cluster": {"gpus_per_node": 4}},
                                 environ={})
 
@@ -213,7 +215,7 @@ def test_every_pick_is_the_argmin_of_the_models_estimates():
 
 def test_spans_nodes_follows_the_mesh():
     # Ranks are ordered tp-cp-ep-dp, TP fastest: a CP group covers tp*cp consecutive ranks.
-    c = LayerRecipe().cluster
+    c = MeshRecipe().cluster
     assert c.cp_spans_nodes(8, 2) and c.cp_spans_nodes(2, 8)
     assert not c.cp_spans_nodes(4, 2) and not c.cp_spans_nodes(1, 8) and not c.cp_spans_nodes(16, 1)
     assert c.tp_spans_nodes(16) and not c.tp_spans_nodes(8)
@@ -234,7 +236,7 @@ def test_efficiency_formula():
 
 
 def test_calibration_reproduces_its_measurements():
-    # bench/results/session4/kernels_T*.json: one H200, the segmented kernel fwd+bwd, GLM dims.
+    # bench/results/h200_per_rank/kernels_T*.json: one H200, the segmented kernel fwd+bwd, GLM dims.
     assert kda_kernel_s(8, 2**20) * 1e3 == pytest.approx(145.6)
     assert kda_kernel_s(8, 2**18) * 1e3 == pytest.approx(38.0, rel=0.005)
     assert kda_kernel_s(8, 2**19) * 1e3 == pytest.approx(72.9, rel=0.02)
@@ -254,12 +256,12 @@ def test_bytes_come_from_the_exchanges_byte_model():
     recipe = glm()
     shape = shape_of(recipe)
     for e in choose(recipe)[2]:
-        moved = EXCHANGES[e.name].bytes_moved(shape)
+        moved = exchanges.get(e.name).bytes_moved(shape)
         assert e.cp_in_bytes + e.cp_out_bytes == moved["cp"]
         assert e.tp_bytes == moved["tp"]
     a2a, allgather, state = choose(recipe)[2]
-    # DESIGN.md section 2: a2a 2.5 + 0.5 GiB, allgather 0.5 + 0.5 GiB; state about 2 MiB here
-    # (DESIGN's 1 MiB is one summary; zigzag gives each rank two pieces, plus 3-row conv halos).
+    # The design's byte model: a2a 2.5 + 0.5 GiB, allgather 0.5 + 0.5 GiB; state about 2 MiB here
+    # (its 1 MiB is one summary; zigzag gives each rank two pieces, plus 3-row conv halos).
     assert (a2a.cp_in_bytes / 2**30, a2a.cp_out_bytes / 2**30) == pytest.approx((2.504, 0.5), abs=1e-3)
     assert (allgather.cp_in_bytes, allgather.cp_out_bytes) == (2**29, 2**29)
     assert state.cp_out_bytes == 0 and 2**21 < state.cp_in_bytes < 2**21 + 2**18
@@ -320,7 +322,7 @@ def test_resolve_auto_logs_the_reason(caplog):
 
 def test_resolve_auto_from_the_environment(monkeypatch):
     monkeypatch.setenv(CP_EXCHANGE_ENV, "auto")
-    recipe = load_layer_recipe({"parallel": {"tp": 8, "cp": 2, "sequence_parallel": True},
+    recipe = load_mesh_recipe({"parallel": {"tp": 8, "cp": 2, "sequence_parallel": True},
                                 "data": {"seq_len": 2**20}})
     assert recipe.kda.cp_exchange == "auto"
     resolved, _ = resolve_cp_exchange(recipe)
@@ -365,13 +367,13 @@ def test_plan_configured_exchange(capsys):
 
 def test_plan_refuses_bad_values():
     with pytest.raises(ValidationError, match=r"bandwidth_gib_s=0.0 must be > 0"):
-        cli.main(["plan", "--set", "cluster.inter_node.bandwidth_gib_s=0"])
+        cli.main(["--debug", "plan", "--set", "cluster.inter_node.bandwidth_gib_s=0"])
 
 
 def test_exactness_is_declared_once_per_exchange():
-    """config.EXACT_EXCHANGES (torch-free, for validation) agrees with the exchange classes."""
-    from skyrl_megatron_kda.config import EXACT_EXCHANGES
-    from skyrl_megatron_kda.kda.exchange import EXCHANGES
+    """The registry's exact set (what config and the cost model read) agrees with the classes."""
+    EXACT_EXCHANGES = exchanges.exact_names()
+    EXCHANGES = {name: exchanges.get(name) for name in exchanges.names()}
 
     assert set(EXACT_EXCHANGES) == {name for name, cls in EXCHANGES.items() if cls.exact}
 

@@ -3,7 +3,7 @@
 from skyrl_megatron_kda.cli import main
 
 
-def test_demo_passes_on_ray_cpu_ranks(capsys):
+def test_demo_passes_on_ray_cpu_ranks(ray_cluster, capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     assert out.count(" OK (") == 6  # progress line and table row for each of the three exchanges

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 S, B, H = 40, 2, 64
 CFG = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,

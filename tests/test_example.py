@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import train_cli
-from tests.distributed import run_ranks
+from tests.support import cli_runs
+from tests.support.ranks import run_ranks
 from tests.test_checkpoint import EXACT_KEYS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_1m" / "run_cpu.py"
@@ -50,7 +50,7 @@ def example(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("finetune")
     proc = subprocess.run([sys.executable, str(EXAMPLE), str(work), "--steps", str(STEPS),
                            "--stop-after", str(STOP_AFTER)],
-                          capture_output=True, text=True, env=train_cli._env(), timeout=1500)
+                          capture_output=True, text=True, env=cli_runs._env(), timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -129,16 +129,16 @@ def _parity_rank(rank, world, example) -> dict:
 def test_example_stops_on_sigterm_and_resumed_run_repeats_the_uninterrupted_one(example):
     assert example["stop_exit_code"] == 128 + signal.SIGTERM
     assert STOP_AFTER <= example["stopped_at"] < STEPS, "stopped too late to test a resume"
-    resumed = train_cli.metrics(Path(example["run_dir"]))
+    resumed = cli_runs.metrics(Path(example["run_dir"]))
     example_module = _example_module()
     reference_dir = Path(example["run_dir"]).parent / "uninterrupted"
     cmd = example_module.train_command(Path(example["hf_in"]), Path(example["corpus"]),
                                        reference_dir, STEPS)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=train_cli._env())
-    rc, err = train_cli.finish(proc)
+                            env=cli_runs._env())
+    rc, err = cli_runs.finish(proc)
     assert rc == 0, err[-3000:]
-    reference = train_cli.metrics(reference_dir)
+    reference = cli_runs.metrics(reference_dir)
     assert len(reference) == STEPS
     # Identical on CPU: same loaded weights, Adam state, LR schedule and data position.
     assert [{k: m[k] for k in EXACT_KEYS} for m in resumed] == \
@@ -174,7 +174,6 @@ def _main_params_rank(rank, world, hf_in) -> dict:
     """One step at a learning rate too small to move any weight, bf16 model: megatron's optimizer
     then writes its fp32 main parameters back into the model, so the model still holds the loaded
     weights only if those main parameters were made from them."""
-    import torch
     from safetensors import safe_open
 
     from skyrl_megatron_kda.model.hf_io import export_hf_tensors

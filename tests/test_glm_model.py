@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 T, B = 32, 2  # tokens per sequence (divides by 2*cp*tp for the zigzag + SP split), batch
 DOCS = (12, 8, 12)  # packed THD row of T tokens: each document divides by 2*cp (zigzag)

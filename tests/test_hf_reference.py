@@ -6,7 +6,7 @@ Runs in a spawned process: fla is hidden there so that transformers uses its tor
 
 import torch
 
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 HIDDEN, HEADS, HEAD_DIM = 48, 4, 16
 
@@ -33,7 +33,7 @@ def _compare(rank, world):
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearAttention
 
-    from skyrl_megatron_kda.config import LayerRecipe
+    from skyrl_megatron_kda.config import MeshRecipe
     from skyrl_megatron_kda.kda.parity import build_layer
     from skyrl_megatron_kda.distributed.tensor_parallel import load_full_state
 
@@ -48,7 +48,7 @@ def _compare(rank, world):
         hf.forget_gate.A_log.uniform_(0, 2.7)  # per-head decay rates break head symmetry
         hf.o_norm.weight.add_(1.0)
 
-    recipe = LayerRecipe(
+    recipe = MeshRecipe(
         model={"hidden_size": HIDDEN, "params_dtype": "float32"},
         kda={"num_heads": HEADS, "head_dim": HEAD_DIM, "gate_low_rank": HEAD_DIM,
              "output_gate_low_rank": HEAD_DIM, "kernel": "torch",

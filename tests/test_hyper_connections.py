@@ -12,7 +12,7 @@ from skyrl_megatron_kda.model.hyper_connections import (
     reduce_streams,
     sinkhorn_knopp,
 )
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 HIDDEN, STREAMS = 64, 4
 

@@ -9,8 +9,8 @@ bf16 tolerances: rounding gives ~1e-2 relative at most; a layout bug gives ~1.
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.kda_parity import Case, Setup, parity_matrix
+from tests.support.ranks import run_ranks
+from tests.support.kda_cases import Case, Setup, parity_matrix
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +26,7 @@ def _single_rank_fla_vs_torch(rank, world, fmt):
 
     from skyrl_megatron_kda.kda.parity import build_layer, reference_weights, relative_error
     from skyrl_megatron_kda.distributed.tensor_parallel import load_full_state
-    from tests.kda_parity import batch_for, recipe_for
+    from tests.support.kda_cases import batch_for, recipe_for
 
     group = dist.new_group([0])
     case = Case("a2a", 1, 1, False, fmt)

@@ -1,17 +1,19 @@
 """Every KDA CP exchange equals the CP=1 layer: outputs, input grads and param grads, on CPU.
 
 One spawn of 8 gloo ranks runs the whole matrix (importing megatron-core costs seconds per
-process); the tests below read its results. fp32 throughout. The head-parallel exchanges only
-move and reorder rows and heads, so the only differences allowed are fp32 summation order
-(~1e-7, tolerance 1e-5); ``state`` composes the incoming state from fp32 summaries (measured
-~6e-6, tolerance 1e-4). A layout bug gives errors of order 1e-1..1 (see the negative controls).
+process); the tests below read its results. A case that raises fails its own tests only (the
+rank code records it and goes on; see ``test_a_crashing_case_fails_only_itself``). fp32
+throughout. The head-parallel exchanges only move and reorder rows and heads, so the only
+differences allowed are fp32 summation order (~1e-7, tolerance 1e-5); ``state`` composes the
+incoming state from fp32 summaries (measured ~6e-6, tolerance 1e-4). A layout bug gives errors of
+order 1e-1..1 (see the negative controls).
 """
 
 import pytest
 
 from skyrl_megatron_kda.kda.parity import fp32_tolerance
-from tests.distributed import run_ranks
-from tests.kda_parity import Case, parity_matrix
+from tests.support.ranks import run_ranks
+from tests.support.kda_cases import CPU, Case, case_results, merge_ranks, parity_matrix
 
 
 MESHES = [
@@ -61,17 +63,12 @@ CONTROLS = [
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = run_ranks(8, parity_matrix, CASES + CONTROLS)
-    merged = {}
-    for rank_results in per_rank:
-        for case_id, result in rank_results.items():
-            merged.setdefault(case_id, []).append(result)
-    return merged
+    return merge_ranks(run_ranks(8, parity_matrix, CASES + CONTROLS))
 
 
 def _worst(results, case):
     worst = {}
-    for r in results[case.id]:
+    for r in case_results(results, case):
         for key, err in r.errors.items():
             worst[key] = max(worst.get(key, 0.0), err)
     return worst
@@ -79,7 +76,7 @@ def _worst(results, case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_exchange_equals_cp1(results, case):
-    assert len(results[case.id]) == case.tp * case.cp, "every rank of the mesh reported"
+    assert len(case_results(results, case)) == case.tp * case.cp, "every rank of the mesh reported"
     worst = _worst(results, case)
     assert {"out", "dx"} <= worst.keys() and any(k.startswith("grad.A_log") for k in worst)
     tolerance = fp32_tolerance(case.exchange)
@@ -97,7 +94,7 @@ def test_negative_control_is_caught(results, case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.cp > 1], ids=lambda c: c.id)
 def test_measured_bytes_equal_model(results, case):
-    for r in results[case.id]:
+    for r in case_results(results, case):
         for group in ("cp", "tp"):
             for phase, model in (("fwd", r.model_bytes), ("bwd", r.model_bytes_bwd)):
                 measured = r.measured_bytes.get(f"{group}/{phase}", {"sent": 0, "received": 0})
@@ -109,8 +106,8 @@ def test_measured_bytes_equal_model(results, case):
 
 @pytest.mark.parametrize("tp,cp,sp", [(1, 2, False), (2, 4, True)])
 def test_state_bytes_do_not_grow_with_sequence_length(results, tp, cp, sp):
-    short = results[Case("state", tp, cp, sp, "sbhd").id]
-    long = results[Case("state", tp, cp, sp, "sbhd8").id]
+    short = case_results(results, Case("state", tp, cp, sp, "sbhd"))
+    long = case_results(results, Case("state", tp, cp, sp, "sbhd8"))
     for a, b in zip(short, long):
         assert a.measured_bytes["cp/fwd"] == b.measured_bytes["cp/fwd"]
         assert a.measured_bytes["cp/bwd"] == b.measured_bytes["cp/bwd"]
@@ -121,9 +118,23 @@ def test_activation_memory_per_rank_is_cp1s_share():
     (plus the projection weights' copies, which do not shrink with CP; 4% here). Hidden rows wide
     against the projected heads (1024 vs 2 heads x 16), as GLM's 4096 against 8 local heads: an
     exchange that kept its gathered rows for backward (``allgather`` did) measured 0.61."""
-    from tests.kda_parity import Setup, saved_activation_bytes
+    from tests.support.kda_cases import Setup, saved_activation_bytes
 
     setup = Setup(hidden=1024, heads=2, head_dim=16, low_rank=8)
     for saved in run_ranks(2, saved_activation_bytes, ("a2a", "allgather", "state"), setup, 1024):
         shares = {name: saved[name] / saved["cp1"] for name in ("a2a", "allgather", "state")}
         assert all(share <= 0.5 * 1.04 for share in shares.values()), shares
+
+
+def test_a_crashing_case_fails_only_itself():
+    """One rank of a CP2 mesh raises in the first case while its peer enters the exchange: that
+    case reports both ranks' failure, and the next case on the same mesh still passes."""
+    crash = Case("a2a", 1, 2, False, "sbhd", corrupt="crash_rank0")
+    after = Case("a2a", 1, 2, False, "thd")
+    results = merge_ranks(run_ranks(2, parity_matrix, [crash, after], CPU, 20))  # 20 s wait
+    with pytest.raises(AssertionError, match=r"(?s)raised.*rank 0:.*deliberate crash on rank 0"
+                                             r".*rank 1:.*"):
+        case_results(results, crash)
+    assert len(case_results(results, after)) == 2
+    worst = _worst(results, after)
+    assert max(worst.values()) <= fp32_tolerance("a2a"), worst

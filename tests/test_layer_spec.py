@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 
 def _layer_in_transformer_layer(rank, world):
@@ -13,12 +13,12 @@ def _layer_in_transformer_layer(rank, world):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from skyrl_megatron_kda.config import LayerRecipe
+    from skyrl_megatron_kda.config import MeshRecipe
     from skyrl_megatron_kda.kda.layer import KimiDeltaAttention, kda_layer_spec
     from skyrl_megatron_kda.megatron_config import transformer_config
 
     parallel_state.initialize_model_parallel()
-    recipe = LayerRecipe(model={"hidden_size": 32, "params_dtype": "float32"},
+    recipe = MeshRecipe(model={"hidden_size": 32, "params_dtype": "float32"},
                          kda={"num_heads": 2, "head_dim": 16, "gate_low_rank": 8,
                               "output_gate_low_rank": 8, "kernel": "torch"},
                          data={"seq_len": 70})

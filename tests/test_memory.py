@@ -13,7 +13,7 @@ import torch
 
 from skyrl_megatron_kda import cli, memory
 from skyrl_megatron_kda.recipes import load_recipe
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 TINY = "glm53_flash_tiny"
 FULL = "glm53_flash_1m"
@@ -21,7 +21,7 @@ SINGLE = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.etp=1",
           "parallel.sequence_parallel=false", "run.num_workers=1"]
 
 MODEL_CARD_TOTAL = 321.3e9
-"""GLM-5.3-Flash's parameter count with its MTP layer (reference/glm53-flash.md section 3)."""
+"""GLM-5.3-Flash's parameter count with its MTP layer (its model card)."""
 
 
 # --- parameters against the real model -----------------------------------------------------
@@ -346,7 +346,13 @@ def test_estimate_within_15_percent_of_the_measured_device_peaks():
 
 
 def test_exchange_buffers_come_from_the_cost_model():
-    from skyrl_megatron_kda.kda.cost import extra_memory_bytes, shape_of
+    from skyrl_megatron_kda.kda import exchanges
+    from skyrl_megatron_kda.kda.exchanges import ExchangeShape
+
+    def extra_memory_bytes(name, shape):
+        return exchanges.get(name).extra_memory_bytes(shape)
+
+    shape_of = ExchangeShape.of
 
     recipe = _full("train.recompute=none", "kda.cp_exchange=a2a")
     est = memory.estimate_memory(recipe)

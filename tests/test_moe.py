@@ -1,4 +1,5 @@
-"""megatron-core's MoELayer, configured by model/moe.py, computes transformers' Glm5NextTextMoE."""
+"""megatron-core's MoELayer, configured by model/moe.py and loaded by model/hf_io.py, computes
+transformers' Glm5NextTextMoE: on one rank, over EP2, and on a TP2 x EP2 x ETP2 mesh."""
 
 from types import SimpleNamespace
 
@@ -7,16 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from skyrl_megatron_kda.config import MoEConfig
+from skyrl_megatron_kda.model.hf_io import load_hf_tensors, moe_layer_entries
 from skyrl_megatron_kda.model.moe import (
     check_glm_moe_config,
-    hf_moe_to_megatron,
     moe_transformer_config_kwargs,
     moe_weight_name_map,
 )
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 TINY = dict(num_experts=8, top_k=2, ffn_hidden_size=16, num_shared_experts=1, routed_scaling_factor=2.5)
 HIDDEN = 32
+TP2_EP2_ETP2 = dict(tp=2, ep=2, etp=2)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,7 +54,24 @@ def _reference(moe: MoEConfig):
     return ref
 
 
-def _megatron_layer(moe: MoEConfig, ep: int, state: dict, **overrides):
+def _checkpoint_tensors(ref) -> dict:
+    """The reference's weights under the names a glm5_next checkpoint stores (relative to the
+    layer's ``mlp.``): transformers fuses the routed experts when it loads (``gate_up_proj``
+    [E, 2I, H] with the gate rows first, ``down_proj`` [E, H, I]) and saves them one tensor per
+    expert and projection."""
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    gate_up, down = state.pop("experts.gate_up_proj"), state.pop("experts.down_proj")
+    for e in range(len(gate_up)):
+        gate, up = gate_up[e].chunk(2)
+        state[f"experts.{e}.gate_proj.weight"] = gate.contiguous()
+        state[f"experts.{e}.up_proj.weight"] = up.contiguous()
+        state[f"experts.{e}.down_proj.weight"] = down[e].contiguous()
+    return state
+
+
+def _megatron_layer(moe: MoEConfig, mesh: dict, checkpoint: dict, **overrides):
+    """Our MoE layer on this rank of ``mesh``, its weights loaded from ``checkpoint`` by
+    model/hf_io.py (the loader of whole models: names, GLU fc1 shards, EP experts)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -62,30 +81,32 @@ def _megatron_layer(moe: MoEConfig, ep: int, state: dict, **overrides):
     kwargs.update(overrides)
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, params_dtype=torch.float32,
-        use_cpu_initialization=True, expert_model_parallel_size=ep,
+        use_cpu_initialization=True, tensor_model_parallel_size=mesh["tp"],
+        expert_model_parallel_size=mesh["ep"], expert_tensor_parallel_size=mesh["etp"],
+        sequence_parallel=mesh["tp"] > 1,  # megatron requires SP for MoE with TP
         gradient_accumulation_fusion=False, **kwargs,
     )
     check_glm_moe_config(config)
-    layer = moe_layer_spec(moe)(config=config, layer_number=1,
-                                pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    if not moe.score_correction_bias:
-        state = {k: v for k, v in state.items() if k != "router.expert_bias"}
-    layer.load_state_dict(state, strict=True)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    layer = moe_layer_spec(moe)(config=config, layer_number=1, pg_collection=pgs)
+    entries = moe_layer_entries(moe, ep_rank=pgs.ep.rank(), ep_size=pgs.ep.size())
+    load_hf_tensors(layer, entries, checkpoint.__getitem__, tp=pgs.tp, etp=pgs.expt_tp)
     return layer
 
 
-def _glm_vs_megatron(rank, world, ep):
+def _glm_vs_megatron(rank, world, mesh):
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=mesh["tp"], expert_model_parallel_size=mesh["ep"],
+        expert_tensor_parallel_size=mesh["etp"])
     moe = MoEConfig(**TINY)
     ref = _reference(moe)
-    hf_state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    state = hf_moe_to_megatron(hf_state, moe, ep_rank=ep_rank, ep_size=ep)
-    layer = _megatron_layer(moe, ep, state)
+    checkpoint = _checkpoint_tensors(ref)
+    layer = _megatron_layer(moe, mesh, checkpoint)
 
-    gen = torch.Generator().manual_seed(100 + rank)  # each rank routes its own tokens
+    # Each rank routes its own tokens (with SP, its own part of the sequence).
+    gen = torch.Generator().manual_seed(100 + rank)
     x = 3.0 * torch.randn(24, 2, HIDDEN, generator=gen)  # megatron's [s, b, h]
     dy = torch.randn(24, 2, HIDDEN, generator=gen)
 
@@ -108,7 +129,7 @@ def _glm_vs_megatron(rank, world, ep):
         without = scores.topk(moe.top_k).indices.sort().values
         out["bias_changed_frac"] = float((with_bias != without).any(-1).float().mean())
 
-    if ep == 1:  # parameter gradients see the same tokens only without EP
+    if world == 1:  # parameter gradients see the same tokens only on one rank
         out["grad_router"] = _rel(layer.router.weight.grad, ref.gate.weight.grad)
         fc1 = torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts])
         out["grad_experts_fc1"] = _rel(fc1, ref.experts.gate_up_proj.grad)
@@ -123,16 +144,38 @@ def _glm_vs_megatron(rank, world, ep):
         }
         with torch.no_grad():
             for name, c in controls.items():
-                bad = _megatron_layer(c["moe"], ep, state)
+                bad = _megatron_layer(c["moe"], mesh, checkpoint)
                 out["control_" + name] = _rel(bad(x)[0], y_ref)
+    if mesh["etp"] > 1:
+        ranks = (parallel_state.get_tensor_model_parallel_rank(),
+                 parallel_state.get_expert_model_parallel_rank(),
+                 parallel_state.get_expert_tensor_parallel_rank())
+        out["tp_ep_etp_ranks"] = ranks
+        out["loaded"] = {k: v.detach().clone() for k, v in layer.state_dict().items()
+                         if not k.endswith("_extra_state")}
+        out["hf_runtime"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+        # Negative control: each expert's fc1 as a plain ETP slice of [gate; up] (what a loader
+        # that ignored the GLU layout would give) must change the output.
+        with torch.no_grad():
+            for local, expert in enumerate(layer.experts.local_experts):
+                e = ranks[1] * len(layer.experts.local_experts) + local
+                full = ref.experts.gate_up_proj[e]
+                expert.linear_fc1.weight.copy_(full.chunk(mesh["etp"], dim=0)[ranks[2]])
+            out["control_plain_fc1_slice"] = _rel(layer(x)[0], y_ref)
     parallel_state.destroy_model_parallel()
     return out
 
 
 @pytest.fixture(scope="module")
 def ep1():
-    (res,) = run_ranks(1, _glm_vs_megatron, 1)
+    (res,) = run_ranks(1, _glm_vs_megatron, dict(tp=1, ep=1, etp=1))
     return res
+
+
+@pytest.fixture(scope="module")
+def tp2_ep2_etp2():
+    """4 ranks: the shared expert sharded over TP2 (with SP), routed experts over EP2 x ETP2."""
+    return run_ranks(4, _glm_vs_megatron, TP2_EP2_ETP2)
 
 
 def test_megatron_moe_equals_glm_reference(ep1):
@@ -152,7 +195,7 @@ def test_negative_controls_differ(ep1):
 
 def test_expert_parallel_2_equals_reference_and_ep1(ep1):
     """Allgather dispatcher, 4 experts per rank, each rank its own tokens (rank 0's = EP1's)."""
-    res = run_ranks(2, _glm_vs_megatron, 2)
+    res = run_ranks(2, _glm_vs_megatron, dict(tp=1, ep=2, etp=1))
     for rank, r in enumerate(res):
         print(f"EP2 rank {rank}: out {r['out']:.3g}, dx {r['dx']:.3g}")
         assert r["out"] < 1e-5 and r["dx"] < 1e-5, f"EP2 rank {rank}: {r}"
@@ -179,21 +222,29 @@ def test_clamp_dropping_configs_are_refused():
             check_glm_moe_config(SimpleNamespace(**{**vars(good), field: value}))
 
 
-def test_weight_map_shards_glu_and_experts():
-    """EP splits routed experts; ETP/TP shards of fc1 are [gate shard; up shard]."""
+def test_tp2_ep2_etp2_equals_reference(tp2_ep2_etp2):
+    """Loaded through model/hf_io.py on a TP2 x EP2 x ETP2 mesh, every rank's tokens give
+    transformers' output and input gradient; plain-sliced GLU shards do not (negative control)."""
+    for rank, r in enumerate(tp2_ep2_etp2):
+        print(f"TP2xEP2xETP2 rank {rank} {r['tp_ep_etp_ranks']}: out {r['out']:.3g}, "
+              f"dx {r['dx']:.3g}, plain fc1 slice {r['control_plain_fc1_slice']:.3g}")
+        assert r["bias_is_none"]
+        assert r["out"] < 1e-5 and r["dx"] < 1e-5, f"rank {rank}: out {r['out']}, dx {r['dx']}"
+        assert r["control_plain_fc1_slice"] > 1e-3, f"rank {rank}: {r['control_plain_fc1_slice']}"
+    # Every pair of EP and ETP ranks holds its shards (so each expert shard was checked).
+    assert {r["tp_ep_etp_ranks"][1:] for r in tp2_ep2_etp2} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_weight_map_shards_glu_and_experts(tp2_ep2_etp2):
+    """EP splits routed experts; ETP/TP shards of fc1 are [gate shard; up shard]. Checked on the
+    tensors model/hf_io.py loaded into the rank with TP, EP and ETP rank 1."""
     moe = MoEConfig(**TINY)
-    g = torch.Generator().manual_seed(0)
     E, I, H = moe.num_experts, moe.ffn_hidden_size, HIDDEN
-    hf = {"gate.weight": torch.randn(E, H, generator=g),
-          "gate.e_score_correction_bias": torch.randn(E, generator=g),
-          "experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g),
-          "experts.down_proj": torch.randn(E, H, I, generator=g),
-          "shared_experts.gate_proj.weight": torch.randn(I, H, generator=g),
-          "shared_experts.up_proj.weight": torch.randn(I, H, generator=g),
-          "shared_experts.down_proj.weight": torch.randn(H, I, generator=g)}
+    (r,) = [r for r in tp2_ep2_etp2 if r["tp_ep_etp_ranks"] == (1, 1, 1)]
+    hf, s = r["hf_runtime"], r["loaded"]
+    assert hf["experts.gate_up_proj"].shape == (E, 2 * I, H)
     names = moe_weight_name_map(moe, ep_rank=1, ep_size=2)
     assert names["experts.local_experts.0.linear_fc1.weight"] == ("experts.gate_up_proj[4]",)
-    s = hf_moe_to_megatron(hf, moe, ep_rank=1, ep_size=2, etp_rank=1, etp_size=2, tp_rank=1, tp_size=2)
     assert set(s) == set(names)
     gate, up = hf["experts.gate_up_proj"][5].chunk(2)
     torch.testing.assert_close(s["experts.local_experts.1.linear_fc1.weight"],
@@ -203,12 +254,14 @@ def test_weight_map_shards_glu_and_experts():
     torch.testing.assert_close(s["shared_experts.linear_fc1.weight"],
                                torch.cat([hf["shared_experts.gate_proj.weight"][I // 2:],
                                           hf["shared_experts.up_proj.weight"][I // 2:]]))
-    per_expert = {k: v for k, v in hf.items() if not k.startswith("experts.")}
-    for e in range(E):
-        gate, up = hf["experts.gate_up_proj"][e].chunk(2)
-        per_expert.update({f"experts.{e}.gate_proj.weight": gate, f"experts.{e}.up_proj.weight": up,
-                           f"experts.{e}.down_proj.weight": hf["experts.down_proj"][e]})
-    s2 = hf_moe_to_megatron(per_expert, moe, ep_rank=1, ep_size=2, etp_rank=1, etp_size=2,
-                            tp_rank=1, tp_size=2)
-    for k in s:
-        torch.testing.assert_close(s2[k], s[k])
+    # Every other loaded tensor too: the router replicated, each local expert's ETP shards.
+    torch.testing.assert_close(s["router.weight"], hf["gate.weight"])
+    torch.testing.assert_close(s["router.expert_bias"], hf["gate.e_score_correction_bias"])
+    torch.testing.assert_close(s["shared_experts.linear_fc2.weight"],
+                               hf["shared_experts.down_proj.weight"][:, I // 2:])
+    for local in range(E // 2):
+        gate, up = hf["experts.gate_up_proj"][4 + local].chunk(2)
+        torch.testing.assert_close(s[f"experts.local_experts.{local}.linear_fc1.weight"],
+                                   torch.cat([gate[I // 2:], up[I // 2:]]))
+        torch.testing.assert_close(s[f"experts.local_experts.{local}.linear_fc2.weight"],
+                                   hf["experts.down_proj"][4 + local][:, I // 2:])

@@ -45,7 +45,7 @@ def registry():
 
 
 def test_model_defaults_are_glm53_flash():
-    """reference/glm53-flash.md section 3."""
+    """The published GLM-5.3-Flash config."""
     m = ModelConfig()
     assert (m.num_layers, m.vocab_size, m.hidden_size, m.rms_norm_eps) == (45, 154880, 4096, 1e-5)
     types_ = m.layer_types()
@@ -371,7 +371,7 @@ def test_cli_plan_recipe_with_overrides(capsys, monkeypatch, tmp_path):
 
 def test_cli_plan_refuses_unknown_recipe_key():
     with pytest.raises(ValidationError, match=r"train\.stepz"):
-        cli.main(["plan", TINY, "--set", "train.stepz=3"])
+        cli.main(["--debug", "plan", TINY, "--set", "train.stepz=3"])
 
 
 def test_dsa_with_tp_needs_sequence_parallel():
@@ -396,3 +396,20 @@ def test_slice_recipe_is_one_gpu_with_the_real_layer_widths():
     assert slice_.model.num_layers == 4 and slice_.model.dsa_offset == 3
     assert slice_.model.moe.num_experts < full.model.moe.num_experts
     assert estimate_memory(slice_).total / 2**30 < 139  # one H200
+
+
+def test_load_recipe_resolves_auto_once_and_keeps_the_reason(caplog):
+    """get_recipe keeps the file's auto; load_recipe (what a run loads) resolves it after the
+    overrides and the environment, logs the reason once and records it in kda.exchange_reason."""
+    import logging
+
+    assert get_recipe(FULL, environ={}).kda.cp_exchange == "auto"
+    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.kda.cost"):
+        r = load_recipe(FULL, environ={})
+    assert r.kda.cp_exchange == "state" and r.kda.exchange_reason.startswith("state: ")
+    assert [rec.getMessage() for rec in caplog.records] == [f"kda.cp_exchange=auto -> {r.kda.exchange_reason}"]
+    assert Recipe.model_validate(r.model_dump(mode="json")) == r  # recipe.yaml round-trips
+    pinned = load_recipe(FULL, environ={CP_EXCHANGE_ENV: "a2a"})
+    assert (pinned.kda.cp_exchange, pinned.kda.exchange_reason) == ("a2a", None)
+    forced = load_recipe(FULL, ["kda.cp_exchange=a2a"], environ={CP_EXCHANGE_ENV: "auto"})
+    assert forced.kda.cp_exchange == "state", "the environment is applied before resolution"

@@ -4,7 +4,7 @@ import torch
 
 from skyrl_megatron_kda.kda import rows as rows_module
 from skyrl_megatron_kda.kda.rows import project_rows
-from tests.kda_parity import saved_bytes
+from tests.support.kda_cases import saved_bytes
 
 
 class _Doubling:

@@ -20,7 +20,7 @@ from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, Recipe
 from skyrl_megatron_kda.integrations.skyrl import ENTRYPOINT, SKYRL_VERSION
 from skyrl_megatron_kda.integrations.skyrl.config import KDASkyRLConfig, apply_recipe
 from skyrl_megatron_kda.recipes import get_recipe
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 # A job the integration accepts as far as SkyRL's own checks go (GRPO, no KL, not colocated).
 JOB = [

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from skyrl_megatron_kda.config import CP_EXCHANGE_ENV
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 TEMPERATURE = 0.7
 PROMPTS, RESPONSES = (6, 3, 4), (8, 5, 7)  # rows of 14, 8 and 11 tokens, left-padded to 14

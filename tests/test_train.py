@@ -12,17 +12,17 @@ import yaml
 
 from skyrl_megatron_kda.config import Recipe
 from skyrl_megatron_kda.train.report import PLOTS, write_report
-from tests import train_cli
-from tests.train_meshes import EXCHANGES, STEPS, mesh_runs
+from tests.support import cli_runs
+from tests.support.mesh_runs import EXCHANGES, STEPS, mesh_runs
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "tokens", "step_time_s", "exchange", "cp_bytes"}
 
 
 def test_tiny_recipe_trains_on_ray_actors():
-    out, rc, err = train_cli.reference_run()
+    out, rc, err = cli_runs.reference_run()
     assert rc == 0, err[-3000:]
-    lines = train_cli.metrics(out)
-    assert [m["step"] for m in lines] == list(range(1, train_cli.STEPS + 1))
+    lines = cli_runs.metrics(out)
+    assert [m["step"] for m in lines] == list(range(1, cli_runs.STEPS + 1))
     for m in lines:
         assert METRIC_KEYS <= set(m), m
         assert m["exchange"] == "a2a" and m["tokens"] == 256 and m["cp_bytes"] > 0
@@ -32,12 +32,12 @@ def test_tiny_recipe_trains_on_ray_actors():
     assert losses[-1] < losses[0] - 0.1, f"loss did not fall: {losses}"
     recipe = Recipe.model_validate(yaml.safe_load((out / "recipe.yaml").read_text()))
     assert recipe.parallel.tp == 2 and recipe.parallel.cp == 2 and recipe.run.num_workers == 4
-    assert "tok/s" in err and "ETA" in err and f"step {train_cli.STEPS}/{train_cli.STEPS}" in err
-    assert (out / "checkpoints" / "latest").read_text() == f"step_{train_cli.STEPS:08d}"
+    assert "tok/s" in err and "ETA" in err and f"step {cli_runs.STEPS}/{cli_runs.STEPS}" in err
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{cli_runs.STEPS:08d}"
 
 
 def test_report_draws_pngs():
-    out, rc, _ = train_cli.reference_run()
+    out, rc, _ = cli_runs.reference_run()
     assert rc == 0
     paths = write_report(out)
     assert sorted(p.name for p in paths) == sorted(PLOTS)
@@ -62,13 +62,13 @@ def _rank_actor_processes(proc) -> list:
 
 
 def test_dead_actor_ends_the_run_naming_the_rank():
-    out = train_cli.ROOT / "dead_actor"
-    proc = train_cli.start(out)
-    train_cli.wait_for_steps(proc, out, 1)
+    out = cli_runs.ROOT / "dead_actor"
+    proc = cli_runs.start(out)
+    cli_runs.wait_for_steps(proc, out, 1)
     actors = _rank_actor_processes(proc)
     assert len(actors) == 4, [a.cmdline() for a in actors]
     actors[1].send_signal(signal.SIGKILL)
-    rc, err = train_cli.finish(proc, timeout=120)
+    rc, err = cli_runs.finish(proc, timeout=120)
     assert rc == 1, err[-3000:]
     assert re.search(r"run failed: rank [0-3] died", err), err[-3000:]
 

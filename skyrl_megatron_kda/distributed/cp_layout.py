@@ -53,14 +53,100 @@ def contiguous_positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device).view(cp, -1)
 
 
-LAYOUTS = {"zigzag": zigzag_positions, "contiguous": contiguous_positions}
+class ZigzagLayout:
+    """Megatron's load-balanced layout: each sequence cut into ``2*cp`` chunks, CP rank ``r``
+    holding chunks ``r`` and ``2cp-1-r`` (its front and back piece of every sequence)."""
+
+    name = "zigzag"
+    pieces_per_sequence = 2
+    """Pieces of every sequence on each CP rank (front, back)."""
+
+    @staticmethod
+    def positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
+        return zigzag_positions(cu_seqlens, cp)
+
+    @staticmethod
+    def sequence_multiple(cp: int) -> int:
+        """What every sequence's length must divide by."""
+        return 2 * cp if cp > 1 else 1
+
+    def row_multiple(self, cp: int) -> int:
+        """What a packed row's length must divide by."""
+        return self.sequence_multiple(cp)
+
+    @staticmethod
+    def row_rule(cp: int) -> str:
+        """The row multiple named, and why it is needed."""
+        return (f"2*cp={2 * cp}: Megatron's load-balanced (zigzag) CP layout cuts each sequence "
+                "into 2*cp chunks")
+
+    @staticmethod
+    def rank_pieces(cu_seqlens: torch.Tensor, cp: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Natural starts and lengths ``[sequences, pieces_per_sequence]`` of ``cp_rank``'s pieces."""
+        cu = cu_seqlens.to(torch.long)
+        chunk = cu.diff() // (2 * cp)
+        starts = torch.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp - 1 - cp_rank) * chunk], 1)
+        return starts, torch.stack([chunk, chunk], 1)
+
+    @staticmethod
+    def chain_order(cp: int) -> list[tuple[int, int]]:
+        """(rank, piece) of each piece of a sequence, in natural order: chunks 0..cp-1 are front
+        pieces of ascending ranks, cp..2cp-1 back pieces of descending ranks."""
+        return [(r, 0) for r in range(cp)] + [(r, 1) for r in range(cp - 1, -1, -1)]
+
+
+class ContiguousLayout:
+    """Rank ``r`` holds rows ``[r*T/cp, (r+1)*T/cp)`` of the packed row, cutting sequences anywhere."""
+
+    name = "contiguous"
+    pieces_per_sequence = 1
+    """At most one piece of every sequence on each CP rank (empty where it misses the rank)."""
+
+    @staticmethod
+    def positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
+        return contiguous_positions(cu_seqlens, cp)
+
+    @staticmethod
+    def sequence_multiple(cp: int) -> int:
+        return 1
+
+    @staticmethod
+    def row_multiple(cp: int) -> int:
+        return cp
+
+    @staticmethod
+    def row_rule(cp: int) -> str:
+        return f"cp={cp}: the contiguous CP layout gives each rank an equal slice"
+
+    @staticmethod
+    def rank_pieces(cu_seqlens: torch.Tensor, cp: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cu = cu_seqlens.to(torch.long)
+        total = int(cu[-1])
+        lo, hi = cp_rank * total // cp, (cp_rank + 1) * total // cp
+        first = cu[:-1].clamp(lo, hi)
+        return first.unsqueeze(1), (cu[1:].clamp(lo, hi) - first).unsqueeze(1)
+
+    @staticmethod
+    def chain_order(cp: int) -> list[tuple[int, int]]:
+        return [(r, 0) for r in range(cp)]
+
+
+LAYOUTS = {kind.name: kind for kind in (ZigzagLayout(), ContiguousLayout())}
+"""The CP layout kinds by name (``kda.cp_layout``): every rule that depends on the kind asks it."""
+
+
+def layout_kind(name: str):
+    """The layout kind called ``name``; unknown names are refused with the known ones."""
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown CP layout {name!r}; expected one of {sorted(LAYOUTS)}")
+    return LAYOUTS[name]
 
 
 def rank_rows(cu_seqlens: torch.Tensor, cp: int, tp: int, cp_rank: int, tp_rank: int,
               sequence_parallel: bool, kind: str = "zigzag") -> torch.Tensor:
     """Natural positions of the rows rank (cp_rank, tp_rank) holds: its CP rank's rows in layout
     ``kind``, then under SP its contiguous ``1/tp`` slice of them."""
-    rows = LAYOUTS[kind](cu_seqlens, cp)[cp_rank]
+    rows = layout_kind(kind).positions(cu_seqlens, cp)[cp_rank]
     if not sequence_parallel:
         return rows
     if rows.numel() % tp:
@@ -86,9 +172,7 @@ class CPLayout:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, cp: int, tp: int, packed: bool, kind: str = "zigzag") -> "CPLayout":
-        if kind not in LAYOUTS:
-            raise ValueError(f"unknown CP layout {kind!r}; expected one of {sorted(LAYOUTS)}")
-        return cls(cu_seqlens, LAYOUTS[kind](cu_seqlens, cp), cp, tp, packed, kind)
+        return cls(cu_seqlens, layout_kind(kind).positions(cu_seqlens, cp), cp, tp, packed, kind)
 
     @property
     def kernel_cu_seqlens(self) -> torch.Tensor | None:

@@ -31,7 +31,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import KDAConfig
-from .exchange import CommLedger, ExchangeGroups, build_exchange
+from . import exchanges
+from .exchanges import CommLedger, ExchangeGroups, ExchangeMesh, KernelArgs
 from .kernel import gated_rms_norm, resolve_backend
 from ..distributed.cp_layout import CPLayout, batch_sequences
 from ..distributed.tensor_parallel import shard_of
@@ -93,20 +94,20 @@ class KimiDeltaAttention(MegatronModule):
         self.num_local_heads = kda.num_heads // tp
         self.head_dim = kda.head_dim
         self.sp_size = tp if config.sequence_parallel else 1
-        self.exchange = build_exchange(
-            kda.cp_exchange,
-            ExchangeGroups(self.tp_group, self.cp_group, config.sequence_parallel),
-            ledger,
-        )
-        if self.exchange.splits_heads and self.num_local_heads % cp:
-            raise ValueError(
-                f"local heads ({self.num_local_heads} = num_heads/tp) must be divisible by cp={cp} "
-                f"for cp_exchange={kda.cp_exchange!r}"
-            )
+        exchange = exchanges.get(kda.cp_exchange)  # refuses an unresolved auto
+        why = exchange.refusal(ExchangeMesh(tp=tp, cp=cp, sequence_parallel=config.sequence_parallel,
+                                            num_heads=kda.num_heads, allow_inexact=kda.allow_inexact))
+        if why is not None:
+            raise ValueError(f"kda.cp_exchange={kda.cp_exchange} cannot run on this mesh: {why}")
+        self.exchange = exchange(ExchangeGroups(self.tp_group, self.cp_group, config.sequence_parallel),
+                                 ledger)
 
         hidden, width = config.hidden_size, kda.num_heads * kda.head_dim
         device = torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
         self.backend = resolve_backend(kda.kernel, device)
+        self.kernel_args = KernelArgs(backend=self.backend, lower_bound=kda.gate_lower_bound,
+                                      l2norm_eps=kda.l2norm_eps, chunk_size=kda.chunk_size,
+                                      segments=kda.kernel_segments)
 
         def column(spec, in_size, out_size, name):
             return build_module(
@@ -168,7 +169,7 @@ class KimiDeltaAttention(MegatronModule):
     def project(self, shard: torch.Tensor, rows: RowGather | None, heads: slice) -> list[torch.Tensor]:
         """[q, k, v, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
         ``rows`` gathers from ``shard``, as views of three GEMM outputs: the exchange lays them
-        out in one copy (``exchange.Projection``)."""
+        out in one copy (``exchanges.Projection``)."""
         hk = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
         qkvb, low = project_rows(
             shard, rows,
@@ -213,8 +214,9 @@ class KimiDeltaAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("KimiDeltaAttention takes no attention bias")
         layout = self._layout(hidden_states, packed_seq_params)
-        fused = self.exchange.to_heads(hidden_states, layout, self.project, self.num_local_heads)
-        heads = self.exchange.heads(self.num_local_heads)
+        computed = self.exchange.to_compute_layout(hidden_states, layout, self.project,
+                                                   self.num_local_heads)
+        fused, heads = computed.fused, computed.heads
         nh, K = heads.stop - heads.start, self.head_dim
         hk = slice(heads.start * K, heads.stop * K)
         seq_len, batch = fused.shape[:2]
@@ -222,13 +224,11 @@ class KimiDeltaAttention(MegatronModule):
         fused = fused.transpose(0, 1)  # [b, T, W]: the kernels' layout
         qkv, f, g, b = fused.split([3 * nh * K, nh * K, nh * K, nh], dim=-1)
         qkv = self.exchange.conv(qkv, self.conv_weight[:, hk].reshape(3 * nh * K, -1), layout,
-                                 backend=self.backend)
+                                 self.kernel_args)
         q, k, v = qkv.reshape(batch, seq_len, 3, nh, K).unbind(2)
         o = self.exchange.recurrence(
             q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk], layout,
-            lower_bound=self.kda_config.gate_lower_bound, l2norm_eps=self.kda_config.l2norm_eps,
-            chunk_size=self.kda_config.chunk_size, backend=self.backend,
-            segments=self.kda_config.kernel_segments,
+            self.kernel_args,
         )
         o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),
                            self.kda_config.norm_eps, backend=self.backend)

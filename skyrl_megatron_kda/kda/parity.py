@@ -16,18 +16,19 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from ..config import LayerRecipe
+from ..config import MeshRecipe
 from ..distributed.cp_layout import rank_rows
 from ..distributed.tensor_parallel import gather_full_grads, load_full_state
 from ..megatron_config import transformer_config
-from .exchange import EXCHANGES, CommLedger, ExchangeShape
+from . import exchanges
+from .exchanges import CommLedger, ExchangeShape
 from .layer import KDASubmodules, KimiDeltaAttention
 
 
 def fp32_tolerance(exchange: str) -> float:
     """Relative tolerance against CP=1 in fp32: summation order only for the exact exchanges;
     the fp32 state chain of ``state`` (measured ~6e-6 on the CPU test shapes)."""
-    return 1e-5 if EXCHANGES[exchange].exact else 1e-4
+    return 1e-5 if exchanges.get(exchange).exact else 1e-4
 
 
 @dataclass
@@ -66,7 +67,7 @@ def make_batch(hidden: int, *, lengths: tuple[int, ...] | None = None, tokens: i
     return Batch(x, grad_out, cu, packed)
 
 
-def build_layer(recipe: LayerRecipe, tp_group, cp_group, *, on_cpu: bool, ledger=None):
+def build_layer(recipe: MeshRecipe, tp_group, cp_group, *, on_cpu: bool, ledger=None):
     """A KDA layer for ``recipe`` on the given groups (random init on CPU only)."""
     return KimiDeltaAttention(
         transformer_config(recipe, use_cpu=on_cpu, initialize=on_cpu), KDASubmodules(),
@@ -75,14 +76,14 @@ def build_layer(recipe: LayerRecipe, tp_group, cp_group, *, on_cpu: bool, ledger
     )
 
 
-def _single_rank(recipe: LayerRecipe, **kda_changes) -> LayerRecipe:
+def _single_rank(recipe: MeshRecipe, **kda_changes) -> MeshRecipe:
     return recipe.model_copy(update={
         "parallel": recipe.parallel.model_copy(update={"tp": 1, "cp": 1, "sequence_parallel": False}),
         "kda": recipe.kda.model_copy(update={"cp_exchange": "a2a", **kda_changes}),
     })
 
 
-def reference_weights(recipe: LayerRecipe, group, seed: int = 1234) -> dict[str, torch.Tensor]:
+def reference_weights(recipe: MeshRecipe, group, seed: int = 1234) -> dict[str, torch.Tensor]:
     """Full (TP=1) fp32 weights initialised on CPU from ``seed``: identical on every rank."""
     torch.manual_seed(seed)
     ref = _single_rank(recipe, kernel="torch")
@@ -99,7 +100,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def check_exchange(recipe: LayerRecipe, batch: Batch, tp_group, cp_group, single_group) -> ParityResult:
+def check_exchange(recipe: MeshRecipe, batch: Batch, tp_group, cp_group, single_group) -> ParityResult:
     """Compare this mesh's layer with a CP=1/TP=1 layer on the same weights and batch."""
     on_cpu = batch.x.device.type == "cpu"
     full_state = reference_weights(recipe, single_group)
@@ -128,12 +129,9 @@ def check_exchange(recipe: LayerRecipe, batch: Batch, tp_group, cp_group, single
     result.errors["dx"] = relative_error(x.grad, x_ref.grad[rows])
     result.measured_bytes = ledger.as_dict()
     tokens, b = batch.x.shape[:2]
-    shape = ExchangeShape(tokens=tokens, batch=b, hidden=recipe.model.hidden_size,
-                          num_heads=recipe.kda.num_heads, head_dim=recipe.kda.head_dim,
-                          tp=par.tp, cp=par.cp, sequence_parallel=par.sequence_parallel,
-                          element_size=batch.x.element_size(),
-                          sequences=batch.cu_seqlens.numel() - 1, conv_size=recipe.kda.conv_size,
-                          layout=recipe.kda.cp_layout)
-    result.model_bytes = EXCHANGES[recipe.kda.cp_exchange].bytes_moved(shape)
-    result.model_bytes_bwd = EXCHANGES[recipe.kda.cp_exchange].backward_bytes(shape)
+    shape = ExchangeShape.of(recipe, tokens=tokens, batch=b, element_size=batch.x.element_size(),
+                             sequences=batch.cu_seqlens.numel() - 1)
+    exchange = exchanges.get(recipe.kda.cp_exchange)
+    result.model_bytes = exchange.bytes_moved(shape)
+    result.model_bytes_bwd = exchange.backward_bytes(shape)
     return result

@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .kernel import kda
+from .kernel import _FLA_L2NORM_EPS, kda, l2_normalize
 
 
 class Link(Protocol):
@@ -279,8 +279,6 @@ def state_passing_kda(q, k, v, f_raw, b_raw, A_log, dt_bias, *, piece_cu: torch.
         return _StatePassingKDA.apply(q, k, v, f_raw, b_raw, A_log, dt_bias, pieces, link, _TorchBackend, args)
     if backend != "fla":
         raise ValueError(f"unknown kernel backend {backend!r}")
-    from .kernel import _FLA_L2NORM_EPS, l2_normalize
-
     norm_in_kernel = l2norm_eps == _FLA_L2NORM_EPS
     if not norm_in_kernel:
         q, k = l2_normalize(q, l2norm_eps).to(q.dtype), l2_normalize(k, l2norm_eps).to(k.dtype)

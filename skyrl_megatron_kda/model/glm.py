@@ -44,8 +44,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from torch.utils.checkpoint import checkpoint
 
 from ..config import Recipe
-from ..kda.cost import resolve_cp_exchange
-from ..kda.exchange import CommLedger
+from ..kda import exchanges
+from ..kda.exchanges import CommLedger
 from ..kda.layer import kda_layer_spec
 from ..megatron_config import mesh_config_kwargs
 from .dsa import glm_dsa_layer_spec
@@ -273,14 +273,16 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
                 ) -> GLMModel:
     """The model for ``recipe`` on this rank (megatron parallel state must be initialised).
 
-    ``kda.cp_exchange=auto`` is resolved here, once, by the cost model (kda/cost.py); the choice
-    and its reason are on ``model.recipe`` and ``model.cp_exchange_reason``. Random init (CPU:
-    full tensors then sliced, so the same seed gives the same model for any TP size)."""
+    ``kda.cp_exchange=auto`` must be resolved already (``recipes.load_recipe`` does it, once);
+    the choice and its reason are on ``model.recipe`` and ``model.cp_exchange_reason``. Random
+    init (CPU: full tensors then sliced, so the same seed gives the same model for any TP size)."""
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     _check_mesh(recipe, pgs)
-    recipe, reason = resolve_cp_exchange(recipe)
+    if recipe.kda.cp_exchange == exchanges.AUTO:
+        raise ValueError("kda.cp_exchange=auto is not resolved: load the recipe with recipes.load_recipe "
+                         "(or kda.cost.resolve_cp_exchange) before building the model")
     config = glm_transformer_config(recipe, use_cpu=use_cpu)
-    return GLMModel(config, recipe, pgs, cp_exchange_reason=reason)
+    return GLMModel(config, recipe, pgs, cp_exchange_reason=recipe.kda.exchange_reason or "configured")
 
 
 def _check_mesh(recipe: Recipe, pgs: ProcessGroupCollection) -> None:

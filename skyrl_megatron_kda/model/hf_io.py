@@ -26,13 +26,15 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from ..config import Recipe
+from ..config import MoEConfig, Recipe
 from ..distributed.tensor_parallel import shard_of, unshard
 from .moe import moe_weight_name_map
 
@@ -106,11 +108,8 @@ class Entry:
     megatron: str
     hf: tuple[str, ...]
     kind: str  # "copy" | "glu" | "conv"
-
-    @property
-    def expert(self) -> bool:
-        """Routed-expert tensors are sharded over ETP and split over EP (others over TP)."""
-        return ".mlp.experts." in self.megatron
+    expert: bool = False
+    """A routed expert's tensor: sharded over ETP and split over EP (the others over TP)."""
 
 
 def _kind(hf: tuple[str, ...], megatron: str) -> str:
@@ -132,6 +131,19 @@ def _on_disk_moe_names(fused: str) -> tuple[str, ...]:
     if proj == "down_proj":
         return (f"experts.{e}.down_proj.weight",)
     return (f"experts.{e}.gate_proj.weight", f"experts.{e}.up_proj.weight")
+
+
+def moe_layer_entries(moe: MoEConfig, *, ep_rank: int = 0, ep_size: int = 1,
+                      megatron_prefix: str = "", hf_prefix: str = "") -> list[Entry]:
+    """One MoE layer's tensors on EP rank ``ep_rank`` (its routed experts only): megatron's
+    MoELayer names under ``megatron_prefix``, the checkpoint's on-disk names under ``hf_prefix``
+    (a layer's ``mlp.`` on both sides in ``name_table``)."""
+    out = []
+    for name, fused in moe_weight_name_map(moe, ep_rank=ep_rank, ep_size=ep_size).items():
+        hf = tuple(hf_prefix + n for f in fused for n in _on_disk_moe_names(f))
+        megatron = megatron_prefix + name
+        out.append(Entry(megatron, hf, _kind(hf, megatron), expert=name.startswith("experts.")))
+    return out
 
 
 def name_table(recipe: Recipe, *, ep_rank: int = 0, ep_size: int = 1) -> list[Entry]:
@@ -156,10 +168,8 @@ def name_table(recipe: Recipe, *, ep_rank: int = 0, ep_size: int = 1) -> list[En
                 hf = (hf,) if isinstance(hf, str) else hf
                 add(meg + name, [hf_prefix + h for h in hf])
         if mlp == "moe":
-            moe_map = moe_weight_name_map(m.moe, ep_rank=ep_rank, ep_size=ep_size)
-            for name, hf in moe_map.items():
-                names = [n for fused in hf for n in _on_disk_moe_names(fused)]
-                add(f"{meg}mlp.{name}", [f"{hf_prefix}mlp.{n}" for n in names])
+            out.extend(moe_layer_entries(m.moe, ep_rank=ep_rank, ep_size=ep_size,
+                                         megatron_prefix=f"{meg}mlp.", hf_prefix=f"{hf_prefix}mlp."))
     if not m.tie_word_embeddings:
         add("output_layer.weight", LM_HEAD)
     return out
@@ -202,8 +212,6 @@ class SafetensorsCheckpoint:
     """Lazy reader of a HF checkpoint folder (``model.safetensors`` or a sharded index)."""
 
     def __init__(self, path: str | os.PathLike):
-        from safetensors import safe_open
-
         self.path = os.fspath(path)
         index = os.path.join(self.path, "model.safetensors.index.json")
         single = os.path.join(self.path, "model.safetensors")
@@ -350,11 +358,21 @@ def load_hf_checkpoint(model, path: str | os.PathLike, *, check_config: bool = T
     check_hf_keys(recipe, ckpt.keys())
     tp, etp, ep = _groups(model)
     entries = name_table(recipe, ep_rank=ep.rank(), ep_size=ep.size())
-    tensors = _model_tensors(model)
+    load_hf_tensors(model, entries, ckpt.get, tp=tp, etp=etp)
+
+
+@torch.no_grad()
+def load_hf_tensors(module: torch.nn.Module, entries: list[Entry],
+                    read: Callable[[str], torch.Tensor], *, tp, etp) -> None:
+    """Copy the HF tensors of ``entries`` (``read(hf_name)``, full and unsharded) into
+    ``module``'s parameters and buffers, each sliced to this rank's TP shard (ETP for routed
+    experts). ``entries`` must name every tensor of ``module``; ``tp`` / ``etp`` are the process
+    groups (anything with ``rank()`` and ``size()``)."""
+    tensors = _model_tensors(module)
     _check_table_covers_model(entries, tensors)
     for entry in entries:
         target = tensors[entry.megatron]
-        full = _to_megatron(entry, [ckpt.get(n) for n in entry.hf])
+        full = _to_megatron(entry, [read(n) for n in entry.hf])
         group = etp if entry.expert else tp
         piece = shard_of(full, target, group.rank(), group.size(), glu=entry.kind == "glu")
         if piece.shape != target.shape:
@@ -394,8 +412,6 @@ def save_hf_checkpoint(model, out_dir: str | os.PathLike, *, source: str | os.Pa
     must call it). With ``source`` (the checkpoint it was loaded from), its config.json and the
     tensors that are not the text trunk (vision tower, MTP layer) are copied through, so the
     result loads in transformers; without it, config.json is a flat text config from the recipe."""
-    from safetensors.torch import save_file
-
     writer = dist.get_rank() == 0 if dist.is_initialized() else True
     out_dir = os.fspath(out_dir)
     shard: dict[str, torch.Tensor] = {}

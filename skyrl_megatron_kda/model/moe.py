@@ -45,11 +45,11 @@ frozen, pass ``bias_update_rate=0``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Literal
 
-import torch
 import torch.nn.functional as F
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
 from ..config import MoEConfig
 
@@ -148,10 +148,8 @@ def moe_layer_spec(moe: MoEConfig, *, use_te: bool = False, grouped_gemm: bool =
 
     ``use_te=False`` gives SequentialMLP experts of local ColumnParallel/RowParallel linears (CPU);
     ``use_te=True`` TE linears and, with ``grouped_gemm``, TEGroupedMLP."""
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-
     if use_te:
+        # Imported only here: the module needs Transformer Engine, which CPU installs lack.
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
         backend = TESpecProvider()
@@ -162,7 +160,7 @@ def moe_layer_spec(moe: MoEConfig, *, use_te: bool = False, grouped_gemm: bool =
     )
 
 
-# --- HF -> megatron weights of one MoE layer -------------------------------------------------
+# --- HF names of one MoE layer's weights ----------------------------------------------------
 
 HF_MOE_NAMES = {
     "router": "gate.weight",
@@ -174,8 +172,9 @@ HF_MOE_NAMES = {
     "shared_down": "shared_experts.down_proj.weight",
 }
 """Names in transformers' ``Glm5NextTextMoE`` state dict (prefix ``model.layers.{i}.mlp.``).
-Per-expert checkpoints (``experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``) are also
-accepted by ``hf_moe_to_megatron``."""
+Checkpoints store the routed experts one tensor per expert and projection
+(``experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``); ``model.hf_io`` maps these fused
+names to those and loads them."""
 
 
 def moe_weight_name_map(
@@ -204,52 +203,3 @@ def moe_weight_name_map(
         out["shared_experts.linear_fc1.weight"] = (HF_MOE_NAMES["shared_gate"], HF_MOE_NAMES["shared_up"])
         out["shared_experts.linear_fc2.weight"] = (HF_MOE_NAMES["shared_down"],)
     return out
-
-
-def _expert(hf: Mapping[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate [I, H], up [I, H], down [H, I]) of routed expert ``e`` from a fused or per-expert dict."""
-    if HF_MOE_NAMES["experts_gate_up"] in hf:
-        gate, up = hf[HF_MOE_NAMES["experts_gate_up"]][e].chunk(2, dim=0)
-        return gate, up, hf[HF_MOE_NAMES["experts_down"]][e]
-    p = f"experts.{e}."
-    return hf[p + "gate_proj.weight"], hf[p + "up_proj.weight"], hf[p + "down_proj.weight"]
-
-
-def _glu_fc1(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This TP rank's fc1 shard: megatron wants [gate shard; up shard], not a slice of [gate; up]."""
-    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-
-
-def hf_moe_to_megatron(
-    hf: Mapping[str, torch.Tensor],
-    moe: MoEConfig,
-    *,
-    ep_rank: int = 0,
-    ep_size: int = 1,
-    etp_rank: int = 0,
-    etp_size: int = 1,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    grouped_gemm: bool = False,
-) -> dict[str, torch.Tensor]:
-    """The state dict of this rank's megatron MoELayer from one HF MoE layer's tensors (names
-    relative to the layer's ``mlp.``). Routed experts are split over EP and sharded over ETP, the
-    shared expert is sharded over TP, the router and its bias are replicated."""
-    names = moe_weight_name_map(moe, ep_rank=ep_rank, ep_size=ep_size, grouped_gemm=grouped_gemm)
-    out: dict[str, torch.Tensor] = {"router.weight": hf[HF_MOE_NAMES["router"]].float()}
-    if moe.score_correction_bias:
-        out["router.expert_bias"] = hf[HF_MOE_NAMES["bias"]].float()
-    n_local = moe.num_experts // ep_size
-    fc_names = [n for n in names if n.startswith("experts.")]
-    for local in range(n_local):
-        gate, up, down = _expert(hf, ep_rank * n_local + local)
-        fc1, fc2 = fc_names[2 * local], fc_names[2 * local + 1]
-        out[fc1] = _glu_fc1(gate, up, etp_rank, etp_size)
-        out[fc2] = down.chunk(etp_size, dim=1)[etp_rank]
-    if moe.num_shared_experts:
-        out["shared_experts.linear_fc1.weight"] = _glu_fc1(
-            hf[HF_MOE_NAMES["shared_gate"]], hf[HF_MOE_NAMES["shared_up"]], tp_rank, tp_size
-        )
-        down = hf[HF_MOE_NAMES["shared_down"]]
-        out["shared_experts.linear_fc2.weight"] = down.chunk(tp_size, dim=1)[tp_rank]
-    return {k: v.contiguous() for k, v in out.items()}

@@ -14,6 +14,10 @@ One checkpoint is a directory ``<output_dir>/checkpoints/step_<N>/`` holding:
 
 ``<output_dir>/checkpoints/latest`` names the newest complete checkpoint; it is written after
 the checkpoint itself, so an interrupted save never becomes the one ``--resume`` picks.
+
+The trainer hands its pieces over as a ``TrainState``; ``load`` restores model, optimizer,
+scheduler and RNG in place and returns the step and the data position (``Restored``), which the
+trainer applies to its own loader.
 """
 
 from __future__ import annotations
@@ -21,14 +25,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-if TYPE_CHECKING:
-    from .trainer import RankTrainer
+from ..config import ParallelConfig
+from ..distributed.cpu import cuda_names_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +46,40 @@ OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 """Megatron's optimizer state layout that any mesh can load (gathered canonical tensors)."""
 
 LATEST = "latest"
+
+
+@dataclass
+class TrainState:
+    """One rank's training state as a checkpoint sees it. ``model``, ``optimizer`` and
+    ``scheduler`` are saved from and restored into in place; ``step`` and ``loader_state`` are
+    values (what ``load`` read comes back in ``Restored``)."""
+
+    model: torch.nn.Module
+    """The unwrapped model (DDP's own ``sharded_state_dict`` would prefix ``module.``)."""
+    optimizer: Any
+    """megatron's distributed optimizer (possibly chained)."""
+    scheduler: Any
+    """megatron's ``OptimizerParamScheduler``."""
+    step: int
+    loader_state: dict
+    """``PackedLoader.state_dict()``, the same on every rank."""
+    parallel: ParallelConfig
+    use_cpu: bool
+    tp_group: Any
+    dp_cp_group: Any
+
+    def cpu_mode(self):
+        """Context for megatron's CUDA-only checkpoint and optimizer code on CPU ranks."""
+        return cuda_names_cpu(self.use_cpu)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``load`` read that the caller applies itself: the step the run continues from and the
+    saved data position (whose ``pad_multiple`` may be another mesh's)."""
+
+    step: int
+    loader_state: dict
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -57,30 +101,26 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return path
 
 
-def _mesh(trainer: RankTrainer) -> dict:
-    p = trainer.recipe.parallel
+def _mesh(state: TrainState) -> dict:
+    p = state.parallel
     return {"world": dist.get_world_size(), "tp": p.tp, "cp": p.cp, "ep": p.ep, "etp": p.etp}
 
 
-def _rng_state(trainer: RankTrainer) -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
+def _rng_state(use_cpu: bool) -> dict:
     state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if not trainer.use_cpu:
+    if not use_cpu:
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(trainer: RankTrainer, state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
+def _set_rng_state(use_cpu: bool, state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     get_cuda_rng_tracker().set_states(state["tracker"])
-    if not trainer.use_cpu:
+    if not use_cpu:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _model_sharded_state(trainer: RankTrainer) -> dict:
+def _model_sharded_state(state: TrainState) -> dict:
     """The model's sharded state dict, every tensor declared with its true TP sharding.
 
     megatron's default ``MegatronModule.sharded_state_dict`` has two gaps this model falls into:
@@ -92,15 +132,11 @@ def _model_sharded_state(trainer: RankTrainer) -> dict:
     parallel linears, MLP, MoE, MLA) and declares the remaining parameters from the
     ``tensor_model_parallel`` / ``partition_dim`` attributes megatron puts on TP-parallel ones.
     """
-    metadata = {"dp_cp_group": trainer.dp_cp_group}
-    # The unwrapped model: DDP's own sharded_state_dict would prefix "module.".
-    return module_sharded_state(trainer.model.module, "", metadata, trainer.pgs.tp)
+    metadata = {"dp_cp_group": state.dp_cp_group}
+    return module_sharded_state(state.model, "", metadata, state.tp_group)
 
 
 def module_sharded_state(module: torch.nn.Module, prefix: str, metadata: dict, tp_group) -> dict:
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
     default = MegatronModule.sharded_state_dict
     if getattr(type(module), "sharded_state_dict", default) is not default:
         return module.sharded_state_dict(prefix=prefix, sharded_offsets=(), metadata=metadata)
@@ -116,74 +152,52 @@ def module_sharded_state(module: torch.nn.Module, prefix: str, metadata: dict, t
     return out
 
 
-def _sharded_state(trainer: RankTrainer, *, is_loading: bool) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    model = _model_sharded_state(trainer)
-    with trainer.cpu_mode():
-        optimizer = trainer.optimizer.sharded_state_dict(
+def _sharded_state(state: TrainState, *, is_loading: bool) -> dict:
+    model = _model_sharded_state(state)
+    with state.cpu_mode():
+        optimizer = state.optimizer.sharded_state_dict(
             model, is_loading=is_loading, metadata=OPTIMIZER_FORMAT)
     rank, world = dist.get_rank(), dist.get_world_size()
     return {
         "model": model,
         "optimizer": optimizer,
-        "scheduler": trainer.scheduler.state_dict(),
-        "loader": trainer.loader.state_dict(),
-        "step": trainer.step,
-        "mesh": _mesh(trainer),
+        "scheduler": state.scheduler.state_dict(),
+        "loader": state.loader_state,
+        "step": state.step,
+        "mesh": _mesh(state),
         # Keyed by global rank under the mesh: loads only where the same mesh saved it.
-        "rng": ShardedObject(f"rng/{_mesh_key(trainer)}", _rng_state(trainer), (world,), (rank,),
-                             replica_id=0),
+        "rng": ShardedObject(f"rng/{_mesh_key(state)}", _rng_state(state.use_cpu), (world,),
+                             (rank,), replica_id=0),
     }
 
 
-def _mesh_key(trainer: RankTrainer) -> str:
-    return "_".join(f"{k}{v}" for k, v in _mesh(trainer).items())
+def _mesh_key(state: TrainState) -> str:
+    return "_".join(f"{k}{v}" for k, v in _mesh(state).items())
 
 
-def _continue_data(trainer: RankTrainer, saved: dict) -> None:
-    """Continue the saved data stream. Rows are packed with the saved run's padding multiple (a
-    CP2 run pads documents to 4 tokens, CP1 to 1), so a run on another mesh keeps that multiple
-    when it is a multiple of its own, and reads exactly the rows the saved run would have."""
-    from .data import PackedLoader
-
-    old = trainer.loader
-    if saved["pad_multiple"] != old.pad_multiple:
-        if saved["pad_multiple"] % old.pad_multiple:
-            raise ValueError(
-                f"the checkpoint's rows pad documents to multiples of {saved['pad_multiple']} "
-                f"tokens, which this mesh's CP layout cannot split (it needs multiples of "
-                f"{old.pad_multiple}); resume on a mesh whose CP layout divides it")
-        trainer.loader = PackedLoader(old.source, seq_len=old.seq_len,
-                                      pad_multiple=saved["pad_multiple"],
-                                      shuffle_buffer=old.shuffle_buffer, seed=old.seed,
-                                      pad_id=old.pad_id)
-    trainer.loader.load_state_dict(saved)
-
-
-def _materialize_optimizer_state(trainer: RankTrainer) -> None:
+def _materialize_optimizer_state(state: TrainState) -> None:
     """Give a fresh optimizer its Adam state (and step counter) before a load fills it in place:
     without apex/TE, megatron's DistributedOptimizer reads the step from that state. megatron's
     own dummy step does it (zero gradients; the weights it touches are overwritten by the load)."""
-    with trainer.cpu_mode():
-        for opt in _optimizers(trainer):
+    with state.cpu_mode():
+        for opt in _optimizers(state):
             if not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()
 
 
-def _optimizers(trainer: RankTrainer) -> list:
-    return getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+def _optimizers(state: TrainState) -> list:
+    return getattr(state.optimizer, "chained_optimizers", [state.optimizer])
 
 
 @contextlib.contextmanager
-def _adam_step_passes_through(trainer: RankTrainer):
+def _adam_step_passes_through(state: TrainState):
     """Work around megatron-core 0.19.2 without apex/TE: torch's Adam keeps ``step`` as a tensor
     in every parameter's state, and ``DistributedOptimizer._set_main_param_and_optimizer_states``
     expects every such tensor among the loaded ones, while the loader deliberately leaves
     ``step`` out (it restores it from the param groups just before). Hand the already restored
     step back to it unchanged, for the duration of the load only."""
     patched = []
-    for opt in _optimizers(trainer):
+    for opt in _optimizers(state):
         original = opt._set_main_param_and_optimizer_states
 
         def set_states(model_param, tensors, _opt=opt, _original=original):
@@ -203,27 +217,25 @@ def _adam_step_passes_through(trainer: RankTrainer):
             del opt._set_main_param_and_optimizer_states  # back to the class's method
 
 
-def _unshare_adam_steps(trainer: RankTrainer) -> None:
+def _unshare_adam_steps(state: TrainState) -> None:
     """Work around megatron-core 0.19.2 without apex/TE: the load gives every parameter's state
     one shared ``step`` tensor, which torch's Adam then increments once per parameter, so the
     bias correction of the next step would be wrong. Give each parameter its own copy."""
-    for opt in _optimizers(trainer):
+    for opt in _optimizers(state):
         for param_state in opt.optimizer.state.values():
             step = param_state.get("step")
             if isinstance(step, torch.Tensor):
                 param_state["step"] = step.clone()
 
 
-def save(trainer: RankTrainer, output_dir: str | Path) -> Path:
-    """Write a checkpoint of the trainer's current step (collective: every rank calls it)."""
-    from megatron.core import dist_checkpointing
-
-    path = step_dir(output_dir, trainer.step)
+def save(state: TrainState, output_dir: str | Path) -> Path:
+    """Write a checkpoint of ``state`` at its step (collective: every rank calls it)."""
+    path = step_dir(output_dir, state.step)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    with trainer.cpu_mode():
-        dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(path))
+    with state.cpu_mode():
+        dist_checkpointing.save(_sharded_state(state, is_loading=False), str(path))
     dist.barrier()
     if dist.get_rank() == 0:
         marker = checkpoints_dir(output_dir) / LATEST
@@ -235,33 +247,31 @@ def save(trainer: RankTrainer, output_dir: str | Path) -> Path:
     return path
 
 
-def load(trainer: RankTrainer, path: str | Path) -> None:
-    """Restore model, optimizer, scheduler, data position and (same mesh) RNG from ``path``."""
-    from megatron.core import dist_checkpointing
-
+def load(state: TrainState, path: str | Path) -> Restored:
+    """Restore model, optimizer, scheduler and (same mesh) RNG from ``path`` into ``state``'s
+    objects; returns the saved step and data position for the caller to continue from."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     saved_mesh = dist_checkpointing.load_common_state_dict(str(path))["mesh"]
-    same_mesh = saved_mesh == _mesh(trainer)
-    _materialize_optimizer_state(trainer)
-    request = _sharded_state(trainer, is_loading=True)
+    same_mesh = saved_mesh == _mesh(state)
+    _materialize_optimizer_state(state)
+    request = _sharded_state(state, is_loading=True)
     if not same_mesh:
         del request["rng"]
         logger.warning("checkpoint %s was saved on mesh %s, this run is %s: RNG streams start "
-                       "from the seed", path, saved_mesh, _mesh(trainer))
-    with trainer.cpu_mode():
-        state = dist_checkpointing.load(request, str(path))
-    trainer.model.module.load_state_dict(state["model"])
-    with trainer.cpu_mode(), _adam_step_passes_through(trainer):
-        trainer.optimizer.load_state_dict(state["optimizer"])
-    _unshare_adam_steps(trainer)
+                       "from the seed", path, saved_mesh, _mesh(state))
+    with state.cpu_mode():
+        saved = dist_checkpointing.load(request, str(path))
+    state.model.load_state_dict(saved["model"])
+    with state.cpu_mode(), _adam_step_passes_through(state):
+        state.optimizer.load_state_dict(saved["optimizer"])
+    _unshare_adam_steps(state)
     # megatron's scheduler adds the saved step count to its own (it expects a fresh one): count
     # from 0, so that loading into a trainer that has already stepped (SkyRL's load_checkpoint
     # on a live worker) sets the saved LR too.
-    trainer.scheduler.num_steps = 0
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    _continue_data(trainer, state["loader"])
-    trainer.step = int(state["step"])
+    state.scheduler.num_steps = 0
+    state.scheduler.load_state_dict(saved["scheduler"])
     if same_mesh:
-        _set_rng_state(trainer, state["rng"])
+        _set_rng_state(state.use_cpu, saved["rng"])
+    return Restored(step=int(saved["step"]), loader_state=saved["loader"])

@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 import torch
 
 from ..config import DataConfig, ParallelConfig
-from ..distributed.cp_layout import LAYOUTS, rank_rows
+from ..distributed.cp_layout import LAYOUTS, layout_kind, rank_rows
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,11 @@ class BadRecord(ValueError):
     def __init__(self, file: str, line: int, kind: str, detail: str):
         super().__init__(f"{file}:{line}: {kind}: {detail}")
         self.file, self.line, self.kind, self.detail = file, line, kind, detail
+
+    def __reduce__(self):
+        # Rebuilt from its four fields where it is unpickled (a Ray driver receiving a rank's
+        # error): the default would call __init__ with the message alone and fail.
+        return type(self), (self.file, self.line, self.kind, self.detail)
 
 
 @dataclass
@@ -306,11 +311,9 @@ class SyntheticSource:
 
 
 def pad_multiple(parallel: ParallelConfig, layout: Layout = "zigzag") -> int:
-    """What every packed sequence's length must divide by: the zigzag layout cuts each sequence
-    into 2*cp chunks (``distributed.cp_layout.zigzag_positions``); the contiguous one cuts the row anywhere."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown CP layout {layout!r}; expected one of {sorted(LAYOUTS)}")
-    return 2 * parallel.cp if layout == "zigzag" and parallel.cp > 1 else 1
+    """What every packed sequence's length must divide by, as the layout kind says: the zigzag
+    layout cuts each sequence into 2*cp chunks; the contiguous one cuts the row anywhere."""
+    return layout_kind(layout).sequence_multiple(parallel.cp)
 
 
 def row_multiple(parallel: ParallelConfig, layout: Layout = "zigzag") -> int:
@@ -560,6 +563,25 @@ class PackedLoader:
         self._rng = _rng_from_state(state["rng"])
         self.stats = DataStats.from_state_dict(state["stats"])
         self._reader = None
+
+
+def continue_loader(loader: PackedLoader, saved: dict) -> PackedLoader:
+    """``loader`` continuing the saved data stream ``saved`` (a ``state_dict``), or a copy of it
+    that can. Rows are packed with the saved run's padding multiple (a CP2 run pads documents to 4
+    tokens, CP1 to 1), so a run on another mesh keeps that multiple when it is a multiple of its
+    own, and reads exactly the rows the saved run would have."""
+    if saved["pad_multiple"] != loader.pad_multiple:
+        if saved["pad_multiple"] % loader.pad_multiple:
+            raise ValueError(
+                f"the checkpoint's rows pad documents to multiples of {saved['pad_multiple']} "
+                f"tokens, which this mesh's CP layout cannot split (it needs multiples of "
+                f"{loader.pad_multiple}); resume on a mesh whose CP layout divides it")
+        loader = PackedLoader(loader.source, seq_len=loader.seq_len,
+                              pad_multiple=saved["pad_multiple"],
+                              shuffle_buffer=loader.shuffle_buffer, seed=loader.seed,
+                              pad_id=loader.pad_id)
+    loader.load_state_dict(saved)
+    return loader
 
 
 # ---------------------------------------------------------------------------------------------

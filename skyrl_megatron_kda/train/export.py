@@ -15,13 +15,22 @@ tensors the trunk does not train (vision tower, MTP layer) and its other non-wei
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import ray
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
 from ..config import Recipe
+from ..distributed.cpu import cuda_names_cpu
+from ..model.hf_io import save_hf_checkpoint
+from ..recipes import load_recipe
+from ..workers.group import ActorGroup, ensure_ray
 from . import checkpoint
+from .outputs import RECIPE
+from .setup import build_glm_model, init_parallel_state, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +41,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.inde
 
 def run_recipe(run_dir: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """The recipe a run ran (its ``recipe.yaml``), with ``--set`` overrides (e.g. another mesh)."""
-    from ..recipes import load_recipe
-    from .run import RECIPE
-
     path = Path(run_dir) / RECIPE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a `skyrl-kda run` output "
@@ -47,17 +53,11 @@ def load_run_model(recipe: Recipe, path: str | Path):
 
     torch.distributed must be initialised; megatron's parallel state is set up here (tear it down
     with ``parallel_state.destroy_model_parallel``). Only the model's shards are read."""
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from ..distributed.cpu import cuda_names_cpu
-    from .trainer import _glm_build_model, init_parallel_state, seed_everything
-
     use_cpu = recipe.run.device == "cpu"
     init_parallel_state(recipe)
     seed_everything(recipe.train.seed, use_cpu)  # the build draws init values, then overwritten
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    model = _glm_build_model(recipe, use_cpu=use_cpu, pg_collection=pgs)
+    model = build_glm_model(recipe, use_cpu=use_cpu, pg_collection=pgs)
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     # The same declaration of every tensor's sharding as the trainer's save (checkpoint.py).
     request = {"model": checkpoint.module_sharded_state(model, "", metadata, pgs.tp)}
@@ -69,10 +69,6 @@ def load_run_model(recipe: Recipe, path: str | Path):
 
 def _export_rank(rank: int, world: int, recipe: Recipe, path: str, out_dir: str,
                  source: str | None) -> None:
-    from megatron.core import parallel_state
-
-    from ..model.hf_io import save_hf_checkpoint
-
     model = load_run_model(recipe, path)
     try:
         save_hf_checkpoint(model, out_dir, source=source)
@@ -99,11 +95,6 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str]
 
     ``source`` defaults to the run's ``run.init_from_hf``; without one (or ``use_source=False``)
     config.json is a flat text config from the recipe and nothing is copied through."""
-    import ray
-    from megatron.core import dist_checkpointing
-
-    from ..workers.group import ActorGroup
-
     recipe = run_recipe(run_dir, overrides)
     ckpt = checkpoint.latest_checkpoint(run_dir)
     if ckpt is None:
@@ -120,12 +111,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str]
         raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
     step = int(dist_checkpointing.load_common_state_dict(str(ckpt))["step"])
     world = recipe.run.num_workers
-    started_here = not ray.is_initialized()
-    if started_here:
-        local = recipe.run.ray_address is None
-        ray.init(address=recipe.run.ray_address,
-                 num_cpus=world if local and recipe.run.device == "cpu" else None,
-                 include_dashboard=False, log_to_driver=False)
+    started_here = ensure_ray(recipe.run)
     try:
         group = ActorGroup(world, recipe.run.device)
         try:

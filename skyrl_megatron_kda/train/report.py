@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .run import METRICS
+# Figure objects without pyplot: no backend or display is chosen by importing this module.
+from matplotlib.figure import Figure
+
+from .outputs import METRICS
 
 PLOTS = {
     "loss.png": ("loss", "loss (token-masked mean)"),
@@ -29,17 +32,13 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def write_report(run_dir: str | Path) -> list[Path]:
     """Draw one PNG per metric (one line per exchange seen in the run); returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
     lines = read_metrics(run_dir)
     out = Path(run_dir) / "report"
     out.mkdir(exist_ok=True)
     paths = []
     for name, (key, label) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
         for exchange in sorted({m["exchange"] for m in lines}):
             rows = [m for m in lines if m["exchange"] == exchange]
             scale = 2**-20 if key == "cp_bytes" else 1.0
@@ -51,6 +50,5 @@ def write_report(run_dir: str | Path) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
-        plt.close(fig)
         paths.append(out / name)
     return paths

@@ -27,6 +27,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import (
+    reduce_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 
 from ..distributed.cp_layout import LAYOUTS
 from .data import PackedRow, pack_row, pad_multiple, padded_length, row_multiple
@@ -105,8 +109,6 @@ def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
     ``H = log Z - sum p z`` with ``Z`` and ``sum e^z z`` summed over TP by megatron's
     ``reduce_from_tensor_model_parallel_region`` (backward: identity, right for a loss replicated
     on every TP rank); the max shift is a detached all-reduce (the entropy does not depend on it)."""
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
     shift = logits.detach().max(dim=-1).values
     if tp_group.size() > 1:
         dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
@@ -123,8 +125,6 @@ def token_logprobs(trainer, rollout: PackedRollout, temperature: float = 1.0, *,
     """Log-probs [B, S] (and the entropy [B, S] of each predicting distribution when
     ``entropy``) of ``rollout`` under ``trainer``'s model, identical on every rank of a DP
     replica. Differentiable when grad is enabled (call ``model.train()`` / ``eval()`` first)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     shard = trainer.shard(rollout.row)
@@ -142,7 +142,7 @@ def token_logprobs(trainer, rollout: PackedRollout, temperature: float = 1.0, *,
     logp = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None], tp_group=tp_group)[:, 0]
     p = trainer.recipe.parallel
     positions = [pos.to(logits.device) for pos in
-                 LAYOUTS[trainer.recipe.kda.cp_layout](rollout.row.cu_seqlens, p.cp)]
+                 LAYOUTS[trainer.recipe.kda.cp_layout].positions(rollout.row.cu_seqlens, p.cp)]
     outputs = []
     for local in (logp, ent):
         if local is None:

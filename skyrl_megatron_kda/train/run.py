@@ -14,19 +14,19 @@ import logging
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import TextIO
 
+import ray
 import yaml
 
 from ..config import Recipe
+from ..workers.group import ActorGroup, ensure_ray
 from . import checkpoint
+from .outputs import METRICS, RECIPE
+from .trainer import RankTrainer
 
 logger = logging.getLogger(__name__)
-
-METRICS = "metrics.jsonl"
-RECIPE = "recipe.yaml"
 
 # Same on every rank (global after the all-reduce, or the recipe's); taken from rank 0.
 _GLOBAL_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "loss_tokens", "exchange")
@@ -43,8 +43,6 @@ class Interrupted(RuntimeError):
 
 def _make_trainer(rank: int, world: int, recipe: Recipe):
     """Rank side: the trainer (torch.distributed is already up in the actor)."""
-    from .trainer import RankTrainer
-
     return RankTrainer(recipe)
 
 
@@ -120,10 +118,6 @@ def _start_metrics(path: Path, resume_step: int) -> None:
 
 def run(recipe: Recipe, *, progress: TextIO | None = sys.stderr) -> list[dict]:
     """Train ``recipe`` on ``run.num_workers`` Ray actors; returns this invocation's metrics."""
-    import ray
-
-    from ..workers.group import ActorGroup
-
     out = Path(recipe.run.output_dir)
     resume_from = checkpoint.latest_checkpoint(out) if recipe.run.resume else None
     if recipe.run.resume and resume_from is None:
@@ -131,19 +125,14 @@ def run(recipe: Recipe, *, progress: TextIO | None = sys.stderr) -> list[dict]:
                                 "checkpoint")
     out.mkdir(parents=True, exist_ok=True)
     world = recipe.run.num_workers
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(address=recipe.run.ray_address,
-                 num_cpus=world if recipe.run.ray_address is None and recipe.run.device == "cpu"
-                 else None,
-                 include_dashboard=False, log_to_driver=False)
+    started_here = ensure_ray(recipe.run)
     group = None
     try:
         group = ActorGroup(world, recipe.run.device)
         group.hold(_make_trainer, recipe)
-        # The recipe as the ranks run it (kda.cp_exchange=auto resolved).
-        resolved = group.call_held("resolved_recipe")[0]
-        (out / RECIPE).write_text(yaml.safe_dump(resolved, sort_keys=False))
+        # The recipe as the ranks run it: recipes.load_recipe resolved kda.cp_exchange=auto and
+        # kept the reason in kda.exchange_reason.
+        (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
         start = group.call_held("load_checkpoint", str(resume_from))[0] if resume_from else 0
         _start_metrics(out / METRICS, start)
         if resume_from:

@@ -23,17 +23,37 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
 
 from ..config import Recipe
-from ..distributed.cpu import cuda_names_cpu, seed_cpu_rng_tracker
-from .data import PackedLoader, PackedRow, RankShard, build_loader, shard_for_rank
+from ..distributed.cpu import cuda_names_cpu
+from ..model.hf_io import load_hf_checkpoint
+from . import checkpoint
+from .data import (
+    PackedLoader,
+    PackedRow,
+    RankShard,
+    build_loader,
+    continue_loader,
+    shard_for_rank,
+)
+from .setup import build_glm_model, init_parallel_state, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -41,41 +61,6 @@ BuildModel = Callable[..., torch.nn.Module]
 """``model.glm.build_model``'s contract: ``build_model(recipe, *, use_cpu, pg_collection)`` gives
 a module whose forward ``(input_ids [1, s], position_ids, *, packed_seq_params, labels)`` returns
 per-token fp32 loss [1, s], with ``cp_bytes()`` / ``reset_cp_bytes()`` counting KDA CP traffic."""
-
-
-def init_parallel_state(recipe: Recipe) -> None:
-    """Megatron's process groups for the recipe's mesh on the already-initialised world."""
-    from megatron.core import parallel_state
-
-    p = recipe.parallel
-    world = dist.get_world_size()
-    if world != recipe.run.num_workers:
-        raise ValueError(f"torch.distributed has {world} ranks but run.num_workers="
-                         f"{recipe.run.num_workers}")
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-        context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
-        expert_tensor_parallel_size=p.etp)
-
-
-def seed_everything(seed: int, use_cpu: bool) -> None:
-    """The same seed on every rank: with CPU initialisation megatron draws each full weight from
-    the CPU generator and slices it, so the model is the same for every mesh. On GPU megatron's
-    own ``model_parallel_cuda_manual_seed`` sets the per-TP/EP CUDA streams as in its trainer."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if use_cpu:
-        seed_cpu_rng_tracker(seed)
-    else:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
-
-
-def _glm_build_model(recipe: Recipe, *, use_cpu: bool, pg_collection=None) -> torch.nn.Module:
-    from ..model.glm import build_model
-
-    return build_model(recipe, use_cpu=use_cpu, pg_collection=pg_collection)
 
 
 def load_initial_weights(module: torch.nn.Module, recipe: Recipe) -> bool:
@@ -98,8 +83,6 @@ def load_initial_weights(module: torch.nn.Module, recipe: Recipe) -> bool:
         if dist.get_rank() == 0:
             logger.info("run.resume: weights come from the run's checkpoint, not %s", path)
         return False
-    from ..model.hf_io import load_hf_checkpoint
-
     load_hf_checkpoint(module, path)
     if dist.get_rank() == 0:
         logger.info("initial weights loaded from %s", path)
@@ -117,17 +100,8 @@ class RankTrainer:
 
     def __init__(self, recipe: Recipe, *, build_model: BuildModel | None = None,
                  loader: PackedLoader | None = None):
-        from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.utils import get_model_config
-
-        from ..kda.cost import resolve_cp_exchange
-
         if not dist.is_initialized():
             raise RuntimeError("RankTrainer needs torch.distributed initialised (one process per rank)")
-        recipe, self.exchange_reason = resolve_cp_exchange(recipe)
         self.recipe = recipe
         self.use_cpu = recipe.run.device == "cpu"
         init_parallel_state(recipe)
@@ -137,8 +111,8 @@ class RankTrainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
-        module = (build_model or _glm_build_model)(recipe, use_cpu=self.use_cpu,
-                                                   pg_collection=self.pgs)
+        module = (build_model or build_glm_model)(recipe, use_cpu=self.use_cpu,
+                                                  pg_collection=self.pgs)
         if not self.use_cpu:
             # Parameters megatron's DDP does not take into its CUDA buffers (the frozen DSA
             # indexer) and module-made ones must be on the GPU too, as in megatron's get_model.
@@ -183,8 +157,6 @@ class RankTrainer:
     def model_inputs(self, shard: RankShard) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(input_ids [1, s_local], position_ids [1, s_local], PackedSeqParams) of a shard, on this
         rank's device: what the model's forward takes (``train.rl`` calls it too)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         device = self._device()
         cu = shard.cu_seqlens.to(device)
         cu_real = shard.cu_seqlens_unpadded.to(device)
@@ -213,8 +185,6 @@ class RankTrainer:
         """Megatron's end-of-accumulation reduction: sums the gradients over DP x CP (DDP was built
         with ``calculate_per_token_loss``, so it sums) and the SP norms over TP; with
         ``num_tokens`` it divides them by that count, all-reduced in place. Run once per step."""
-        from megatron.core.distributed import finalize_model_grads
-
         with self.cpu_mode():
             finalize_model_grads([self.model], num_tokens=num_tokens)
 
@@ -277,35 +247,33 @@ class RankTrainer:
             "peak_gib": None if self.use_cpu else torch.cuda.max_memory_allocated() / 2**30,
         }
 
-    def resolved_recipe(self) -> dict:
-        """The recipe this rank runs (``kda.cp_exchange=auto`` resolved), as plain data."""
-        return self.recipe.model_dump(mode="json")
+    def train_state(self) -> checkpoint.TrainState:
+        """What a checkpoint saves of this rank and restores into it."""
+        return checkpoint.TrainState(
+            model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler,
+            step=self.step, loader_state=self.loader.state_dict(), parallel=self.recipe.parallel,
+            use_cpu=self.use_cpu, tp_group=self.pgs.tp, dp_cp_group=self.dp_cp_group)
 
     def save_checkpoint(self, output_dir: str) -> str:
         """Sharded checkpoint of this step under ``output_dir/checkpoints`` (every rank calls it)."""
-        from . import checkpoint
-
-        return str(checkpoint.save(self, output_dir))
+        return str(checkpoint.save(self.train_state(), output_dir))
 
     def load_checkpoint(self, path: str) -> int:
-        """Restore a checkpoint directory (any mesh); returns the step it continues from."""
-        from . import checkpoint
-
-        checkpoint.load(self, path)
+        """Restore a checkpoint directory (any mesh); returns the step it continues from. The
+        loader continues the saved data stream (rebuilt when the saved mesh padded differently)."""
+        restored = checkpoint.load(self.train_state(), path)
+        self.loader = continue_loader(self.loader, restored.loader_state)
+        self.step = restored.step
         return self.step
 
     def close(self) -> None:
         """Tear down megatron's process groups (the torch.distributed world stays)."""
-        from megatron.core import parallel_state
-
         parallel_state.destroy_model_parallel()
 
 
 def build_scheduler(optimizer, recipe: Recipe):
     """Megatron's scheduler: linear warmup to ``train.lr`` over ``train.warmup_steps``, then
     cosine decay to ``train.min_lr`` at ``train.steps``; weight decay constant."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     t = recipe.train
     warmup = t.warmup_steps
     return OptimizerParamScheduler(

@@ -6,8 +6,38 @@ import socket
 from typing import Any, Callable
 
 import ray
+import torch
+import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..config import RunConfig
+from ..distributed.cpu import redirect_cuda_device_queries
+
+
+# Ray's start-up waits assume an idle machine. On a small CPU host that is busy (a test suite next
+# to other jobs) a worker process can need minutes to start Python and register with its raylet,
+# and Ray kills workers that miss the wait (default 60 s), so an actor dies for no fault of its
+# own. A process that truly fails to start still fails: it exits, or misses these longer waits.
+RAY_START_CONFIG = {"worker_register_timeout_seconds": 600, "raylet_start_wait_time_s": 600}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """``ray.init`` as the package starts or joins Ray: no dashboard, no worker logs on the
+    driver; a cluster started here gets ``RAY_START_CONFIG`` (joining one keeps its own)."""
+    ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             _system_config=RAY_START_CONFIG if address is None else None,
+             runtime_env={"worker_process_setup_hook": "skyrl_megatron_kda.console.quiet_warnings"})
+
+
+def ensure_ray(run: RunConfig) -> bool:
+    """Start or join Ray for a run's ranks unless this process has it already (a test session, a
+    caller's cluster); True when started here. A local CPU cluster gets one CPU per rank."""
+    if ray.is_initialized():
+        return False
+    local_cpu = run.ray_address is None and run.device == "cpu"
+    init_ray(run.ray_address, run.num_workers if local_cpu else None)
+    return True
 
 
 class WorkerError(RuntimeError):
@@ -35,12 +65,7 @@ class RankActor:
         return ray.util.get_node_ip_address(), port
 
     def init_distributed(self, address: str, port: int) -> None:
-        import torch
-        import torch.distributed as dist
-
         if self.device == "cpu":
-            from ..distributed.cpu import redirect_cuda_device_queries
-
             redirect_cuda_device_queries()
             backend = "gloo"
         else:

@@ -4,6 +4,8 @@ SkyRL splits rollout batches over ``MeshRank.dp`` and collects results from tp=0
 its own Megatron worker puts the CP rank in ``sp``, and so do we.
 """
 
+from megatron.core import parallel_state as ps
+from megatron.core.parallel_state import RankGenerator
 from skyrl.backends.skyrl_train.distributed.dispatch import MeshRank
 
 from ...config import Recipe
@@ -12,8 +14,6 @@ from ...config import Recipe
 def mesh_rank(recipe: Recipe, rank: int) -> MeshRank:
     """SkyRL's view of ``rank`` (dp, sp=cp, tp, pp) in megatron's default rank order, computed
     with megatron's own ``RankGenerator`` before its process groups exist."""
-    from megatron.core.parallel_state import RankGenerator
-
     p = recipe.parallel
     dp = recipe.data_parallel_size
     ranks = RankGenerator(tp=p.tp, ep=1, dp=dp, pp=p.pp, cp=p.cp, order="tp-cp-ep-dp-pp")
@@ -27,8 +27,6 @@ def mesh_rank(recipe: Recipe, rank: int) -> MeshRank:
 
 def megatron_mesh_rank(recipe: Recipe) -> MeshRank:
     """The same view read from megatron's initialised parallel state."""
-    from megatron.core import parallel_state as ps
-
     return MeshRank(dp=ps.get_data_parallel_rank(), sp=ps.get_context_parallel_rank(),
                     tp=ps.get_tensor_model_parallel_rank(),
                     pp=ps.get_pipeline_model_parallel_rank(),

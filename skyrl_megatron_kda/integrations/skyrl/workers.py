@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 import ray
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from omegaconf import OmegaConf
 from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
@@ -31,6 +32,10 @@ from skyrl.backends.skyrl_train.workers.worker_utils import (
 from skyrl.env_vars import SKYRL_WORKER_NCCL_TIMEOUT_IN_S
 from skyrl.train.utils.utils import ray_noset_visible_devices
 
+from ...model.hf_io import save_hf_checkpoint
+from ...train.checkpoint import latest_checkpoint
+from ...train.rl import pack_rollout, token_logprobs
+from ...train.trainer import RankTrainer
 from .config import unsupported_trainer_settings
 from .mesh import megatron_mesh_rank, mesh_rank
 
@@ -98,8 +103,6 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
     def init_model(self, model_path: Optional[str] = None, num_training_steps: Optional[int] = None):
         """Build the recipe's model; SkyRL's ``model_path`` is the tokenizer's and the rollout
         engines' (the recipe's ``model`` section decides the trained model)."""
-        from ...train.trainer import RankTrainer
-
         self.trainer = RankTrainer(self.recipe)
         actual = megatron_mesh_rank(self.recipe)
         if actual != self.mesh_rank:
@@ -131,8 +134,6 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
                          entropy: bool = False, entropy_grad: bool = False):
         """Log-probs (and entropies) [B, num_actions] of the last ``num_actions`` tokens of each
         row, as SkyRL's workers slice them from the [B, S] per-token values."""
-        from ...train.rl import pack_rollout, token_logprobs
-
         rollout = pack_rollout(sequences, attention_mask, self.trainer.recipe.parallel,
                                self.trainer.recipe.kda.cp_layout)
         logp, ent = token_logprobs(self.trainer, rollout, self.cfg.algorithm.temperature,
@@ -153,8 +154,6 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
     def _reduce_over_dp(self, metrics: Dict[str, float]) -> Dict[str, float]:
         """SkyRL's reduction: losses summed, the rest averaged (``_min``/``_max`` kept) over the
         DP group without CP (every CP and TP rank of a replica holds the same values)."""
-        from megatron.core import parallel_state
-
         return all_reduce_metrics(metrics, _GroupReducer(self.trainer._device()),
                                   group=parallel_state.get_data_parallel_group(with_context_parallel=False),
                                   sum_loss_metrics=True)
@@ -268,8 +267,6 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
     def load_checkpoint(self, ckpt_dir: str, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True) -> int:
         """Restore what ``save_checkpoint(ckpt_dir)`` wrote; returns the step it continues from."""
-        from ...train.checkpoint import latest_checkpoint
-
         if not (load_optimizer_states and load_lr_scheduler_states):
             raise ValueError("KDAPolicyWorker restores model, optimizer and schedule together")
         path = latest_checkpoint(ckpt_dir)
@@ -284,8 +281,6 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
     def save_hf_model(self, export_dir: str, tokenizer=None) -> None:
         """The model as a glm5_next safetensors checkpoint (collective; rank 0 writes), with the
         config (and non-text tensors) of ``run.init_from_hf`` when the run started from one."""
-        from ...model.hf_io import save_hf_checkpoint
-
         save_hf_checkpoint(self.trainer.model.module, export_dir,
                            source=self.trainer.recipe.run.init_from_hf)
         if tokenizer is not None and dist.get_rank() == 0:

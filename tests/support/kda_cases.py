@@ -6,7 +6,9 @@ builds their recipes and batches, and injects the layout bugs of the negative co
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,9 @@ SBHD_TOKENS, SBHD_BATCH = 96, 2
 THD_LENGTHS = (40, 16, 72, 8)  # uneven; each divides by 2*cp for cp in (1, 2, 4)
 # Contiguous layout only: a sequence shorter than the conv halo, and pieces cut anywhere.
 THD_SHORT_LENGTHS = (40, 2, 14, 72, 8)
+# How long a rank waits in a mesh collective for a peer before its case fails. A case takes
+# seconds; the wait ends only a case whose peer raised before reaching the collective.
+CASE_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,9 @@ class Case:
 
 
 def recipe_for(case: Case, setup: Setup, tokens: int):
-    from skyrl_megatron_kda.config import LayerRecipe
+    from skyrl_megatron_kda.config import MeshRecipe
 
-    return LayerRecipe(
+    return MeshRecipe(
         model={"hidden_size": setup.hidden, "params_dtype": setup.dtype},
         parallel={"tp": case.tp, "cp": case.cp, "sequence_parallel": case.sequence_parallel},
         kda={"cp_exchange": case.exchange, "cp_layout": case.layout, "kernel": setup.kernel,
@@ -98,10 +103,16 @@ _saved_chain = None
 def run_case(case: Case, tp_group, cp_group, single_group, setup: Setup = CPU):
     """Negative controls (``case.corrupt``): ``contiguous_shards`` feeds plain contiguous CP
     shards; ``skip_reorder`` leaves exchanged rows out of natural order; ``chain_order`` composes
-    back pieces in the wrong order; ``no_halo`` drops the conv halo of the state exchange."""
+    back pieces in the wrong order; ``no_halo`` drops the conv halo of the state exchange;
+    ``crash_rank0`` raises on rank 0 alone while its peers enter the exchange (a crashing
+    configuration, for the test that one crash fails only its own case)."""
     global _saved_chain
-    from skyrl_megatron_kda.kda import exchange, parity, state
+    from skyrl_megatron_kda.kda import parity
+    from skyrl_megatron_kda.kda import state_pieces as state
+    from skyrl_megatron_kda.kda.exchanges import head_parallel as exchange
 
+    if case.corrupt == "crash_rank0" and dist.get_rank() == 0:
+        raise RuntimeError(f"{case.id}: deliberate crash on rank 0")
     batch = batch_for(case.fmt, setup)
     recipe = recipe_for(case, setup, batch.x.shape[0])
     saved = parity.rank_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows
@@ -120,29 +131,72 @@ def run_case(case: Case, tp_group, cp_group, single_group, setup: Setup = CPU):
         parity.rank_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows = saved
 
 
-def mesh_groups(rank: int, meshes):
+def mesh_groups(rank: int, meshes, timeout_s: float = CASE_TIMEOUT_S):
     """TP and CP groups of every (tp, cp) mesh on ranks 0..tp*cp-1 (Megatron order: TP fastest).
 
     Every rank must create every group (gloo), so all meshes are built up front."""
     mine = {}
+    timeout = timedelta(seconds=timeout_s)
     for tp, cp in meshes:
-        tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
-        cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
+        tp_groups = [dist.new_group([c * tp + t for t in range(tp)], timeout=timeout) for c in range(cp)]
+        cp_groups = [dist.new_group([c * tp + t for c in range(cp)], timeout=timeout) for t in range(tp)]
         if rank < tp * cp:
             mine[(tp, cp)] = (tp_groups[rank // tp], cp_groups[rank % tp])
     return mine
 
 
-def parity_matrix(rank: int, world: int, cases: list[Case], setup: Setup = CPU):
-    groups = mesh_groups(rank, sorted({(c.tp, c.cp) for c in cases}))
+@dataclass(frozen=True)
+class CaseFailure:
+    """What a rank reports for a case that raised on it, in place of its ParityResult."""
+
+    rank: int
+    error: str  # the traceback
+
+
+def parity_matrix(rank: int, world: int, cases: list[Case], setup: Setup = CPU,
+                  timeout_s: float = CASE_TIMEOUT_S):
+    """{case id: ParityResult or CaseFailure} of the cases whose mesh holds this rank.
+
+    A case that raises is recorded for that case alone and the matrix goes on: a peer left waiting
+    in a collective fails its wait after ``timeout_s``, and the failed case's mesh gets fresh
+    groups, since a collective one rank skipped leaves the old groups out of step."""
+    meshes = sorted({(c.tp, c.cp) for c in cases})
+    groups = mesh_groups(rank, meshes, timeout_s)
     singles = [dist.new_group([r]) for r in range(world)]
     results = {}
     for case in cases:
+        failed = torch.zeros(1)
         if rank < case.tp * case.cp:
             tp_group, cp_group = groups[(case.tp, case.cp)]
-            results[case.id] = run_case(case, tp_group, cp_group, singles[rank], setup)
-        dist.barrier()
+            try:
+                results[case.id] = run_case(case, tp_group, cp_group, singles[rank], setup)
+            except Exception:  # noqa: BLE001 - reported as this case's outcome
+                results[case.id] = CaseFailure(rank, traceback.format_exc())
+                failed += 1
+        dist.all_reduce(failed)  # also the barrier between cases
+        if failed.item():
+            groups.update(mesh_groups(rank, [(case.tp, case.cp)], timeout_s))
     return results
+
+
+def merge_ranks(per_rank: list[dict]) -> dict[str, list]:
+    """{case id: [outcome of each rank of its mesh]} from ``parity_matrix``'s per-rank results."""
+    merged = {}
+    for rank_results in per_rank:
+        for case_id, outcome in rank_results.items():
+            merged.setdefault(case_id, []).append(outcome)
+    return merged
+
+
+def case_results(merged: dict[str, list], case: Case) -> list:
+    """The ParityResults of ``case`` on every rank; fails the calling test, with each failing
+    rank's traceback, when the case raised."""
+    outcomes = merged[case.id]
+    failures = [o for o in outcomes if isinstance(o, CaseFailure)]
+    if failures:
+        raise AssertionError(f"case {case.id} raised\n" + "\n".join(
+            f"rank {f.rank}:\n{f.error}" for f in failures))
+    return outcomes
 
 
 def saved_bytes(fn, exclude=()) -> tuple[object, int]:

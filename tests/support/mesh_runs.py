@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import tempfile
 
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
 
 STEPS = 5
 SAVE_AFTER = 2

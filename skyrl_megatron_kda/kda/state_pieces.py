@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed.cp_layout import layout_kind
+
 
 @dataclass(frozen=True)
 class Pieces:
@@ -50,22 +52,11 @@ class Pieces:
 
 
 def rank_pieces(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, batch: int, kind: str) -> Pieces:
-    """The pieces ``cp_rank`` holds of ``batch`` rows of sequences ``cu_seqlens`` in layout
-    ``kind`` ("zigzag": chunks r and 2cp-1-r of every sequence; "contiguous": rows
-    [r*T/cp, (r+1)*T/cp) of the packed row)."""
+    """The pieces ``cp_rank`` holds of ``batch`` rows of sequences ``cu_seqlens`` in the CP layout
+    ``kind`` (``distributed.cp_layout.LAYOUTS``)."""
     cu = cu_seqlens.to(torch.long)
     total = int(cu[-1])
-    if kind == "zigzag":
-        chunk = cu.diff() // (2 * cp)
-        starts = torch.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp - 1 - cp_rank) * chunk], 1)
-        lengths = torch.stack([chunk, chunk], 1)
-    elif kind == "contiguous":
-        lo, hi = cp_rank * total // cp, (cp_rank + 1) * total // cp
-        first = cu[:-1].clamp(lo, hi)
-        lengths = (cu[1:].clamp(lo, hi) - first).unsqueeze(1)
-        starts = first.unsqueeze(1)
-    else:
-        raise ValueError(f"unknown CP layout {kind!r}; expected 'zigzag' or 'contiguous'")
+    starts, lengths = layout_kind(kind).rank_pieces(cu, cp, cp_rank)
     parts = starts.shape[1]
     seq_start = torch.where(lengths > 0, cu[:-1].unsqueeze(1), starts).reshape(-1)
     starts, lengths = starts.reshape(-1), lengths.reshape(-1)
@@ -77,9 +68,7 @@ def rank_pieces(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, batch: int, kin
 
 def chain_order(cp: int, kind: str) -> list[tuple[int, int]]:
     """(rank, part) of each piece of a sequence, in natural order."""
-    if kind == "zigzag":  # chunks 0..cp-1 are front parts, cp..2cp-1 back parts of descending ranks
-        return [(r, 0) for r in range(cp)] + [(r, 1) for r in range(cp - 1, -1, -1)]
-    return [(r, 0) for r in range(cp)]
+    return layout_kind(kind).chain_order(cp)
 
 
 def _chain_and_slots(cp: int, kind: str, *gathered: torch.Tensor):

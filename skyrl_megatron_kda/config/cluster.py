@@ -1,0 +1,96 @@
+"""The machines and links of the mesh, as the cost model of ``kda.cp_exchange=auto`` sees them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import field_validator, model_validator
+
+from ..kda.calibration import LINK_PRESETS
+from .base import PositiveInt, _Config
+
+InterNodeKind = Literal["nvlink", "infiniband", "efa", "tcp"]
+"""Named link presets for the hop between nodes (``nvlink``: a multi-node NVLink domain)."""
+
+
+class LinkConfig(_Config):
+    """One kind of link as the cost model of ``auto`` sees it; the presets are defaults to override
+    with the numbers of your own cluster (nccl-tests on it)."""
+
+    bandwidth_gib_s: float
+    """Per-GPU all-gather bandwidth: bytes each rank receives from the others per second (GiB/s)."""
+    all_to_all_bandwidth_gib_s: float | None = None
+    """Per-GPU all-to-all bandwidth, bytes received from other ranks per second (GiB/s); None: same."""
+    latency_us: float
+    """Fixed cost per collective (microseconds)."""
+
+    @field_validator("bandwidth_gib_s", "all_to_all_bandwidth_gib_s")
+    @classmethod
+    def _bandwidth_positive(cls, value: float | None, info) -> float | None:
+        if value is not None and not value > 0:
+            raise ValueError(f"{info.field_name}={value} must be > 0 (GiB/s per GPU)")
+        return value
+
+    @field_validator("latency_us")
+    @classmethod
+    def _latency_not_negative(cls, value: float) -> float:
+        if not value >= 0:
+            raise ValueError(f"latency_us={value} must be >= 0 (microseconds per collective)")
+        return value
+
+    @property
+    def a2a_bandwidth_gib_s(self) -> float:
+        """The all-to-all bandwidth, falling back to the all-gather one."""
+        if self.all_to_all_bandwidth_gib_s is None:
+            return self.bandwidth_gib_s
+        return self.all_to_all_bandwidth_gib_s
+
+
+class ClusterConfig(_Config):
+    """The machines the mesh runs on, for the ``auto`` cost model only (nothing else reads it).
+
+    Megatron orders ranks tp-cp-ep-dp with TP fastest, so a CP group spans ``tp * cp``
+    consecutive ranks and crosses nodes iff ``tp * cp > gpus_per_node``.
+    A partial ``intra_node`` / ``inter_node`` mapping overrides only the keys it names on top of
+    the preset (``nvlink`` inside a node, ``inter_node_kind`` between nodes).
+    """
+
+    gpus_per_node: PositiveInt = 8
+    """GPUs per node connected by NVLink (ranks per node)."""
+    inter_node_kind: InterNodeKind = "infiniband"
+    """Preset for the link between nodes; inter_node overrides its numbers."""
+    intra_node: LinkConfig
+    """Link between GPUs of one node (default: the NVLink preset)."""
+    inter_node: LinkConfig
+    """Link between nodes, per GPU (default: the inter_node_kind preset)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_link_presets(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        kind = out.get("inter_node_kind", cls.model_fields["inter_node_kind"].default)
+        if not isinstance(kind, str) or kind not in LINK_PRESETS:
+            raise ValueError(
+                f"cluster.inter_node_kind={kind!r} is not a link preset; expected one of "
+                f"{', '.join(LINK_PRESETS)} (and override cluster.inter_node for other numbers)"
+            )
+        for field, preset in (("intra_node", "nvlink"), ("inter_node", kind)):
+            value = out.get(field)
+            if isinstance(value, LinkConfig):
+                continue
+            if value is None:
+                out[field] = dict(LINK_PRESETS[preset])
+            elif isinstance(value, Mapping):
+                out[field] = {**LINK_PRESETS[preset], **value}
+        return out
+
+    def cp_spans_nodes(self, tp: int, cp: int) -> bool:
+        """Whether a CP group (stride tp, size cp) holds ranks of more than one node."""
+        return cp > 1 and tp * cp > self.gpus_per_node
+
+    def tp_spans_nodes(self, tp: int) -> bool:
+        """Whether a TP group (tp consecutive ranks) holds ranks of more than one node."""
+        return tp > self.gpus_per_node

@@ -1,0 +1,79 @@
+"""The KDA linear-attention layer's section, and the values ``kda.cp_exchange`` may take."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from ..kda import exchanges
+from .base import PositiveInt, _Config
+
+
+def cp_exchange_choices() -> tuple[str, ...]:
+    """The values of ``kda.cp_exchange``: the registered exchanges (``kda.exchanges``), then auto."""
+    return (*exchanges.names(), exchanges.AUTO)
+
+
+class KDAConfig(_Config):
+    """The KDA linear-attention layer; defaults are GLM-5.3-Flash's."""
+
+    cp_exchange: str = Field(default="a2a", strict=True)
+    """How the layer exchanges data across the CP group: a registered exchange (``kda.exchanges``)
+    or ``auto``, which the cost model resolves once when the recipe is loaded to run
+    (``recipes.load_recipe``); SKYRL_KDA_CP_EXCHANGE overrides it."""
+    exchange_reason: str | None = None
+    """Why ``cp_exchange`` is what it is when ``auto`` picked it (the cost model's one-line
+    reason, recorded in the run folder's recipe.yaml); None when the exchange was configured."""
+    kernel: Literal["auto", "fla", "torch"] = "auto"
+    """Chunked-KDA implementation: auto = fla on CUDA, our pure-torch KDA on CPU."""
+    num_heads: PositiveInt = 64
+    """Number of KDA heads (q, k and v alike; no grouped values)."""
+    head_dim: PositiveInt = 128
+    """Per-head key and value width (K = V)."""
+    conv_size: PositiveInt = 4
+    """Kernel width of the depthwise causal short convolution on q, k, v (tokens)."""
+    gate_lower_bound: float = -5.0
+    """Safe forget-gate multiplier lb: g = lb * sigmoid(...), so each log-decay is in (lb, 0)."""
+    gate_low_rank: PositiveInt = 128
+    """Rank of the forget-gate projection f_b(f_a(x))."""
+    output_gate_low_rank: PositiveInt = 128
+    """Rank of the output-gate projection g_b(g_a(x))."""
+    l2norm_eps: float = Field(default=1e-6, gt=0)
+    """Epsilon of the q/k L2 normalisation, x / sqrt(sum x^2 + eps)."""
+    norm_eps: float = Field(default=1e-5, gt=0)
+    """Epsilon of the per-head gated RMSNorm on the output."""
+    chunk_size: Literal[32, 64] = 64
+    """Tokens per chunk of the chunked KDA (the sizes fla's kernels allow)."""
+    kernel_segments: PositiveInt = 16
+    """On the fla backend, each sequence (or CP piece) is cut into about this many segments of
+    whole chunks whose sequential state passes run side by side, chained exactly through fp32
+    state summaries (``kda/state_kernel.py``); 1 runs fla's ``chunk_kda`` on whole sequences.
+    fla's state pass gives one thread block per head and value block, so a long sequence with a
+    rank's few heads leaves most SMs idle. The torch backend (the CPU reference) runs a2a,
+    allgather and CP=1 on whole sequences; the state exchange always chains its pieces."""
+    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """How the model lays tokens over CP ranks: Megatron's load-balanced zigzag (what softmax
+    attention layers need), or contiguous slices of the packed row."""
+    allow_inexact: bool = Field(default=True, strict=True)
+    """Let auto pick an exchange not bitwise equal to CP=1 (state); false also refuses state."""
+
+    @field_validator("cp_exchange")
+    @classmethod
+    def _registered_exchange(cls, value: str) -> str:
+        # Checked against the live registry, so a registered plugin exchange is a valid value;
+        # whether it can run on the mesh is the recipe's check (``MeshRecipe``).
+        choices = cp_exchange_choices()
+        if value not in choices:
+            quoted = [repr(name) for name in choices]
+            raise ValueError(f"Input should be {', '.join(quoted[:-1])} or {quoted[-1]}")
+        return value
+
+    @field_validator("gate_lower_bound")
+    @classmethod
+    def _gate_lower_bound_in_range(cls, value: float) -> float:
+        if not -5.0 <= value < 0.0:
+            raise ValueError(
+                f"gate_lower_bound={value} must be in [-5, 0): fla's safe gate requires it"
+            )
+        return value

@@ -1,0 +1,64 @@
+"""From raw mappings to validated recipes, with the environment override applied first.
+
+This is the only module of the package that reads environment variables
+(``SKYRL_KDA_CP_EXCHANGE``), and it does so only inside ``apply_env_overrides``, never at import.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Mapping
+
+from .kda import KDAConfig, cp_exchange_choices
+from .recipe import MeshRecipe, Recipe
+
+logger = logging.getLogger(__name__)
+
+CP_EXCHANGE_ENV = "SKYRL_KDA_CP_EXCHANGE"
+"""Environment variable (the seed pull request's) that overrides ``kda.cp_exchange``."""
+
+
+def apply_env_overrides(raw: dict, environ: Mapping[str, str] | None = None) -> dict:
+    """Return a copy of ``raw`` with ``SKYRL_KDA_CP_EXCHANGE`` applied to ``kda.cp_exchange``.
+
+    The seed pull request selected the exchange with this variable; it keeps working, but it is
+    read here only, explicitly, and logged, so the config stays the single source of truth.
+    An empty value counts as unset. ``environ`` defaults to ``os.environ``.
+    """
+    env = os.environ if environ is None else environ
+    out = copy.deepcopy(raw)
+    value = env.get(CP_EXCHANGE_ENV)
+    if not value:
+        return out
+    allowed = cp_exchange_choices()
+    if value not in allowed:
+        raise ValueError(
+            f"{CP_EXCHANGE_ENV}={value!r} is not a KDA CP exchange; "
+            f"allowed values: {', '.join(allowed)}"
+        )
+    kda = out.get("kda")
+    if kda is None:
+        kda = out["kda"] = {}
+    if not isinstance(kda, dict):
+        raise ValueError(f"kda must be a mapping to apply {CP_EXCHANGE_ENV}, got {kda!r}")
+    default = KDAConfig.model_fields["cp_exchange"].default
+    configured = kda.get("cp_exchange", f"{default} (default)")
+    logger.warning(
+        "%s=%s overrides kda.cp_exchange (config value: %s)", CP_EXCHANGE_ENV, value, configured
+    )
+    kda["cp_exchange"] = value
+    kda.pop("exchange_reason", None)  # a recorded auto choice no longer applies
+    return out
+
+
+def load_mesh_recipe(raw: dict, environ: Mapping[str, str] | None = None) -> MeshRecipe:
+    """Validate ``raw`` after environment overrides, so an override is checked like any value."""
+    return MeshRecipe.model_validate(apply_env_overrides(raw, environ))
+
+
+def load_recipe_dict(raw: dict, environ: Mapping[str, str] | None = None) -> Recipe:
+    """Validate a whole recipe ``raw`` after environment overrides (``recipes.load_recipe`` reads
+    the files and applies ``--set`` overrides first, and resolves ``auto`` after)."""
+    return Recipe.model_validate(apply_env_overrides(raw, environ))

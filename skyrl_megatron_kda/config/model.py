@@ -1,0 +1,148 @@
+"""The GLM-5.3-Flash text model: layer pattern, MoE, DSA and hyper-connection sections."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .base import NonNegativeInt, PositiveInt, _Config
+
+LayerType = Literal["kda", "dsa"]
+"""Token mixer of one trunk layer: KDA linear attention or DSA (MLA + lightning indexer)."""
+
+MLPType = Literal["dense", "moe"]
+"""Feed-forward block of one trunk layer."""
+
+
+class MoEConfig(_Config):
+    """The routed experts of the sparse layers; defaults are GLM-5.3-Flash's."""
+
+    num_experts: PositiveInt = 288
+    """Routed experts per MoE layer."""
+    top_k: PositiveInt = 8
+    """Routed experts each token is sent to."""
+    ffn_hidden_size: PositiveInt = 2048
+    """Intermediate width of one expert (SwiGLU); the shared expert has the same width."""
+    num_shared_experts: NonNegativeInt = 1
+    """Always-on shared experts added to the routed output (0: none)."""
+    routed_scaling_factor: float = Field(default=2.5, gt=0)
+    """Multiplier on the combined routed output (after top-k normalisation)."""
+    score_function: Literal["sigmoid", "softmax"] = "sigmoid"
+    """Router score function (GLM-5.3-Flash: sigmoid)."""
+    score_correction_bias: bool = Field(default=True, strict=True)
+    """Per-expert bias added to the scores for top-k selection only (aux-loss-free, noaux_tc)."""
+    norm_topk_prob: bool = Field(default=True, strict=True)
+    """Renormalise the selected top-k scores to sum to 1."""
+    swiglu_limit: float | None = Field(default=10.0, gt=0)
+    """SwiGLU clamp: gate <= limit, up in [-limit, limit] (None: no clamp); dense FFN too."""
+
+    @model_validator(mode="after")
+    def _top_k_fits_experts(self) -> MoEConfig:
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} must be <= model.moe.num_experts="
+                f"{self.num_experts}: a token cannot pick more experts than there are"
+            )
+        return self
+
+
+class DSAConfig(_Config):
+    """The DSA layers: MLA without RoPE plus the lightning indexer; defaults are GLM-5.3-Flash's."""
+
+    num_heads: PositiveInt = 64
+    """Attention heads of the MLA (query and key/value heads alike)."""
+    q_lora_rank: PositiveInt = 1536
+    """Rank of the low-rank query projection."""
+    kv_lora_rank: PositiveInt = 512
+    """Rank of the compressed key/value latent."""
+    qk_nope_head_dim: PositiveInt = 256
+    """Per-head query/key width without positional rotation."""
+    qk_rope_head_dim: NonNegativeInt = 0
+    """Per-head query/key width with RoPE (GLM-5.3-Flash's text tower: 0, no RoPE)."""
+    v_head_dim: PositiveInt = 256
+    """Per-head value width."""
+    index_num_heads: PositiveInt = 32
+    """Heads of the lightning indexer that scores keys for each query."""
+    index_head_dim: PositiveInt = 128
+    """Per-head width of the lightning indexer."""
+    index_topk: PositiveInt = 2048
+    """Keys each query attends to, chosen by the indexer (tokens; the tail is always selected)."""
+    index_kpool: PositiveInt = 4
+    """Keys pooled into one indexer block (tokens per pooled key)."""
+
+    @model_validator(mode="after")
+    def _topk_divisible_by_kpool(self) -> DSAConfig:
+        if self.index_topk % self.index_kpool:
+            raise ValueError(
+                f"model.dsa.index_topk={self.index_topk} must be divisible by "
+                f"model.dsa.index_kpool={self.index_kpool}: the indexer selects whole pooled blocks"
+            )
+        return self
+
+
+class HyperConnectionConfig(_Config):
+    """mHC (manifold-constrained hyper-connections) around every layer; defaults are GLM-5.3-Flash's."""
+
+    num_streams: PositiveInt = 4
+    """Parallel residual streams (hc_mult); the final collapse is their unweighted mean."""
+    sinkhorn_iterations: PositiveInt = 20
+    """Sinkhorn normalisation steps making the stream-mixing matrix doubly stochastic."""
+    eps: float = Field(default=1e-6, gt=0)
+    """Epsilon of the Sinkhorn normalisation (hc_eps)."""
+
+
+class ModelConfig(_Config):
+    """The GLM-5.3-Flash text model (trunk without the MTP layer); defaults are the full model's.
+
+    The KDA layers' own sizes live in the recipe's ``kda`` section (``KDAConfig``)."""
+
+    hidden_size: PositiveInt = 4096
+    """Width of the residual stream (the layer's input and output)."""
+    params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter dtype as a torch dtype name; the model builder resolves it (no torch here)."""
+    num_layers: PositiveInt = 45
+    """Trunk layers (the MTP layer is not counted)."""
+    vocab_size: PositiveInt = 154880
+    """Token vocabulary of the embedding and the output layer."""
+    dsa_every: PositiveInt = 4
+    """Layer i is DSA where i % dsa_every == dsa_offset, KDA otherwise."""
+    dsa_offset: NonNegativeInt = 3
+    """See dsa_every (GLM-5.3-Flash: DSA at layers 3, 7, ..., 43)."""
+    num_dense_layers: NonNegativeInt = 3
+    """The first num_dense_layers layers have a dense FFN, the others MoE."""
+    dense_ffn_hidden_size: PositiveInt = 12288
+    """Intermediate width of the dense SwiGLU FFN."""
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    """Epsilon of the RMSNorms (layer inputs, final norm, mHC input norm)."""
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    """Routed and shared experts of the MoE layers."""
+    dsa: DSAConfig = Field(default_factory=DSAConfig)
+    """MLA and lightning indexer of the DSA layers."""
+    hyper_connections: HyperConnectionConfig = Field(default_factory=HyperConnectionConfig)
+    """mHC residual streams."""
+    tie_word_embeddings: bool = Field(default=False, strict=True)
+    """Share the embedding matrix with the output layer (GLM-5.3-Flash: false, own lm_head)."""
+
+    @model_validator(mode="after")
+    def _layer_pattern_fits(self) -> ModelConfig:
+        if self.dsa_offset >= self.dsa_every:
+            raise ValueError(
+                f"model.dsa_offset={self.dsa_offset} must be < model.dsa_every={self.dsa_every}: "
+                "layer i is DSA where i % dsa_every == dsa_offset"
+            )
+        if self.num_dense_layers > self.num_layers:
+            raise ValueError(
+                f"model.num_dense_layers={self.num_dense_layers} must be <= model.num_layers="
+                f"{self.num_layers}"
+            )
+        return self
+
+    def layer_types(self) -> list[LayerType]:
+        """Token mixer of each trunk layer, in order (GLM-5.3-Flash: 34 KDA, 11 DSA)."""
+        return ["dsa" if i % self.dsa_every == self.dsa_offset else "kda"
+                for i in range(self.num_layers)]
+
+    def mlp_types(self) -> list[MLPType]:
+        """Feed-forward block of each trunk layer, in order (GLM-5.3-Flash: 3 dense, 42 MoE)."""
+        return ["dense" if i < self.num_dense_layers else "moe" for i in range(self.num_layers)]

@@ -1,0 +1,169 @@
+"""The whole recipe and the checks that span its sections.
+
+``MeshRecipe`` is what one KDA layer needs on its mesh (model, mesh, kda, data, cluster);
+``Recipe`` adds the optimisation loop and where the job runs.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from ..distributed.cp_layout import layout_kind
+from ..kda import exchanges
+from ..kda.exchanges import ExchangeMesh
+from .base import _Config
+from .cluster import ClusterConfig
+from .data import DataConfig
+from .kda import KDAConfig
+from .model import ModelConfig
+from .parallel import ParallelConfig
+from .run import RunConfig
+from .train import TrainConfig
+
+
+class MeshRecipe(_Config):
+    """The model on its mesh: model, parallel layout, KDA layer, batch shape and cluster, with the
+    checks that span them. It is all that one KDA layer or the cost model of ``auto`` reads;
+    ``Recipe`` adds the optimisation loop and where the job runs."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model sizes."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    kda: KDAConfig = Field(default_factory=KDAConfig)
+    """The KDA layer and its CP exchange."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Batch shape."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Nodes and links, read only by the cost model of kda.cp_exchange=auto."""
+
+    @model_validator(mode="after")
+    def _heads_divisible_by_tp(self) -> MeshRecipe:
+        heads, tp = self.kda.num_heads, self.parallel.tp
+        if heads % tp:
+            raise ValueError(
+                f"kda.num_heads={heads} must be divisible by tp={tp}: each TP rank owns whole heads"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _exchange_fits_mesh(self) -> MeshRecipe:
+        # Each exchange's own rule (``CPExchange.refusal``), the one the cost model and the layer
+        # ask too; auto needs one exchange that no rule refuses.
+        mesh, name = ExchangeMesh.of(self), self.kda.cp_exchange
+        if name != exchanges.AUTO:
+            why = exchanges.get(name).refusal(mesh)
+            if why is not None:
+                raise ValueError(f"kda.cp_exchange={name} is refused on this mesh: {why}")
+            return self
+        refusals = {n: exchanges.get(n).refusal(mesh) for n in exchanges.names()}
+        if all(why is not None for why in refusals.values()):
+            raise ValueError("kda.cp_exchange=auto has no exchange to pick: "
+                             + "; ".join(f"{n}: {why}" for n, why in refusals.items()))
+        return self
+
+    @model_validator(mode="after")
+    def _seq_len_fits_cp_layout(self) -> MeshRecipe:
+        seq_len, cp = self.data.seq_len, self.parallel.cp
+        kind = layout_kind(self.kda.cp_layout)
+        # At cp=1 nothing is split, so any length works (tiny CPU tests use odd ones).
+        if cp > 1 and seq_len % kind.row_multiple(cp):
+            raise ValueError(f"data.seq_len={seq_len} must be divisible by {kind.row_rule(cp)}")
+        return self
+
+    @model_validator(mode="after")
+    def _cp_shard_fits_sequence_parallel(self) -> MeshRecipe:
+        seq_len, p = self.data.seq_len, self.parallel
+        if p.sequence_parallel and (seq_len // p.cp) % p.tp:
+            raise ValueError(
+                f"data.seq_len/cp = {seq_len}/{p.cp} = {seq_len // p.cp} tokens per CP rank must "
+                f"be divisible by tp={p.tp} under sequence parallelism: each TP rank holds 1/tp "
+                "of its CP rank's tokens"
+            )
+        return self
+
+
+class Recipe(MeshRecipe):
+    """A whole training job: the model, its mesh, data, optimisation and where it runs.
+
+    Megatron's world-size rule: ``run.num_workers`` must be divisible by ``tp * cp * pp`` (the rest
+    is data parallelism) and by ``ep * etp * pp`` (the expert mesh folds over the same ranks).
+    """
+
+    description: str = ""
+    """One line saying what the recipe is for (``skyrl-kda recipes`` prints it)."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimisation loop."""
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Ranks, device and output folder."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the dense mesh: num_workers / (tp * cp * pp)."""
+        p = self.parallel
+        return self.run.num_workers // (p.tp * p.cp * p.pp)
+
+    @model_validator(mode="after")
+    def _world_size_fits_mesh(self) -> Recipe:
+        p, world = self.parallel, self.run.num_workers
+        dense, expert = p.tp * p.cp * p.pp, p.ep * p.etp * p.pp
+        if world % dense:
+            raise ValueError(
+                f"run.num_workers={world} must be divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = "
+                f"{dense}: the ranks left over form the data-parallel replicas"
+            )
+        if world % expert:
+            raise ValueError(
+                f"run.num_workers={world} must be divisible by ep*etp*pp = {p.ep}*{p.etp}*{p.pp} "
+                f"= {expert}: Megatron folds the expert mesh over the same ranks"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _experts_fit_mesh(self) -> Recipe:
+        p, moe = self.parallel, self.model.moe
+        if moe.num_experts % p.ep:
+            raise ValueError(
+                f"model.moe.num_experts={moe.num_experts} must be divisible by ep={p.ep}: each "
+                "expert-parallel rank owns whole experts"
+            )
+        if moe.ffn_hidden_size % p.etp:
+            raise ValueError(
+                f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be divisible by "
+                f"etp={p.etp}: expert tensor parallelism splits each expert's columns"
+            )
+        if p.ep > 1 and p.tp > 1 and not p.sequence_parallel:
+            raise ValueError(
+                f"ep={p.ep} with tp={p.tp} needs parallel.sequence_parallel=true (Megatron's MoE "
+                "token dispatch requires it)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dense_parts_divisible_by_tp(self) -> Recipe:
+        m, tp = self.model, self.parallel.tp
+        if m.dsa.num_heads % tp:
+            raise ValueError(
+                f"model.dsa.num_heads={m.dsa.num_heads} must be divisible by tp={tp}: each TP "
+                "rank owns whole attention heads"
+            )
+        if m.dense_ffn_hidden_size % tp:
+            raise ValueError(
+                f"model.dense_ffn_hidden_size={m.dense_ffn_hidden_size} must be divisible by "
+                f"tp={tp}: tensor parallelism splits the FFN columns"
+            )
+        if tp > 1 and "dsa" in m.layer_types() and not self.parallel.sequence_parallel:
+            raise ValueError(
+                f"DSA layers at tp={tp} need parallel.sequence_parallel=true: without it megatron "
+                "sums the duplicated q_layernorm gradient over TP (model/dsa.py)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _kernel_fits_device(self) -> Recipe:
+        if self.run.device == "cpu" and self.kda.kernel == "fla":
+            raise ValueError(
+                "kda.kernel=fla needs run.device=gpu (fla's kernels are Triton on CUDA); "
+                "use kda.kernel=torch or auto on CPU"
+            )
+        return self

@@ -1,0 +1,35 @@
+"""Where and on what a run executes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .base import PositiveInt, _Config
+
+
+class RunConfig(_Config):
+    """Where and on what a run executes."""
+
+    output_dir: str = "runs/default"
+    """Folder for metrics.jsonl and the resolved recipe (relative to the working directory)."""
+    device: Literal["cpu", "gpu"] = "cpu"
+    """One rank per GPU (NCCL), or per CPU slot (gloo)."""
+    num_workers: PositiveInt = 1
+    """Total ranks (world size) = tp * cp * pp * dp; Ray starts one actor per rank."""
+    ray_address: str | None = None
+    """Ray cluster to join, e.g. "auto" or "ray://head:10001" (None: start a local cluster)."""
+    resume: bool = Field(default=False, strict=True)
+    """Continue from the latest checkpoint under output_dir/checkpoints (error if there is none)."""
+    init_from_hf: str | None = None
+    """Hugging Face glm5_next safetensors folder whose weights start the run (None: random init).
+    Every rank reads it, so it must exist on every node when the run starts; with ``resume`` the
+    checkpoint's weights win and this folder is only checked (export copies its config through)."""
+
+    @field_validator("init_from_hf")
+    @classmethod
+    def _init_path_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("run.init_from_hf is empty: give a checkpoint folder, or leave it unset")
+        return value

@@ -1,0 +1,64 @@
+"""The optimisation loop."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .base import NonNegativeInt, PositiveInt, _Config
+from .model import LayerType
+
+
+class TrainConfig(_Config):
+    """The optimisation loop."""
+
+    steps: PositiveInt = 10
+    """Optimizer steps to run."""
+    lr: float = Field(default=3e-4, gt=0)
+    """Peak learning rate (Adam)."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Decoupled (AdamW) weight decay."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value (None: no clipping)."""
+    seed: int = Field(default=1234, strict=True, ge=0)
+    """Seed of parameter init and synthetic data; the same seed gives the same first loss."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation in backward for the layers of ``recompute_layers`` (Megatron's
+    recompute granularities): ``full`` reruns the whole layer and keeps only its input streams;
+    ``selective`` reruns its attention block (norm + KDA or DSA: the largest activations per
+    token) and keeps the FFN's; ``none`` keeps every activation."""
+    recompute_layers: list[LayerType] = ["kda", "dsa"]
+    """The layer types ``recompute`` applies to; layers of the other type keep their activations."""
+    offload_activations: bool = Field(default=False, strict=True)
+    """Keep the tensors saved for backward in host memory instead of the GPU (torch's
+    ``save_on_cpu``, pinned): under full recompute the layer inputs, else every kept activation.
+    Each is copied to the host in forward and back in backward."""
+    log_every: PositiveInt = 1
+    """Log metrics every this many steps."""
+    warmup_steps: NonNegativeInt = 0
+    """Steps of linear LR warmup from 0 to lr before the cosine decay (0: start at lr)."""
+    save_interval: NonNegativeInt = 0
+    """Save a checkpoint every this many steps (0: only at the end and on SIGTERM/Ctrl-C)."""
+    save_at_end: bool = Field(default=True, strict=True)
+    """Save a checkpoint after the last step (benchmarks turn it off: the slice's optimizer state
+    alone is tens of GiB)."""
+
+    @field_validator("recompute_layers")
+    @classmethod
+    def _layer_types_once(cls, value: list[str]) -> list[str]:
+        if not value or len(set(value)) != len(value):
+            raise ValueError(f"train.recompute_layers={value} must name 'kda' and/or 'dsa', each once")
+        return value
+
+    def recompute_of(self, layer_type: str) -> str:
+        """The recompute mode of layers of ``layer_type``."""
+        return self.recompute if layer_type in self.recompute_layers else "none"
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> TrainConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} must be <= train.lr={self.lr}")
+        return self

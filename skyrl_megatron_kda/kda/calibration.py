@@ -1,0 +1,103 @@
+"""The measured numbers behind the cost model of ``kda.cp_exchange=auto`` (``kda/cost.py``): link
+presets and the kernel / GEMM / state-exchange constants, measured on H200 (docs/benchmarks.md).
+
+Torch-free and config-free, so that the config (``cluster`` section) can take its link defaults
+from here without importing the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Defaults, to override with measurements of the target cluster.
+LINK_PRESETS: dict[str, dict[str, float]] = {
+    # NVLink 4 (H200 NV18), measured with NCCL on two H200s, 512 MiB
+    # per rank: all-gather 250 GiB/s; all-to-all 537 GiB/s algorithm bandwidth over the whole
+    # per-rank buffer, of which half stays on the rank at 2 ranks, so 268 GiB/s received from the
+    # peer (537 GiB/s across would exceed NV18's 450 GB/s per direction).
+    "nvlink": {"bandwidth_gib_s": 250.0, "all_to_all_bandwidth_gib_s": 268.0, "latency_us": 10.0},
+    # One 400 Gb/s NIC per GPU (8x ConnectX-7): 46.6 GiB/s line rate, about 45 achieved.
+    "infiniband": {"bandwidth_gib_s": 45.0, "latency_us": 20.0},
+    # AWS EFA on p5 (3200 Gb/s per 8 GPUs): about 40 GiB/s per GPU, higher latency than IB.
+    "efa": {"bandwidth_gib_s": 40.0, "latency_us": 40.0},
+    # Plain TCP sockets (NCCL's socket transport): a few GiB/s per GPU.
+    "tcp": {"bandwidth_gib_s": 3.0, "latency_us": 100.0},
+}
+"""Link defaults by kind (GiB/s per GPU, microseconds); ``nvlink`` is also the intra-node default."""
+
+
+
+# The kernel terms describe the kernel every fla path runs: chunk_kda on segments of the sequence
+# chained by our state-passing kernel (``kda.kernel_segments=16``, state_kernel.py). Measured on
+# one H200, GLM dims, bf16, forward+backward (bench/results/h200_per_rank/kernels_T*.json):
+#   T         128K   256K   512K    1M
+#   8 heads   24.2   38.0   72.9  145.6 ms
+#   4 heads   14.2   20.9   39.5   75.6 ms
+
+KDA_CALL_OVERHEAD_S = 2.1e-3
+"""Fixed cost of one kernel forward+backward (launches, per-segment passes): the intercept of the
+8-head line through T = 256K and 1M (38.0 and 145.6 ms)."""
+
+KDA_HEAD_TOKENS_PER_S = 8 * 2**20 / (145.6e-3 - KDA_CALL_OVERHEAD_S)
+"""The segmented kernel at 8 heads: T = 1M in 145.6 ms, 58.5 M head-tokens/s. T = 512K ran 72.9
+ms (the model: 73.8). Below 256K each of the 16 segments is short and the model is optimistic:
+T = 128K ran 24.2 ms against 20.1."""
+
+KDA_SATURATED_HEADS = 8
+"""Heads per GPU at and above which the kernel runs at ``KDA_HEAD_TOKENS_PER_S``."""
+
+KDA_EFFICIENCY_AT_4_HEADS = 0.96
+"""Per-head-token throughput at 4 heads (the head-parallel CP2 share of TP8) relative to 8: 0.95,
+0.96 and 0.98 at T = 256K, 512K and 1M (20.9, 39.5, 75.6 ms against the 8-head line). The
+segments give the kernel parallelism along the sequence, which fla's single pass over the
+sequence lacks with few heads (its chunk_kda at 4 heads ran at 0.74 of its 8-head rate)."""
+
+GEMM_FLOP_PER_S = 790e12
+"""Dense bf16 GEMM on one H200 with random data; the profiled CP1
+layer's projections ran at this floor (8.8 ms measured vs 9.0 ms predicted at T = 64K)."""
+
+STATE_PREPASS = 82.7 / 73.5 - 1.0
+"""Extra kernel time of ``state`` relative to the same kernel on its shard alone: at CP2, T = 1M,
+8 heads, two H200s, the state exchange's recurrence took 82.7 ms per rank against 73.5 ms for
+the segmented kernel on the 512K shard alone, in the same run (+0.125x: the summaries, their
+all-gather and the correction for the incoming state). fla 0.6.0's own state passing
+(``cp_context``) took 246.3 ms there, +2.35x over this shard's kernel; ``skyrl-kda plan
+--state-prepass 2.35`` prices it."""
+
+
+STATE_CALL_OVERHEAD_S = 7.0e-3
+"""Fixed cost of one ``state`` layer call beyond its kernel (host-side piece bookkeeping and the
+syncs it needs, the halo conv's extra launches and copies). Measured per rank on one H200
+(``bench/kda_layer.py --emulate-cp2``, 8 heads, CP2): the state layer exceeded the head-parallel
+exchanges' common ratio of measured time to this model (1.44-1.51x) by 6.8, 6.8 and 7.9 ms at
+T = 128K, 256K and 1M, a constant over an 8x range of T. It is what makes ``a2a`` the faster
+exchange below about 256K tokens at CP2 inside a node."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The measured constants above, bundled so a caller (``plan``, a benchmark) can swap one."""
+
+    kda_head_tokens_per_s: float = KDA_HEAD_TOKENS_PER_S
+    kda_efficiency_at_4_heads: float = KDA_EFFICIENCY_AT_4_HEADS
+    kda_call_overhead_s: float = KDA_CALL_OVERHEAD_S
+    gemm_flop_per_s: float = GEMM_FLOP_PER_S
+    state_prepass: float = STATE_PREPASS
+    state_call_overhead_s: float = STATE_CALL_OVERHEAD_S
+
+    def __post_init__(self) -> None:
+        if not 0.5 < self.kda_efficiency_at_4_heads <= 1.0:
+            raise ValueError(
+                f"kda_efficiency_at_4_heads={self.kda_efficiency_at_4_heads} must be in (0.5, 1]: "
+                "4 heads cannot take longer than 8 heads")
+        for name in ("kda_head_tokens_per_s", "gemm_flop_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        for name in ("kda_call_overhead_s", "state_call_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if not self.state_prepass > -1:
+            raise ValueError(f"state_prepass={self.state_prepass} must be > -1 (a positive kernel time)")
+
+
+DEFAULT_CALIBRATION = Calibration()
