@@ -205,7 +205,7 @@ class RankTrainer:
         return float(grad_norm), lr
 
     def cpu_mode(self):
-        """Context for calls into megatron's CUDA-only optimizer code (``cpu_device``)."""
+        """Context for calls into megatron's CUDA-only optimizer code (``distributed.cpu``)."""
         return cuda_names_cpu(self.use_cpu)
 
     def _device(self) -> torch.device:
