@@ -74,7 +74,7 @@ def test_frozen():
 @pytest.mark.parametrize(
     "parallel, kda, seq_len",
     [
-        # The seed's 1M-token layout: TP8 x CP2, SP on, allgather.
+        # The 1M-token layout of the first release: TP8 x CP2, SP on, allgather.
         ({"tp": 8, "cp": 2, "sequence_parallel": True}, {"cp_exchange": "allgather"}, 2**20),
         # Pure CP with the all-to-all exchange.
         ({"tp": 1, "cp": 4}, {"cp_exchange": "a2a"}, 8192),

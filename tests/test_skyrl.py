@@ -195,7 +195,7 @@ def test_launch_is_refused_until_the_workers_serve_the_rl_loop():
     assert "cannot run yet" in done.stderr
     for call in NOT_INTEGRATED:
         assert f"worker call {call}:" in done.stderr
-    # The RL calls are integrated now (tests/test_skyrl_rl.py runs them) and no longer listed.
+    # The RL calls are integrated (tests/test_skyrl_rl.py runs them), so they are not listed.
     assert "forward" not in NOT_INTEGRATED and "optim_step" not in NOT_INTEGRATED
     for call in ("forward", "forward_backward", "optim_step"):
         assert f"worker call {call}:" not in done.stderr

@@ -17,13 +17,14 @@ from .recipe import MeshRecipe, Recipe
 logger = logging.getLogger(__name__)
 
 CP_EXCHANGE_ENV = "SKYRL_KDA_CP_EXCHANGE"
-"""Environment variable (the seed pull request's) that overrides ``kda.cp_exchange``."""
+"""Environment variable that overrides ``kda.cp_exchange`` (kept for jobs written against the
+plugin's first release, which read only this)."""
 
 
 def apply_env_overrides(raw: dict, environ: Mapping[str, str] | None = None) -> dict:
     """Return a copy of ``raw`` with ``SKYRL_KDA_CP_EXCHANGE`` applied to ``kda.cp_exchange``.
 
-    The seed pull request selected the exchange with this variable; it keeps working, but it is
+    Jobs written for the plugin's first release select the exchange with this variable; it is
     read here only, explicitly, and logged, so the config stays the single source of truth.
     An empty value counts as unset. ``environ`` defaults to ``os.environ``.
     """

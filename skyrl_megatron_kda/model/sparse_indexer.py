@@ -1,0 +1,58 @@
+"""GLM's pooled lightning-indexer top-k without the [queries x pools] score matrix.
+
+``dsa.select_pools`` scores every query against every pool at once ([s, heads, pools] before the
+head sum): quadratic in the sequence. Here a block of queries scores one block of pools at a time
+and merges it into a running top-k, so the live scores are [query_block, heads, pool_block].
+
+Same selection as the full matrix, ties included: pool blocks are visited in ascending pool id and
+the running top-k (already ordered by score, then pool id) goes before the new block in a stable
+sort, so equal scores keep the earlier pool, as ``select_pools``' stable sort of the whole row does.
+Pools a block's queries cannot see (before the earliest document start, or ending past the last
+query) are never scored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _block_pool_scores(q, weights, pool_k):
+    """GLM's index score: sum over indexer heads of weight * relu(q . k), fp32 -> [n, pools]."""
+    scores = torch.einsum("nhd,pd->nhp", q.float(), pool_k.float()).relu()
+    return (scores * weights.float()[..., None]).sum(dim=1)
+
+
+def blocked_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor,
+                      starts: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor,
+                      kpool: int, n_select: int, query_block: int = 256,
+                      pool_block: int = 4096) -> torch.Tensor:
+    """Pool ids [s, n_select] (best first; -1 = none) that queries q [s, heads, d] with head
+    weights [s, heads] select among pools with keys ``pool_k`` [n_pool, d] starting at ``starts``
+    [n_pool] (``kpool_indices.pool_starts``); a pool is a candidate when it lies in the query's
+    document (from ``doc_start`` [s]) and ends at or before the query's position ``q_pos`` [s]."""
+    if query_block < 1 or pool_block < 1 or n_select < 0:
+        raise ValueError(f"query_block, pool_block must be >= 1 and n_select >= 0, got "
+                         f"{query_block}, {pool_block}, {n_select}")
+    if pool_k.shape[0] != starts.shape[0]:
+        raise ValueError(f"pool_k has {pool_k.shape[0]} pools but starts has {starts.shape[0]}")
+    ends = starts + kpool - 1
+    result = torch.full((q.shape[0], n_select), -1, dtype=torch.long, device=q.device)
+    for q0 in range(0, q.shape[0], query_block):
+        q1 = min(q0 + query_block, q.shape[0])
+        pos, first = q_pos[q0:q1], doc_start[q0:q1]
+        lo = int(torch.searchsorted(starts, first.min()))
+        hi = int(torch.searchsorted(ends, pos.max(), right=True))
+        best_score = torch.empty(q1 - q0, 0, device=q.device)
+        best_id = torch.empty(q1 - q0, 0, dtype=torch.long, device=q.device)
+        for p0 in range(lo, hi, pool_block):
+            p1 = min(p0 + pool_block, hi)
+            scores = _block_pool_scores(q[q0:q1], weights[q0:q1], pool_k[p0:p1])
+            visible = (starts[p0:p1] >= first[:, None]) & (ends[p0:p1] <= pos[:, None])
+            scores = scores.masked_fill(~visible, float("-inf"))
+            ids = torch.arange(p0, p1, device=q.device).expand(q1 - q0, -1)
+            scores, ids = torch.cat([best_score, scores], 1), torch.cat([best_id, ids], 1)
+            order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :n_select]
+            best_score, best_id = scores.gather(1, order), ids.gather(1, order)
+        chosen = best_id.masked_fill(best_score == float("-inf"), -1)
+        result[q0:q1, : chosen.shape[1]] = chosen
+    return result
