@@ -36,6 +36,6 @@ def test_failing_rank_is_named(ray_cluster):
 
 
 def test_unplaceable_group_is_refused(ray_cluster):
-    world = int(ray_cluster["CPU"]) + 1  # one worker more than the session's Ray has CPUs
+    world = int(ray_cluster["CPU"]) + 1  # one worker more than the module's Ray has CPUs
     with pytest.raises(RuntimeError, match=f"could not place {world} workers"):
         ActorGroup(world, "cpu", ready_timeout_s=2)
