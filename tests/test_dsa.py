@@ -62,15 +62,23 @@ def _config(kpool, topk=CFG["index_topk"], tp=1, cp=1, sp=False):
     )
 
 
-def _ours(config, kpool, pg=None, cp_layout="zigzag"):
+def _kernel(name):
+    """The DSA implementation with small block sizes that divide none of the test's query and
+    pool counts, so every block loop takes several steps and ends on a partial block."""
+    from skyrl_megatron_kda.model.dsa import DSAKernel
+
+    return DSAKernel(name, attention_block=7, indexer_query_block=9, indexer_pool_block=3)
+
+
+def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch"):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
     from skyrl_megatron_kda.model.dsa import glm_dsa_layer_spec
 
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
-    return build_module(glm_dsa_layer_spec(kpool, cp_layout), config=config, layer_number=4,
-                        pg_collection=pg)
+    return build_module(glm_dsa_layer_spec(kpool, cp_layout, _kernel(kernel)), config=config,
+                        layer_number=4, pg_collection=pg)
 
 
 def _copy(ref, ours):
