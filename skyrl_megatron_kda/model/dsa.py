@@ -6,7 +6,8 @@ What is megatron-core's own (configured, not copied):
     core attention that ``requires_dsa_inputs``). Heads are split over TP by its parallel linears.
   * ``DSAttention`` / ``DSAIndexer`` (subclassed) give the core-attention slot, the ``indexer``
     submodule with wq_b / wk / k_norm / weights_proj, and the top-k sharing bookkeeping.
-  * ``unfused_dsa_fn`` runs the sparse softmax attention over the selected key indices.
+  * ``unfused_dsa_fn`` runs the sparse softmax attention over the selected key indices
+    (``model.dsa.kernel=unfused``, kept as the reference).
   * ``gather_from_sequence_parallel_region`` (all-gather forward, reduce-scatter backward) moves
     rows over the TP (SP) and CP groups.
 
@@ -18,9 +19,19 @@ What is ours, and why (megatron-core 0.19.2 has no equivalent):
     zigzag only). We all-gather the normalised KV latent (``kv_lora_rank`` per token: num_heads/TP
     times fewer bytes than the keys and values at GLM sizes) and the indexer's [key | pool gate] (no grad), put them in natural token
     order with the project's CP layouts (``distributed.cp_layout``: zigzag or contiguous, packed THD), and
-    up-project the whole sequence locally. Queries stay local.
+    either attend over it in the absorbed layout (torch) or up-project the whole sequence
+    locally (unfused). Queries stay local.
   * ``GlmDSASelfAttention.get_query_key_value_tensors``: megatron's version up-projects only
-    local keys; ours inserts the latent gather between the KV norm and the up projection (NoPE only).
+    local keys; ours inserts the latent gather between the KV norm and the up projection (NoPE
+    only); with the torch kernel it hands the gathered latent on as ``key`` (``value`` None) and
+    ``_run_core_attention`` adds the kv up-projection weight for the absorbed attention.
+  * ``model.dsa.kernel=torch`` (the default): megatron-core's sparse attention keeps, per query
+    and head, the gathered fp32 keys and values of every selected key, and its indexer forms the
+    [queries x pools] score matrix. Ours never forms whole-sequence keys and values: the
+    indexer scores a block of queries against a block of pools at a time
+    (``sparse_indexer.blocked_pool_topk``, then ``kpool_indices.pool_token_indices``, int32) and
+    the attention runs in the absorbed MLA layout over the gathered KV latent, one query block at
+    a time (``sparse_mla.absorbed_sparse_mla``), keeping O(queries) tensors for backward.
   * ``DuplicatedLinear`` / ``IndexerKNorm`` / ``LatentRMSNorm``: the local backend has no TE
     duplicated linear or TE norm; torch's norm refuses SP, ours tags its weights for the TP sum.
 

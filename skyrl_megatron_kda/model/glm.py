@@ -140,10 +140,10 @@ class GLMDecoderLayer(MegatronModule):
                 kda_layer_spec(recipe.kda), config=config, layer_number=number,
                 pg_collection=pg_collection, ledger=ledger)
         else:
-            self.self_attention = build_module(
-                glm_dsa_layer_spec(m.dsa.index_kpool, recipe.kda.cp_layout, DSAKernel.from_config(m.dsa)),
-                config=config, layer_number=number,
-                pg_collection=pg_collection)
+            spec = glm_dsa_layer_spec(m.dsa.index_kpool, recipe.kda.cp_layout,
+                                      DSAKernel.from_config(m.dsa))
+            self.self_attention = build_module(spec, config=config, layer_number=number,
+                                               pg_collection=pg_collection)
         if self.mlp_type == "dense":
             self.mlp = build_module(_dense_mlp_spec(), config=config, tp_group=pg_collection.tp)
         else:
