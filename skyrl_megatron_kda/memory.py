@@ -26,7 +26,8 @@ tensor); nothing is fitted to a measurement.
   few phases of the step, each the activations alive then plus its working set: the loss (the
   head's tensors and the bf16 logits), a KDA layer's kernel backward (fla's ``chunk_kda_bwd``
   allocations; the head, the later layers and that layer's MLP are freed by then; a recomputed
-  layer's rebuilt tensors are alive), and the DSA indexer's scratch.
+  layer's rebuilt tensors are alive), and a DSA layer's working set (model.dsa.kernel: one
+  block of the torch kernel, or the unfused path's indexer scores and whole-sequence keys).
 
 Not counted: allocator fragmentation and caching, NCCL/communication buffers other than the KDA
 exchange's, CUDA context (about 0.5-1 GiB), gradients of activations other than fla's kernel
