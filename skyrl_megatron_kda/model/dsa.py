@@ -260,7 +260,8 @@ class GlmKPoolIndexer(DSAIndexer):
     @torch.no_grad()
     def forward(self, x, qr, layout: DSABatchLayout):
         """x [r, b, hidden], qr [r, b, q_lora] (this rank's rows) -> natural key positions
-        [b, s, index_topk + kpool - 1] for the s rows of this CP rank."""
+        [b, s, index_topk + kpool - 1] for the s rows of this CP rank (int32 with the torch
+        kernel, int64 with unfused)."""
         k, _ = self.linear_wk(x)
         if self.config.dsa_indexer_k_norm_fp32:
             k = self.k_norm(k.float()).to(k.dtype)
@@ -310,10 +311,12 @@ class GlmKPoolIndexer(DSAIndexer):
 
 
 class GlmDSAttention(DSAttention):
-    """Core attention for GLM DSA layers: pooled indexer -> megatron's sparse attention.
+    """Core attention for GLM DSA layers: pooled indexer -> sparse attention (the torch kernel's
+    absorbed sparse MLA, or megatron's ``unfused_dsa_fn``).
 
-    Receives local queries [s, b, n, d] and whole-sequence keys/values [T, b, n, d] in natural
-    order from ``GlmDSASelfAttention``; the top-k indices are natural positions, so causality and
+    Receives local queries [s, b, n, d] and, in natural order from ``GlmDSASelfAttention``,
+    whole-sequence keys/values [T, b, n, d] (unfused) or the whole-sequence KV latent [T, b, R]
+    as ``key`` with the kv up-projection weight (torch); the top-k indices are natural positions, so causality and
     document boundaries are in the selection and no mask is needed. ``attention_mask`` is unused
     (causal per document by construction).
     """
