@@ -15,6 +15,10 @@ log-sum-exp and scatters the latent gradient with ``index_add_``. What autograd 
 inputs, the indices and the log-sum-exp (not the output: backward forms dL/dp anyway and takes
 sum_j p_j dL/dp_j from it): nothing of size queries x top-k x R, which is what a
 gather-then-softmax path (megatron's ``unfused_dsa_fn``) keeps per head.
+
+``AbsorbedSparseMLA`` (what ``absorbed_sparse_mla`` and the DSA layer run) does the same with the
+absorption ``q_nope @ W_UK`` and the value projection ``@ W_UV^T`` inside each block, so it keeps
+q_nope [Tq, H, dn] rather than the absorbed queries and the latent-space output [Tq, H, R] each.
 """
 
 from __future__ import annotations
