@@ -26,7 +26,8 @@ tensor); nothing is fitted to a measurement.
   few phases of the step, each the activations alive then plus its working set: the loss (the
   head's tensors and the bf16 logits), a KDA layer's kernel backward (fla's ``chunk_kda_bwd``
   allocations; the head, the later layers and that layer's MLP are freed by then; a recomputed
-  layer's rebuilt tensors are alive), and the DSA indexer's scratch.
+  layer's rebuilt tensors are alive), and a DSA layer's working set (model.dsa.kernel: one
+  block of the torch kernel, or the unfused path's indexer scores and whole-sequence keys).
 
 Not counted: allocator fragmentation and caching, NCCL/communication buffers other than the KDA
 exchange's, CUDA context (about 0.5-1 GiB), gradients of activations other than fla's kernel
@@ -56,6 +57,9 @@ DSA_TOPK_CHUNK = 1024
 """Keys per step of megatron-core 0.19.2's ``unfused_dsa_fn`` loop (``topk_chunk_size``)."""
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+DSA_WORKING_SET = {"torch": "one block's working set", "unfused": "indexer scores"}
+"""What dominates a DSA layer's transient memory, by ``model.dsa.kernel`` (the phase's label)."""
 
 
 # --- parameters ---------------------------------------------------------------------------
@@ -243,43 +247,102 @@ def kda_backward_bytes(recipe: Recipe) -> int:
 
 
 def dsa_activation_bytes(recipe: Recipe) -> int:
-    """One DSA layer (model/dsa.py on megatron's MLA and ``unfused_dsa_fn``), per rank.
+    """One DSA layer (model/dsa.py on megatron's MLA), per rank, for ``model.dsa.kernel``.
 
-    Kept: the layer input [s, D]; the q and KV latent norms; the q latent [s, q_lora]; the KV
-    latent of the whole sequence [T, kv_lora]; in the sparse attention, per (query of this CP
-    rank, local head): the fp32 query and the running max/sum/accumulator of each top-k chunk,
-    and per (query, head, selected key; index_topk + kpool - 1 of them): the gathered fp32 key
-    and value, the int64 index, the validity mask and the fp32 probability; the output
-    [S, heads/tp * v_head_dim]. The indexer runs without gradient: nothing kept."""
+    Both kernels keep: the layer input [s, D]; the q and KV latent norms; the q latent
+    [s, q_lora]; the normalised KV latent of the whole sequence [T, kv_lora]; the output
+    [S, heads/tp * v_head_dim] the output projection reads. The indexer runs without gradient:
+    nothing kept but the token indices the attention saves.
+
+    ``torch`` (model/sparse_mla.py's ``AbsorbedSparseMLA``), per query of this CP rank: the
+    query [heads/tp, d_qk], one fp32 log-sum-exp per local head and the int32 token indices
+    (index_topk + kpool - 1); the absorbed query and the latent-space output are rebuilt per
+    block in backward.
+
+    ``unfused`` (megatron's ``unfused_dsa_fn``), per (query, local head): the fp32 query and the
+    running max/sum/accumulator of each top-k chunk, and per (query, head, selected key): the
+    gathered fp32 key and value, the int64 index, the validity mask and the fp32 probability."""
     m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
     a, r = m.dsa, rows_of(recipe)
     D, n = m.hidden_size, a.num_heads // p.tp
     dq, dv = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
     keys = a.index_topk + a.index_kpool - 1
-    chunks = -(-keys // DSA_TOPK_CHUNK)
     total = r.sp * D * w
     # torch.nn.RMSNorm (LatentRMSNorm) keeps its fp32 input and fp32 normalised tensor.
     total += r.sp * (8 * a.q_lora_rank + 4) + r.sp * a.q_lora_rank * w
     total += r.sp * (8 * a.kv_lora_rank + 4)
     total += r.whole * a.kv_lora_rank * w
+    total += r.cp * n * dv * w
+    if a.kernel == "torch":
+        return total + r.cp * (n * dq * w + 4 * n + 4 * keys)
+    chunks = -(-keys // DSA_TOPK_CHUNK)
     query_heads = r.cp * n
     total += query_heads * (4 * dq + chunks * (8 * dv + 33))
     total += query_heads * keys * (8 + 1 + 4 + 4 * (dq + dv))
-    total += r.cp * n * dv * w
     return total
 
 
 def dsa_transient_bytes(recipe: Recipe) -> int:
-    """Working set of one DSA forward that is not kept: the indexer's fp32 scores of this CP
-    rank's queries against every pool of the sequence (twice: einsum and relu), and the
-    whole-sequence keys/values after the up projection (about three copies)."""
+    """Working set of one DSA layer that is not kept between forward and backward, per rank.
+
+    ``unfused``: the indexer's fp32 scores of this CP rank's queries against every pool of the
+    sequence (twice: einsum and relu), and the whole-sequence keys/values after the up
+    projection (about three copies).
+
+    ``torch``: the largest of its three stages (``dsa_torch_working_sets``)."""
     m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
     a, r = m.dsa, rows_of(recipe)
+    if a.kernel == "torch":
+        return max(dsa_torch_working_sets(recipe).values())
     pools = r.whole // a.index_kpool
     scores = 2 * r.cp * pools * a.index_num_heads * 4
     kv = 3 * r.whole * (a.num_heads // p.tp) * (a.qk_nope_head_dim + a.qk_rope_head_dim
                                                    + a.v_head_dim) * w
     return scores + kv
+
+
+def dsa_torch_working_sets(recipe: Recipe) -> dict[str, int]:
+    """The torch DSA kernel's transient bytes per stage, per rank, as its code allocates them
+    (T whole sequence, S this CP rank's queries, b = attention_block, K = index_topk + kpool - 1,
+    R = kv_lora_rank, n = heads/tp, w the activation dtype's bytes):
+
+    * ``indexer``: the gathered [key | pool gate] of the whole sequence (2 index_head_dim per
+      token; a second copy when CP > 1 puts the gathered rows in natural order), the gathered
+      [q latent | head weights] of the S queries, the pool compression (fp32 gate logits and
+      softmax, the cast weights, the gathered keys and their product: T index_head_dim
+      (8 + 2w)), and one block of indexer_query_block queries against indexer_pool_block pools:
+      its indexer queries, fp32 einsum and relu scores (n_idx heads), and the running top-k
+      merge (fp32 score, int64 id, and the stable sort's values and indices).
+    * ``attention forward``: one block's gathered latent rows [b, K, R] (w, and fp32 when w is
+      not 4), its fp32 absorbed queries and latent-space output [b, n, R], and three fp32
+      [b, n, K] score/probability tensors.
+    * ``attention backward``: the fp32 latent gradient [T, R] that the blocks accumulate into,
+      the fp32 W_UK/W_UV copies and their gradients (2 x the local kv up-projection weight),
+      plus the larger of the latent gradient's cast to w at the end (when w is not 4) and one
+      block: its gathered rows as in forward, three fp32 [b, n, R] (absorbed queries, output
+      gradient, query gradient), four fp32 [b, n, K] and three fp32 [b, K, R] (the two
+      latent-row gradient terms and their sum)."""
+    m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
+    a, r = m.dsa, rows_of(recipe)
+    T, S, R, n = r.whole, r.cp, a.kv_lora_rank, a.num_heads // p.tp
+    K = a.index_topk + a.index_kpool - 1
+    hi, di = a.index_num_heads, a.index_head_dim
+    up = 4 if w != 4 else 0  # the fp32 copy of a half tensor; none when already fp32
+    qb, pb, b = a.indexer_query_block, a.indexer_pool_block, a.attention_block
+    selected = a.index_topk // a.index_kpool
+    keys = T * 2 * di * w * (2 if p.cp > 1 else 1)
+    queries = S * (a.q_lora_rank + hi) * w
+    pools = T * di * (8 + 2 * w)
+    block = qb * hi * di * (w + up) + 2 * qb * hi * pb * 4 + qb * (selected + pb) * (4 + 8) * 2
+    rows = b * K * R * (w + up)
+    weights = 2 * n * (a.qk_nope_head_dim + a.v_head_dim) * R * 4
+    return {
+        "indexer": keys + queries + pools + block,
+        "attention forward": rows + 2 * b * n * R * 4 + 3 * b * n * K * 4,
+        "attention backward": T * R * 4 + weights + max(
+            T * R * w if up else 0,
+            rows + 3 * b * n * R * 4 + 4 * b * n * K * 4 + 3 * b * K * R * 4),
+    }
 
 
 def dense_mlp_activation_bytes(recipe: Recipe) -> int:
@@ -489,7 +552,7 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
     phases = {"loss: kept + head + bf16 logits": loss}
     for kind, working, label in (
             ("kda", max(per_layer_extra, kda_bwd), "KDA layer backward (largest)"),
-            ("dsa", dsa_scratch, "DSA layer + indexer scores (largest)")):
+            ("dsa", dsa_scratch, f"DSA layer + {DSA_WORKING_SET[m.dsa.kernel]} (largest)")):
         per_layer = [kept_below[i] + layer_backward_bytes(recipe, i) + working
                      for i in range(m.num_layers) if kinds[i] == kind]
         if per_layer:

@@ -62,15 +62,23 @@ def _config(kpool, topk=CFG["index_topk"], tp=1, cp=1, sp=False):
     )
 
 
-def _ours(config, kpool, pg=None, cp_layout="zigzag"):
+def _kernel(name):
+    """The DSA implementation with small block sizes that divide none of the test's query and
+    pool counts, so every block loop takes several steps and ends on a partial block."""
+    from skyrl_megatron_kda.model.dsa import DSAKernel
+
+    return DSAKernel(name, attention_block=7, indexer_query_block=9, indexer_pool_block=3)
+
+
+def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch"):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
     from skyrl_megatron_kda.model.dsa import glm_dsa_layer_spec
 
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
-    return build_module(glm_dsa_layer_spec(kpool, cp_layout), config=config, layer_number=4,
-                        pg_collection=pg)
+    return build_module(glm_dsa_layer_spec(kpool, cp_layout, _kernel(kernel)), config=config,
+                        layer_number=4, pg_collection=pg)
 
 
 def _copy(ref, ours):
@@ -104,14 +112,14 @@ def _record_topk(layer):
     return seen
 
 
-def _compare(rank, world, kpool):
+def _compare(rank, world, kpool, kernel):
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel()
     ref = _reference(kpool)
-    ours = _ours(_config(kpool), kpool)
+    ours = _ours(_config(kpool), kpool, kernel=kernel)
     _copy(ref, ours)
-    dense = _ours(_config(kpool, topk=S + kpool), kpool)  # every pool selected
+    dense = _ours(_config(kpool, topk=S + kpool), kpool, kernel=kernel)  # every pool selected
     _copy(ref, dense)
     topk = _record_topk(ours)
 
@@ -139,10 +147,11 @@ def _compare(rank, world, kpool):
         dense=_rel(out_dense.transpose(0, 1), out_ref), sets_equal=sets_equal, kept=kept)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "unfused"])
 @pytest.mark.parametrize("kpool", [4, 1])
-def test_dsa_matches_transformers(kpool):
-    (r,) = run_ranks(1, _compare, kpool)
-    print(kpool, r)
+def test_dsa_matches_transformers(kpool, kernel):
+    (r,) = run_ranks(1, _compare, kpool, kernel)
+    print(kpool, kernel, r)
     assert r["sets_equal"]
     assert r["kept"] < S / 2, f"top-k should drop keys: {r['kept']} kept of up to {S}"
     assert r["out"] < TOL, r
@@ -156,13 +165,13 @@ def test_dsa_matches_transformers(kpool):
 DOC_LENGTHS = (22, 3, 17, 8)  # not multiples of kpool: partial pools at every document end
 
 
-def _packed_vs_documents(rank, world):
+def _packed_vs_documents(rank, world, kernel):
     from megatron.core import parallel_state
 
     from skyrl_megatron_kda.kda.parity import make_batch, relative_error
 
     parallel_state.initialize_model_parallel()
-    layer = _ours(_config(4), 4)
+    layer = _ours(_config(4), 4, kernel=kernel)
     _randomize(layer, seed=3)
     batch = make_batch(H, lengths=DOC_LENGTHS)
     x = batch.x.clone().requires_grad_()
@@ -182,8 +191,9 @@ def _packed_vs_documents(rank, world):
                 joined=relative_error(joined.detach(), torch.cat(outs)))
 
 
-def test_packed_documents_are_independent():
-    (r,) = run_ranks(1, _packed_vs_documents)
+@pytest.mark.parametrize("kernel", ["torch", "unfused"])
+def test_packed_documents_are_independent(kernel):
+    (r,) = run_ranks(1, _packed_vs_documents, kernel)
     print(r)
     assert r["out"] < TOL and r["dx"] < TOL, r
     assert r["joined"] > 1e-2, r  # packing must not be the same as one long sequence
@@ -205,6 +215,7 @@ class Case:
     fmt: str  # "sbhd" or "thd"
     layout: str = "zigzag"
     corrupt: str | None = None  # "wrong_layout": shards in contiguous order; "no_reorder"
+    kernel: str = "unfused"  # the mesh layer's; the TP1/CP1 reference always runs "unfused"
 
     @property
     def sp(self) -> bool:
@@ -214,7 +225,7 @@ class Case:
     def id(self) -> str:
         sp = "+sp" if self.sp else ""
         bad = f"-{self.corrupt}" if self.corrupt else ""
-        return f"tp{self.tp}{sp}-cp{self.cp}-{self.fmt}-{self.layout}{bad}"
+        return f"{self.kernel}-tp{self.tp}{sp}-cp{self.cp}-{self.fmt}-{self.layout}{bad}"
 
 
 CASES = [
@@ -226,10 +237,21 @@ CASES = [
     Case(2, 2, "sbhd"),  # TP2 x CP2 + SP: the production mesh
     Case(2, 2, "thd"),
     Case(2, 2, "thd", "contiguous"),
+    # The torch kernel against the unfused TP1/CP1 layer. THD zigzag cuts every document over
+    # both CP ranks; THD contiguous has a 3-token document (shorter than a pool) and documents
+    # cut at the CP split.
+    Case(1, 1, "sbhd", kernel="torch"),
+    Case(1, 1, "thd", "contiguous", kernel="torch"),
+    Case(2, 1, "sbhd", kernel="torch"),
+    Case(1, 2, "thd", kernel="torch"),
+    Case(2, 2, "sbhd", kernel="torch"),
+    Case(2, 2, "thd", kernel="torch"),
+    Case(2, 2, "thd", "contiguous", kernel="torch"),
 ]
 CONTROLS = [
     Case(1, 2, "thd", corrupt="wrong_layout"),  # data in contiguous order, layer told zigzag
     Case(2, 2, "sbhd", corrupt="no_reorder"),  # gathered rows left in rank order
+    Case(2, 2, "thd", corrupt="no_reorder", kernel="torch"),
 ]
 
 
@@ -281,7 +303,7 @@ def _run_case(case, single):
     from skyrl_megatron_kda.distributed.tensor_parallel import load_full_state
 
     batch = _batch(case)
-    ref = _ours(_config(4), 4, ProcessGroupCollection(tp=single, cp=single))
+    ref = _ours(_config(4), 4, ProcessGroupCollection(tp=single, cp=single), kernel="unfused")
     _randomize(ref, seed=7)
     full_state = {n: p.detach().clone() for n, p in ref.named_parameters()}
     ref_topk = _record_topk(ref)
@@ -295,7 +317,8 @@ def _run_case(case, single):
                                              context_parallel_size=case.cp)
     tp_group, cp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
     config = _config(4, tp=case.tp, cp=case.cp, sp=case.sp)
-    layer = _ours(config, 4, ProcessGroupCollection.use_mpu_process_groups(), case.layout)
+    layer = _ours(config, 4, ProcessGroupCollection.use_mpu_process_groups(), case.layout,
+                  case.kernel)
     load_full_state(layer, full_state, tp_group.rank(), case.tp)
     topk = _record_topk(layer)
     data_layout = "contiguous" if case.corrupt == "wrong_layout" else case.layout
@@ -319,7 +342,7 @@ def _run_case(case, single):
     # This CP rank's query rows: the TP-gathered SP shards, i.e. the rows without the SP split.
     q_rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), 0, False, case.layout)
     (ours,), (theirs,) = topk, ref_topk
-    return dict(errors=errors, topk_equal=torch.equal(ours, theirs[:, q_rows]),
+    return dict(errors=errors, topk_equal=torch.equal(ours.long(), theirs[:, q_rows]),
                 kept=float((ours >= 0).sum(-1).float().mean()), grads=sorted(grads),
                 frozen=not any(p.requires_grad for p in layer.core_attention.indexer.parameters()))
 

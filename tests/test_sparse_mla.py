@@ -3,7 +3,8 @@ pooled indexer (CPU, single process).
 
 * ``SparseLatentAttention`` equals a gather + softmax + matmul reference under autograd (output and
   both gradients, fp32, relative 1e-5) for block sizes that do and do not divide the query count,
-  with masked entries and a query with nothing selected; fp64 gradcheck on a tiny case.
+  with masked entries and a query with nothing selected; fp64 gradcheck on a tiny case, and of
+  ``absorbed_sparse_mla`` (queries, latent and the kv up-projection weight).
 * ``absorbed_sparse_mla`` equals per-head attention with the up-projected keys and values, both
   a hand-written one and megatron's ``unfused_dsa_fn`` (what ``model/dsa.py`` runs today).
 * ``pool_token_indices`` is causal and per-document over packed documents, always holds the tail,
@@ -102,6 +103,19 @@ def test_core_gradcheck_float64():
     idx = _random_indices(6, 7, 4, gen)
     assert torch.autograd.gradcheck(
         lambda a, b: sparse_latent_attention(a, b, idx, 0.7, 4), (q, latent))
+
+
+def test_absorbed_gradcheck_float64():
+    """The fused absorption (q @ W_UK and @ W_UV^T inside the blocks): gradients of the queries,
+    the latent and the whole kv up-projection weight."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(6, 2, 3, generator=gen, dtype=torch.float64).requires_grad_()
+    latent = torch.randn(7, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(2 * (3 + 2), 4, generator=gen, dtype=torch.float64).requires_grad_()
+    idx = _random_indices(6, 7, 4, gen)
+    assert torch.autograd.gradcheck(
+        lambda a, b, w: absorbed_sparse_mla(a, b, w, idx, 0.7, v_head_dim=2, block_size=4),
+        (q, latent, weight))
 
 
 def test_nothing_selected_gives_zero():

@@ -70,6 +70,19 @@ class DSAConfig(_Config):
     """Keys each query attends to, chosen by the indexer (tokens; the tail is always selected)."""
     index_kpool: PositiveInt = 4
     """Keys pooled into one indexer block (tokens per pooled key)."""
+    kernel: Literal["torch", "unfused"] = "torch"
+    """Sparse attention and indexer implementation. torch: the blocked indexer top-k and the
+    absorbed sparse MLA over the KV latent (model/sparse_mla.py), memory linear in the tokens;
+    unfused: megatron-core's ``unfused_dsa_fn`` on whole-sequence keys and values with the full
+    [queries x pools] indexer scores (the reference the torch path is tested against)."""
+    attention_block: PositiveInt = 64
+    """Queries per step of the torch sparse attention (forward and backward): the step's working
+    set is about attention_block x (index_topk + kpool - 1) x kv_lora_rank fp32 values."""
+    indexer_query_block: PositiveInt = 256
+    """Queries per step of the torch indexer (query projection, pool scores, top-k, indices)."""
+    indexer_pool_block: PositiveInt = 4096
+    """Pools scored per step of the torch indexer: the live scores are indexer_query_block x
+    index_num_heads x indexer_pool_block fp32 values."""
 
     @model_validator(mode="after")
     def _topk_divisible_by_kpool(self) -> DSAConfig:

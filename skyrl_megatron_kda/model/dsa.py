@@ -6,7 +6,8 @@ What is megatron-core's own (configured, not copied):
     core attention that ``requires_dsa_inputs``). Heads are split over TP by its parallel linears.
   * ``DSAttention`` / ``DSAIndexer`` (subclassed) give the core-attention slot, the ``indexer``
     submodule with wq_b / wk / k_norm / weights_proj, and the top-k sharing bookkeeping.
-  * ``unfused_dsa_fn`` runs the sparse softmax attention over the selected key indices.
+  * ``unfused_dsa_fn`` runs the sparse softmax attention over the selected key indices
+    (``model.dsa.kernel=unfused``, kept as the reference).
   * ``gather_from_sequence_parallel_region`` (all-gather forward, reduce-scatter backward) moves
     rows over the TP (SP) and CP groups.
 
@@ -18,9 +19,19 @@ What is ours, and why (megatron-core 0.19.2 has no equivalent):
     zigzag only). We all-gather the normalised KV latent (``kv_lora_rank`` per token: num_heads/TP
     times fewer bytes than the keys and values at GLM sizes) and the indexer's [key | pool gate] (no grad), put them in natural token
     order with the project's CP layouts (``distributed.cp_layout``: zigzag or contiguous, packed THD), and
-    up-project the whole sequence locally. Queries stay local.
+    either attend over it in the absorbed layout (torch) or up-project the whole sequence
+    locally (unfused). Queries stay local.
   * ``GlmDSASelfAttention.get_query_key_value_tensors``: megatron's version up-projects only
-    local keys; ours inserts the latent gather between the KV norm and the up projection (NoPE only).
+    local keys; ours inserts the latent gather between the KV norm and the up projection (NoPE
+    only); with the torch kernel it hands the gathered latent on as ``key`` (``value`` None) and
+    ``_run_core_attention`` adds the kv up-projection weight for the absorbed attention.
+  * ``model.dsa.kernel=torch`` (the default): megatron-core's sparse attention keeps, per query
+    and head, the gathered fp32 keys and values of every selected key, and its indexer forms the
+    [queries x pools] score matrix. Ours never forms whole-sequence keys and values: the
+    indexer scores a block of queries against a block of pools at a time
+    (``sparse_indexer.blocked_pool_topk``, then ``kpool_indices.pool_token_indices``, int32) and
+    the attention runs in the absorbed MLA layout over the gathered KV latent, one query block at
+    a time (``sparse_mla.absorbed_sparse_mla``), keeping O(queries) tensors for backward.
   * ``DuplicatedLinear`` / ``IndexerKNorm`` / ``LatentRMSNorm``: the local backend has no TE
     duplicated linear or TE norm; torch's norm refuses SP, ours tags its weights for the TP sum.
 
@@ -60,6 +71,41 @@ from megatron.core.transformer.multi_latent_attention import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..distributed.cp_layout import LAYOUTS, CPLayout, batch_sequences, sort_index
+from .kpool_indices import pool_starts, pool_token_indices, pooled_keys
+from .sparse_indexer import blocked_pool_topk
+from .sparse_mla import absorbed_sparse_mla
+
+KERNELS = ("torch", "unfused")
+"""DSA implementations: ours (blocked indexer + absorbed sparse MLA) and megatron's unfused one."""
+
+
+@dataclass(frozen=True)
+class DSAKernel:
+    """Which DSA implementation a layer runs and its block sizes (``model.dsa`` in a recipe).
+
+    ``torch``: the indexer scores ``indexer_query_block`` queries against ``indexer_pool_block``
+    pools at a time and writes int32 token indices; the attention runs in the absorbed layout
+    over the KV latent, ``attention_block`` queries at a time, keeping only O(queries) tensors.
+    ``unfused``: megatron's ``unfused_dsa_fn`` on whole-sequence keys and values, and
+    ``select_pools`` on the full score matrix (the test oracle)."""
+
+    name: str
+    attention_block: int
+    indexer_query_block: int
+    indexer_pool_block: int
+
+    def __post_init__(self):
+        if self.name not in KERNELS:
+            raise ValueError(f"unknown DSA kernel {self.name!r}; expected one of {list(KERNELS)}")
+        for field in ("attention_block", "indexer_query_block", "indexer_pool_block"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DSA {field} must be a positive int, got {value!r}")
+
+    @classmethod
+    def from_config(cls, dsa) -> DSAKernel:
+        """From a recipe's ``model.dsa`` section (``config.DSAConfig``)."""
+        return cls(dsa.kernel, dsa.attention_block, dsa.indexer_query_block, dsa.indexer_pool_block)
 
 
 class DuplicatedLinear(torch.nn.Module):
@@ -192,8 +238,10 @@ def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpoo
 class GlmKPoolIndexer(DSAIndexer):
     """megatron's lightning indexer (its projections) with GLM's k-pool scoring, over CP."""
 
-    def __init__(self, config, submodules, pg_collection=None, index_kpool: int = 4):
+    def __init__(self, config, submodules, pg_collection=None, *, index_kpool: int,
+                 kernel: DSAKernel):
         super().__init__(config, submodules, pg_collection)
+        self.kernel = kernel
         if self.index_topk % index_kpool:
             raise ValueError(f"index_topk={self.index_topk} must divide by index_kpool={index_kpool}")
         if config.qk_pos_emb_head_dim or config.dsa_indexer_rotate_activation:
@@ -212,7 +260,8 @@ class GlmKPoolIndexer(DSAIndexer):
     @torch.no_grad()
     def forward(self, x, qr, layout: DSABatchLayout):
         """x [r, b, hidden], qr [r, b, q_lora] (this rank's rows) -> natural key positions
-        [b, s, index_topk + kpool - 1] for the s rows of this CP rank."""
+        [b, s, index_topk + kpool - 1] for the s rows of this CP rank (int32 with the torch
+        kernel, int64 with unfused)."""
         k, _ = self.linear_wk(x)
         if self.config.dsa_indexer_k_norm_fp32:
             k = self.k_norm(k.float()).to(k.dtype)
@@ -225,6 +274,8 @@ class GlmKPoolIndexer(DSAIndexer):
         keys, gate = layout.whole_sequence(torch.cat([k, gate], -1)).chunk(2, dim=-1)
         qr, weights = layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
             [qr.shape[-1], self.index_n_heads], dim=-1)
+        if self.kernel.name == "torch":
+            return self._blocked_indices(qr, weights, keys, gate, layout)
         q, _ = self.linear_wq_b(qr)
         q = q.view(*q.shape[:2], self.index_n_heads, self.index_head_dim)
         return select_pools(q, weights, keys, gate, self.kpool_compress_ape,
@@ -232,21 +283,51 @@ class GlmKPoolIndexer(DSAIndexer):
                             layout.layout.cu_seqlens,
                             self.index_kpool, self.index_topk)
 
+    def _blocked_indices(self, qr, weights, keys, gate, layout: DSABatchLayout) -> torch.Tensor:
+        """``select_pools``' indices, as int32, without the [queries x pools] scores: the
+        indexer queries, pool scores, top-k and token indices of one query block at a time."""
+        P, (s, b) = self.index_kpool, qr.shape[:2]
+        cu = layout.layout.cu_seqlens
+        if int(cu[-1]) >= 2**31:
+            raise ValueError(f"DSA kernel 'torch' keeps int32 token indices: {int(cu[-1])} tokens "
+                             "is too many (at most 2**31 - 1)")
+        starts = pool_starts(cu, P)
+        pool_k = [pooled_keys(keys[:, i], gate[:, i], self.kpool_compress_ape, starts, P)
+                  for i in range(b)]
+        q_pos, doc_start = layout.query_positions, layout.query_document_starts
+        out = torch.empty(b, s, self.index_topk + P - 1, dtype=torch.int32, device=qr.device)
+        block = self.kernel.indexer_query_block
+        for q0 in range(0, s, block):
+            q1 = min(q0 + block, s)
+            q, _ = self.linear_wq_b(qr[q0:q1])
+            q = q.view(q1 - q0, b, self.index_n_heads, self.index_head_dim)
+            pos, first = q_pos[q0:q1], doc_start[q0:q1]
+            for i in range(b):
+                pools = blocked_pool_topk(q[:, i], weights[q0:q1, i], pool_k[i], starts, pos,
+                                          first, P, self.index_topk // P, query_block=block,
+                                          pool_block=self.kernel.indexer_pool_block)
+                out[i, q0:q1] = pool_token_indices(pools, starts, pos, first, P)
+        return out
+
 
 class GlmDSAttention(DSAttention):
-    """Core attention for GLM DSA layers: pooled indexer -> megatron's sparse attention.
+    """Core attention for GLM DSA layers: pooled indexer -> sparse attention (the torch kernel's
+    absorbed sparse MLA, or megatron's ``unfused_dsa_fn``).
 
-    Receives local queries [s, b, n, d] and whole-sequence keys/values [T, b, n, d] in natural
-    order from ``GlmDSASelfAttention``; the top-k indices are natural positions, so causality and
+    Receives local queries [s, b, n, d] and, in natural order from ``GlmDSASelfAttention``,
+    whole-sequence keys/values [T, b, n, d] (unfused) or the whole-sequence KV latent [T, b, R]
+    as ``key`` with the kv up-projection weight (torch); the top-k indices are natural positions, so causality and
     document boundaries are in the selection and no mask is needed. ``attention_mask`` is unused
     (causal per document by construction).
     """
 
-    def __init__(self, *args, cp_layout: str = "zigzag", **kwargs):
+    def __init__(self, *args, cp_layout: str, kernel: DSAKernel, **kwargs):
         super().__init__(*args, **kwargs)
         self.cp_layout = cp_layout
+        self.kernel = kernel
 
-    def forward(self, query, key, value, attention_mask, x, qr, packed_seq_params=None, **_):
+    def forward(self, query, key, value, attention_mask, x, qr, packed_seq_params=None,
+                kv_up_weight=None, **_):
         layout = dsa_batch_layout(x, packed_seq_params, self.pg_collection.tp,
                                   self.pg_collection.cp, self.config.sequence_parallel,
                                   self.cp_layout)
@@ -256,11 +337,26 @@ class GlmDSAttention(DSAttention):
             topk = self.indexer(x.detach(), qr.detach(), layout)
             if self.index_share:
                 self._get_index_share_topk_holder(packed_seq_params, attention_mask)[self.layer_number] = topk
+        if self.kernel.name == "torch":
+            return self._absorbed(query, key, kv_up_weight, topk)
         # The same causal, per-document bounds as a second guard (and so that megatron does not
         # build its default [s, s] causal mask, which assumes queries at positions 0..s-1).
         return unfused_dsa_fn(query, key, value, topk, self.softmax_scale,
                               varlen_starts=layout.query_document_starts,
                               varlen_ends=layout.query_positions + 1)
+
+    def _absorbed(self, query, latent, kv_up_weight, topk):
+        """query [s, b, n, dn], the whole sequence's KV latent [T, b, R] in natural order, this
+        TP rank's kv up-projection weight [n * (dn + dv), R], indices [b, s, k] -> [s, b, n * dv].
+        Each batch row attends over its own latent column (views: one saved storage)."""
+        if kv_up_weight is None:
+            raise ValueError("DSA kernel 'torch' needs the kv up-projection weight (kv_up_weight)")
+        s, b = query.shape[:2]
+        outs = [absorbed_sparse_mla(query[:, i], latent[:, i], kv_up_weight, topk[i],
+                                    self.softmax_scale, self.config.v_head_dim,
+                                    self.kernel.attention_block) for i in range(b)]
+        out = outs[0].unsqueeze(1) if b == 1 else torch.stack(outs, dim=1)
+        return out.reshape(s, b, -1)
 
 
 class GlmDSASelfAttention(MLASelfAttention):
@@ -269,7 +365,7 @@ class GlmDSASelfAttention(MLASelfAttention):
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal,
                  cp_comm_type=None, pg_collection=None, pp_layer_offset=None, name=None,
-                 *, cp_layout: str = "zigzag"):
+                 *, cp_layout: str, kernel: DSAKernel):
         # cp_comm_type configures megatron's softmax-attention CP; DSA always gathers the latent.
         if config.qk_pos_emb_head_dim:
             raise NotImplementedError("GlmDSASelfAttention is NoPE MLA (qk_pos_emb_head_dim=0)")
@@ -283,13 +379,28 @@ class GlmDSASelfAttention(MLASelfAttention):
             raise ValueError("DSA with tp > 1 needs sequence_parallel=True")
         if self.recompute_up_proj or self.config.cache_mla_latents:
             raise NotImplementedError("DSA: up-projection recompute and latent caching are not supported")
+        if self.checkpoint_core_attention:
+            raise NotImplementedError("DSA: megatron's core-attention recompute is not supported "
+                                      "(train.recompute rebuilds whole layers or attention blocks)")
         self.cp_layout = cp_layout
+        self.kernel = kernel
+
+    def _run_core_attention(self, query, key, value, attention_mask, packed_seq_params=None,
+                            attn_mask_type=None, **extra_kwargs):
+        """megatron's, plus (torch kernel) the kv up-projection weight the absorbed attention
+        applies to the latent that stands in ``key``."""
+        if self.kernel.name == "torch":
+            extra_kwargs["kv_up_weight"] = self.linear_kv_up_proj.weight
+        return super()._run_core_attention(query, key, value, attention_mask, packed_seq_params,
+                                           attn_mask_type, **extra_kwargs)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
                                     packed_seq_params=None, inference_context=None, *,
                                     inference_params=None):
         """-> query [s, b, n_loc, d] (this CP rank's rows), key/value [T, b, n_loc, d] (natural
-        order), qr [r, b, q_lora] and the KV latent [r, b, kv_lora] of this rank's rows."""
+        order), qr [r, b, q_lora] and the KV latent [r, b, kv_lora] of this rank's rows. With
+        the torch kernel, key is the whole sequence's normalised KV latent [T, b, kv_lora] in
+        natural order and value is None: the keys and values are never formed."""
         if key_value_states is not None or inference_context is not None or inference_params is not None:
             raise NotImplementedError("GlmDSASelfAttention: self-attention training only")
         layout = dsa_batch_layout(hidden_states, packed_seq_params, self.pg_collection.tp,
@@ -304,6 +415,8 @@ class GlmDSASelfAttention(MLASelfAttention):
 
         q, _ = self.linear_q_up_proj(qr)
         query = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
+        if self.kernel.name == "torch":
+            return query, layout.whole_sequence(kv_latent), None, qr, kv_latent
         # The projection's own weight on the gathered latent: its forward would gather SP rows again.
         kv = F.linear(layout.whole_sequence(kv_latent), self.linear_kv_up_proj.weight)
         kv = kv.view(*kv.shape[:2], self.num_attention_heads_per_partition, -1)
@@ -311,12 +424,15 @@ class GlmDSASelfAttention(MLASelfAttention):
         return query, key.contiguous(), value.contiguous(), qr, kv_latent
 
 
-def glm_dsa_layer_spec(index_kpool: int, cp_layout: str = "zigzag") -> ModuleSpec:
+def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, kernel: DSAKernel) -> ModuleSpec:
     """Self-attention spec: megatron MLA (local modules) with the GLM pooled-DSA core.
 
     Needs an MLA config with ``qk_pos_emb_head_dim=0``, ``qk_layernorm=True`` and the
-    ``dsa_indexer_*`` fields; ``cp_layout`` is the CP token layout of the batch (as ``kda.cp_layout``).
+    ``dsa_indexer_*`` fields; ``cp_layout`` is the CP token layout of the batch (as
+    ``kda.cp_layout``); ``kernel`` the implementation (``DSAKernel.from_config(model.dsa)``).
     """
+    if not isinstance(kernel, DSAKernel):
+        raise TypeError(f"kernel must be a DSAKernel, got {type(kernel).__name__}")
     indexer = ModuleSpec(
         module=GlmKPoolIndexer,
         submodules=DSAIndexerSubmodules(
@@ -325,11 +441,11 @@ def glm_dsa_layer_spec(index_kpool: int, cp_layout: str = "zigzag") -> ModuleSpe
             k_norm=IndexerKNorm,
             linear_weights_proj=DuplicatedLinear,
         ),
-        params={"index_kpool": index_kpool},
+        params={"index_kpool": index_kpool, "kernel": kernel},
     )
     return ModuleSpec(
         module=GlmDSASelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal, "cp_layout": cp_layout},
+        params={"attn_mask_type": AttnMaskType.causal, "cp_layout": cp_layout, "kernel": kernel},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=ColumnParallelLinear,
             linear_q_down_proj=ColumnParallelLinear,
@@ -338,7 +454,7 @@ def glm_dsa_layer_spec(index_kpool: int, cp_layout: str = "zigzag") -> ModuleSpe
             linear_kv_up_proj=ColumnParallelLinear,
             core_attention=ModuleSpec(
                 module=GlmDSAttention,
-                params={"cp_layout": cp_layout},
+                params={"cp_layout": cp_layout, "kernel": kernel},
                 submodules=DSAttentionSubmodules(indexer=indexer),
             ),
             linear_proj=RowParallelLinear,

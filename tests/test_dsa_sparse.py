@@ -1,0 +1,164 @@
+"""The DSA layer's torch kernel (``model.dsa.kernel=torch``: blocked indexer + absorbed sparse
+MLA over the KV latent) at TP1/CP1 on CPU, beyond the parity cases of tests/test_dsa.py (which
+compare it with the unfused layer on every mesh and with transformers):
+
+* negative controls: a wrong split of the kv up-projection weight into W_UK / W_UV, and token
+  indices shifted by one, give output errors of order 1e-1 against the unfused layer;
+* the saved-tensor census: the bytes the layer keeps for backward per query are the same at
+  T = 48 and T = 192 for both kernels (what grows with T on the unfused path is its working set:
+  whole-sequence keys/values and [queries x pools] scores, not saved tensors), equal memory.py's
+  torch term at the test's sizes, and are over 3x smaller than the unfused path's; growing the top-k
+  adds 4 bytes (one int32 index) per selected key and query, where megatron's unfused path adds
+  the gathered fp32 key and value of every local head (and more);
+* the kernel's settings are refused with one-line errors when they are not valid.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.kda_cases import saved_bytes
+from tests.support.ranks import run_ranks
+from tests.test_dsa import H, _config, _ours, _randomize, _record_topk
+
+TOL = 1e-5
+
+
+def _run(layer, batch):
+    x = batch.x.clone().requires_grad_()
+    out, _ = layer(x, attention_mask=None, packed_seq_params=batch.packed)
+    (out * batch.grad_out).sum().backward()
+    return out.detach(), x.grad
+
+
+def _controls(rank, world):
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda.kda.parity import make_batch, relative_error
+    from skyrl_megatron_kda.model import dsa, sparse_mla
+
+    parallel_state.initialize_model_parallel()
+    batch = make_batch(H, lengths=(22, 3, 15, 8))
+    layers = {}
+    for kernel in ("unfused", "torch"):
+        layers[kernel] = _ours(_config(4), 4, kernel=kernel)
+        _randomize(layers[kernel], seed=7)
+    ref_out, ref_dx = _run(layers["unfused"], batch)
+    good_out, good_dx = _run(layers["torch"], batch)
+    errors = {"good": (relative_error(good_out, ref_out), relative_error(good_dx, ref_dx))}
+
+    split, build = sparse_mla.split_kv_up_weight, dsa.pool_token_indices
+
+    def keys_then_values(weight, heads, dn, dv):  # rows as [all heads' keys; all values]
+        w = weight.view(heads * (dn + dv), -1)
+        return w[: heads * dn].view(heads, dn, -1), w[heads * dn:].view(heads, dv, -1)
+
+    def shifted(*args):  # every selected token one earlier (still causal)
+        idx = build(*args)
+        return torch.where(idx > 0, idx - 1, idx)
+
+    for name, module, attr, fake in (("wrong_split", sparse_mla, "split_kv_up_weight", keys_then_values),
+                                     ("shifted_index", dsa, "pool_token_indices", shifted)):
+        original = getattr(module, attr)
+        setattr(module, attr, fake)
+        try:
+            out, _ = _run(layers["torch"], batch)
+        finally:
+            setattr(module, attr, original)
+        errors[name] = relative_error(out, ref_out)
+    assert sparse_mla.split_kv_up_weight is split and dsa.pool_token_indices is build
+    return errors
+
+
+def test_torch_kernel_controls_are_caught():
+    (errors,) = run_ranks(1, _controls)
+    print(errors)
+    assert max(errors["good"]) < TOL, errors
+    assert errors["wrong_split"] > 1e-2, errors
+    assert errors["shifted_index"] > 1e-2, errors
+
+
+def _census(rank, world, cases):
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda.kda.parity import make_batch
+
+    parallel_state.initialize_model_parallel()
+    out = {}
+    for kernel, tokens, topk in cases:
+        layer = _ours(_config(4, topk=topk), 4, kernel=kernel)
+        _randomize(layer, seed=7)
+        topk_seen = _record_topk(layer)
+        x = make_batch(H, tokens=tokens, batch=1).x.clone().requires_grad_()
+        _, nbytes = saved_bytes(lambda: layer(x, attention_mask=None),
+                                [*layer.parameters(), x])
+        out[(kernel, tokens, topk)] = (nbytes / tokens, topk_seen[0].shape[-1])
+    return out
+
+
+def _formula_per_query(kernel: str, topk: int) -> int:
+    """memory.py's DSA term per token for the test layer's sizes (fp32, TP1/CP1), without the
+    layer input (the census leaves the input tensor out)."""
+    from skyrl_megatron_kda import memory
+    from skyrl_megatron_kda.config import DSAConfig
+    from skyrl_megatron_kda.recipes import load_recipe
+
+    tiny = load_recipe("glm53_flash_tiny", ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1",
+                                            "parallel.sequence_parallel=false", "run.num_workers=1",
+                                            "data.seq_len=64"])
+    dsa = DSAConfig(num_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                    v_head_dim=16, index_num_heads=8, index_head_dim=16, index_topk=topk,
+                    index_kpool=4, kernel=kernel)
+    recipe = tiny.model_copy(update={"model": tiny.model.model_copy(
+        update={"hidden_size": H, "dsa": dsa})})
+    return memory.dsa_activation_bytes(recipe) // 64 - H * 4
+
+
+def test_kept_bytes_per_query_do_not_grow_with_t():
+    cases = [(k, t, topk) for k in ("torch", "unfused") for t, topk in ((48, 8), (192, 8), (48, 24))]
+    (per_query,) = run_ranks(1, _census, cases)
+    print(per_query)
+    for kernel in ("torch", "unfused"):
+        short, long = per_query[(kernel, 48, 8)][0], per_query[(kernel, 192, 8)][0]
+        assert short == long, (kernel, short, long)
+    # memory.py's torch term, to the byte (the unfused term is checked on the GLM model in
+    # tests/test_memory.py; on this layer megatron keeps one more fp32 [heads, s] tensor).
+    for topk in (8, 24):
+        assert per_query[("torch", 48, topk)][0] == _formula_per_query("torch", topk), topk
+    wider = per_query[("torch", 48, 24)][1] - per_query[("torch", 48, 8)][1]
+    assert wider == 16
+    grow_torch = per_query[("torch", 48, 24)][0] - per_query[("torch", 48, 8)][0]
+    grow_unfused = per_query[("unfused", 48, 24)][0] - per_query[("unfused", 48, 8)][0]
+    assert grow_torch == wider * 4, grow_torch  # one int32 index per key
+    heads, dq, dv = 4, 16, 16
+    assert grow_unfused >= wider * heads * 4 * (dq + dv), grow_unfused
+    assert per_query[("unfused", 48, 8)][0] > 3 * per_query[("torch", 48, 8)][0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="fused", attention_block=1, indexer_query_block=1, indexer_pool_block=1),
+     "unknown DSA kernel 'fused'"),
+    (dict(name="torch", attention_block=0, indexer_query_block=1, indexer_pool_block=1),
+     "attention_block must be a positive int"),
+    (dict(name="torch", attention_block=1, indexer_query_block=1, indexer_pool_block=-3),
+     "indexer_pool_block must be a positive int"),
+])
+def test_bad_kernel_settings_are_refused(kwargs, message):
+    from skyrl_megatron_kda.model.dsa import DSAKernel
+
+    with pytest.raises(ValueError, match=message):
+        DSAKernel(**kwargs)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.dsa.kernel=fused", "kernel"),
+    ("model.dsa.attention_block=0", "attention_block"),
+    ("model.dsa.indexer_query_block=-1", "indexer_query_block"),
+    ("model.dsa.indexer_pool_block=2.5", "indexer_pool_block"),
+])
+def test_bad_recipe_settings_are_refused(override, message):
+    from skyrl_megatron_kda.recipes import load_recipe
+
+    with pytest.raises(Exception, match=message):
+        load_recipe("glm53_flash_tiny", [override])
