@@ -65,9 +65,9 @@ def _config(kpool, topk=CFG["index_topk"], tp=1, cp=1, sp=False):
 def _kernel(name):
     """The DSA implementation with small block sizes that divide none of the test's query and
     pool counts, so every block loop takes several steps and ends on a partial block."""
-    from skyrl_megatron_kda.model.dsa import DSAKernel
+    from skyrl_megatron_kda.config import DSAConfig
 
-    return DSAKernel(name, attention_block=7, indexer_query_block=9, indexer_pool_block=3)
+    return DSAConfig(kernel=name, attention_block=7, indexer_query_block=9, indexer_pool_block=3)
 
 
 def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch"):

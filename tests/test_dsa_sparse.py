@@ -137,18 +137,20 @@ def test_kept_bytes_per_query_do_not_grow_with_t():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(name="fused", attention_block=1, indexer_query_block=1, indexer_pool_block=1),
-     "unknown DSA kernel 'fused'"),
-    (dict(name="torch", attention_block=0, indexer_query_block=1, indexer_pool_block=1),
-     "attention_block must be a positive int"),
-    (dict(name="torch", attention_block=1, indexer_query_block=1, indexer_pool_block=-3),
-     "indexer_pool_block must be a positive int"),
+    (dict(kernel="fused", attention_block=1, indexer_query_block=1, indexer_pool_block=1),
+     "kernel"),
+    (dict(kernel="torch", attention_block=0, indexer_query_block=1, indexer_pool_block=1),
+     "attention_block"),
+    (dict(kernel="torch", attention_block=1, indexer_query_block=1, indexer_pool_block=-3),
+     "indexer_pool_block"),
 ])
 def test_bad_kernel_settings_are_refused(kwargs, message):
-    from skyrl_megatron_kda.model.dsa import DSAKernel
+    from pydantic import ValidationError
 
-    with pytest.raises(ValueError, match=message):
-        DSAKernel(**kwargs)
+    from skyrl_megatron_kda.config import DSAConfig
+
+    with pytest.raises(ValidationError, match=message):
+        DSAConfig(**kwargs)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -70,43 +70,11 @@ from megatron.core.transformer.multi_latent_attention import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..config import DSAConfig
 from ..distributed.cp_layout import LAYOUTS, CPLayout, batch_sequences, sort_index
 from .kpool_indices import pool_starts, pool_token_indices, pooled_keys
 from .sparse_indexer import blocked_pool_topk
 from .sparse_mla import absorbed_sparse_mla
-
-KERNELS = ("torch", "unfused")
-"""DSA implementations: ours (blocked indexer + absorbed sparse MLA) and megatron's unfused one."""
-
-
-@dataclass(frozen=True)
-class DSAKernel:
-    """Which DSA implementation a layer runs and its block sizes (``model.dsa`` in a recipe).
-
-    ``torch``: the indexer scores ``indexer_query_block`` queries against ``indexer_pool_block``
-    pools at a time and writes int32 token indices; the attention runs in the absorbed layout
-    over the KV latent, ``attention_block`` queries at a time, keeping only O(queries) tensors.
-    ``unfused``: megatron's ``unfused_dsa_fn`` on whole-sequence keys and values, and
-    ``select_pools`` on the full score matrix (the test oracle)."""
-
-    name: str
-    attention_block: int
-    indexer_query_block: int
-    indexer_pool_block: int
-
-    def __post_init__(self):
-        if self.name not in KERNELS:
-            raise ValueError(f"unknown DSA kernel {self.name!r}; expected one of {list(KERNELS)}")
-        for field in ("attention_block", "indexer_query_block", "indexer_pool_block"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DSA {field} must be a positive int, got {value!r}")
-
-    @classmethod
-    def from_config(cls, dsa) -> DSAKernel:
-        """From a recipe's ``model.dsa`` section (``config.DSAConfig``)."""
-        return cls(dsa.kernel, dsa.attention_block, dsa.indexer_query_block, dsa.indexer_pool_block)
-
 
 class DuplicatedLinear(torch.nn.Module):
     """Bias-free linear replicated on every TP rank (stand-in for TE's duplicated ``TELinear``)."""
@@ -239,9 +207,9 @@ class GlmKPoolIndexer(DSAIndexer):
     """megatron's lightning indexer (its projections) with GLM's k-pool scoring, over CP."""
 
     def __init__(self, config, submodules, pg_collection=None, *, index_kpool: int,
-                 kernel: DSAKernel):
+                 dsa: DSAConfig):
         super().__init__(config, submodules, pg_collection)
-        self.kernel = kernel
+        self.dsa = dsa
         if self.index_topk % index_kpool:
             raise ValueError(f"index_topk={self.index_topk} must divide by index_kpool={index_kpool}")
         if config.qk_pos_emb_head_dim or config.dsa_indexer_rotate_activation:
@@ -274,7 +242,7 @@ class GlmKPoolIndexer(DSAIndexer):
         keys, gate = layout.whole_sequence(torch.cat([k, gate], -1)).chunk(2, dim=-1)
         qr, weights = layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
             [qr.shape[-1], self.index_n_heads], dim=-1)
-        if self.kernel.name == "torch":
+        if self.dsa.kernel == "torch":
             return self._blocked_indices(qr, weights, keys, gate, layout)
         q, _ = self.linear_wq_b(qr)
         q = q.view(*q.shape[:2], self.index_n_heads, self.index_head_dim)
@@ -296,7 +264,7 @@ class GlmKPoolIndexer(DSAIndexer):
                   for i in range(b)]
         q_pos, doc_start = layout.query_positions, layout.query_document_starts
         out = torch.empty(b, s, self.index_topk + P - 1, dtype=torch.int32, device=qr.device)
-        block = self.kernel.indexer_query_block
+        block = self.dsa.indexer_query_block
         for q0 in range(0, s, block):
             q1 = min(q0 + block, s)
             q, _ = self.linear_wq_b(qr[q0:q1])
@@ -305,7 +273,7 @@ class GlmKPoolIndexer(DSAIndexer):
             for i in range(b):
                 pools = blocked_pool_topk(q[:, i], weights[q0:q1, i], pool_k[i], starts, pos,
                                           first, P, self.index_topk // P, query_block=block,
-                                          pool_block=self.kernel.indexer_pool_block)
+                                          pool_block=self.dsa.indexer_pool_block)
                 out[i, q0:q1] = pool_token_indices(pools, starts, pos, first, P)
         return out
 
@@ -321,10 +289,10 @@ class GlmDSAttention(DSAttention):
     (causal per document by construction).
     """
 
-    def __init__(self, *args, cp_layout: str, kernel: DSAKernel, **kwargs):
+    def __init__(self, *args, cp_layout: str, dsa: DSAConfig, **kwargs):
         super().__init__(*args, **kwargs)
         self.cp_layout = cp_layout
-        self.kernel = kernel
+        self.dsa = dsa
 
     def forward(self, query, key, value, attention_mask, x, qr, packed_seq_params=None,
                 kv_up_weight=None, **_):
@@ -337,7 +305,7 @@ class GlmDSAttention(DSAttention):
             topk = self.indexer(x.detach(), qr.detach(), layout)
             if self.index_share:
                 self._get_index_share_topk_holder(packed_seq_params, attention_mask)[self.layer_number] = topk
-        if self.kernel.name == "torch":
+        if self.dsa.kernel == "torch":
             return self._absorbed(query, key, kv_up_weight, topk)
         # The same causal, per-document bounds as a second guard (and so that megatron does not
         # build its default [s, s] causal mask, which assumes queries at positions 0..s-1).
@@ -354,7 +322,7 @@ class GlmDSAttention(DSAttention):
         s, b = query.shape[:2]
         outs = [absorbed_sparse_mla(query[:, i], latent[:, i], kv_up_weight, topk[i],
                                     self.softmax_scale, self.config.v_head_dim,
-                                    self.kernel.attention_block) for i in range(b)]
+                                    self.dsa.attention_block) for i in range(b)]
         out = outs[0].unsqueeze(1) if b == 1 else torch.stack(outs, dim=1)
         return out.reshape(s, b, -1)
 
@@ -365,7 +333,7 @@ class GlmDSASelfAttention(MLASelfAttention):
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal,
                  cp_comm_type=None, pg_collection=None, pp_layer_offset=None, name=None,
-                 *, cp_layout: str, kernel: DSAKernel):
+                 *, cp_layout: str, dsa: DSAConfig):
         # cp_comm_type configures megatron's softmax-attention CP; DSA always gathers the latent.
         if config.qk_pos_emb_head_dim:
             raise NotImplementedError("GlmDSASelfAttention is NoPE MLA (qk_pos_emb_head_dim=0)")
@@ -383,13 +351,13 @@ class GlmDSASelfAttention(MLASelfAttention):
             raise NotImplementedError("DSA: megatron's core-attention recompute is not supported "
                                       "(train.recompute rebuilds whole layers or attention blocks)")
         self.cp_layout = cp_layout
-        self.kernel = kernel
+        self.dsa = dsa
 
     def _run_core_attention(self, query, key, value, attention_mask, packed_seq_params=None,
                             attn_mask_type=None, **extra_kwargs):
         """megatron's, plus (torch kernel) the kv up-projection weight the absorbed attention
         applies to the latent that stands in ``key``."""
-        if self.kernel.name == "torch":
+        if self.dsa.kernel == "torch":
             extra_kwargs["kv_up_weight"] = self.linear_kv_up_proj.weight
         return super()._run_core_attention(query, key, value, attention_mask, packed_seq_params,
                                            attn_mask_type, **extra_kwargs)
@@ -415,7 +383,7 @@ class GlmDSASelfAttention(MLASelfAttention):
 
         q, _ = self.linear_q_up_proj(qr)
         query = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
-        if self.kernel.name == "torch":
+        if self.dsa.kernel == "torch":
             return query, layout.whole_sequence(kv_latent), None, qr, kv_latent
         # The projection's own weight on the gathered latent: its forward would gather SP rows again.
         kv = F.linear(layout.whole_sequence(kv_latent), self.linear_kv_up_proj.weight)
@@ -424,15 +392,13 @@ class GlmDSASelfAttention(MLASelfAttention):
         return query, key.contiguous(), value.contiguous(), qr, kv_latent
 
 
-def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, kernel: DSAKernel) -> ModuleSpec:
+def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, dsa: DSAConfig) -> ModuleSpec:
     """Self-attention spec: megatron MLA (local modules) with the GLM pooled-DSA core.
 
     Needs an MLA config with ``qk_pos_emb_head_dim=0``, ``qk_layernorm=True`` and the
     ``dsa_indexer_*`` fields; ``cp_layout`` is the CP token layout of the batch (as
-    ``kda.cp_layout``); ``kernel`` the implementation (``DSAKernel.from_config(model.dsa)``).
+    ``kda.cp_layout``); ``dsa`` the recipe's ``model.dsa`` section (its kernel and block sizes).
     """
-    if not isinstance(kernel, DSAKernel):
-        raise TypeError(f"kernel must be a DSAKernel, got {type(kernel).__name__}")
     indexer = ModuleSpec(
         module=GlmKPoolIndexer,
         submodules=DSAIndexerSubmodules(
@@ -441,11 +407,11 @@ def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, kernel: DSAKernel) -> M
             k_norm=IndexerKNorm,
             linear_weights_proj=DuplicatedLinear,
         ),
-        params={"index_kpool": index_kpool, "kernel": kernel},
+        params={"index_kpool": index_kpool, "dsa": dsa},
     )
     return ModuleSpec(
         module=GlmDSASelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal, "cp_layout": cp_layout, "kernel": kernel},
+        params={"attn_mask_type": AttnMaskType.causal, "cp_layout": cp_layout, "dsa": dsa},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=ColumnParallelLinear,
             linear_q_down_proj=ColumnParallelLinear,
@@ -454,7 +420,7 @@ def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, kernel: DSAKernel) -> M
             linear_kv_up_proj=ColumnParallelLinear,
             core_attention=ModuleSpec(
                 module=GlmDSAttention,
-                params={"cp_layout": cp_layout, "kernel": kernel},
+                params={"cp_layout": cp_layout, "dsa": dsa},
                 submodules=DSAttentionSubmodules(indexer=indexer),
             ),
             linear_proj=RowParallelLinear,

@@ -48,7 +48,7 @@ from ..kda import exchanges
 from ..kda.exchanges import CommLedger
 from ..kda.layer import kda_layer_spec
 from ..megatron_config import mesh_config_kwargs
-from .dsa import DSAKernel, glm_dsa_layer_spec
+from .dsa import glm_dsa_layer_spec
 from .hyper_connections import HyperConnection, expand_to_streams, reduce_streams
 from .moe import check_glm_moe_config, moe_layer_spec, moe_transformer_config_kwargs
 
@@ -140,8 +140,7 @@ class GLMDecoderLayer(MegatronModule):
                 kda_layer_spec(recipe.kda), config=config, layer_number=number,
                 pg_collection=pg_collection, ledger=ledger)
         else:
-            spec = glm_dsa_layer_spec(m.dsa.index_kpool, recipe.kda.cp_layout,
-                                      DSAKernel.from_config(m.dsa))
+            spec = glm_dsa_layer_spec(m.dsa.index_kpool, recipe.kda.cp_layout, m.dsa)
             self.self_attention = build_module(spec, config=config, layer_number=number,
                                                pg_collection=pg_collection)
         if self.mlp_type == "dense":
