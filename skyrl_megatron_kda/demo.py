@@ -20,7 +20,7 @@ from .kda.exchanges import ExchangeShape
 from .kda.parity import check_exchange, fp32_tolerance, make_batch
 from .recipes import get_recipe
 from .tables import format_table
-from .workers.group import ActorGroup, init_ray
+from .workers.group import ActorGroup, ensure_ray
 
 DEMO_RECIPE = "glm53_flash_tiny"
 """The recipe whose KDA layer the demo checks (the one tiny recipe; its layer is
@@ -92,9 +92,7 @@ def run_demo(overrides: Sequence[str], exchanges: Sequence[str]) -> bool:
           f"heads x {base.kda.head_dim}, TP{base.parallel.tp} x CP{base.parallel.cp}"
           f"{' +SP' if base.parallel.sequence_parallel else ''}, packed documents {TINY_LENGTHS}, "
           f"{world} Ray {device} ranks", flush=True)
-    started_here = not ray.is_initialized()
-    if started_here:
-        init_ray(num_cpus=world)
+    started_here = ensure_ray(base.run)
     ok = True
     rows = []
     try:
