@@ -31,6 +31,7 @@ test: setup
 
 # On a CUDA machine: the GPU parity tests with fla kernels.
 test-gpu: setup
+	$(PY) -m pip install -q -e '.[gpu]'
 	$(PY) -m pytest -q -m gpu tests
 
 clean:

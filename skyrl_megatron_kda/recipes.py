@@ -142,10 +142,12 @@ def get_recipe(name: str, overrides: Sequence[str] = (),
 def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = (),
                 environ: Mapping[str, str] | None = None) -> Recipe:
     """A registered name, or a path to a YAML recipe file, loaded like ``get_recipe`` and ready
-    to run: ``kda.cp_exchange=auto`` is resolved here, once, by the cost model (arithmetic on the
-    recipe), after the overrides and the environment; the choice's reason is logged and kept in
-    ``kda.exchange_reason``. ``get_recipe`` leaves ``auto`` as written."""
-    resolved, _ = resolve_cp_exchange(_load_as_written(str(name_or_path), overrides, environ))
+    to run: ``model.dsa.kernel=auto`` becomes the device's kernel and ``kda.cp_exchange=auto`` is
+    resolved here, once, by the cost model (arithmetic on the recipe), after the overrides and
+    the environment; the choice's reason is logged and kept in ``kda.exchange_reason``.
+    ``get_recipe`` leaves ``auto`` as written."""
+    recipe = _load_as_written(str(name_or_path), overrides, environ).with_dsa_kernel_resolved()
+    resolved, _ = resolve_cp_exchange(recipe)
     return resolved
 
 

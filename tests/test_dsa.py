@@ -62,23 +62,29 @@ def _config(kpool, topk=CFG["index_topk"], tp=1, cp=1, sp=False):
     )
 
 
-def _kernel(name):
+def _kernel(name, tp_split="heads"):
     """The DSA implementation with small block sizes that divide none of the test's query and
     pool counts, so every block loop takes several steps and ends on a partial block."""
     from skyrl_megatron_kda.config import DSAConfig
 
-    return DSAConfig(kernel=name, attention_block=7, indexer_query_block=9, indexer_pool_block=3)
+    return DSAConfig(kernel=name, tp_split=tp_split, attention_block=7, fused_query_block=5,
+                     indexer_query_block=9, indexer_pool_block=3)
 
 
-def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch"):
+def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="heads"):
+    """Our layer; ``fused`` runs the CPU stand-in of megatron's TileLang kernels (the layer's
+    padding, absorption and TP layout are what is tested; the real kernels on a GPU)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
-    from skyrl_megatron_kda.model.dsa import glm_dsa_layer_spec
+    from skyrl_megatron_kda.model import dsa
+    from tests.support.dsa_kernels import torch_dsa_kernels
 
+    if not torch.cuda.is_available():
+        dsa.fused_dsa_kernels = torch_dsa_kernels
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
-    return build_module(glm_dsa_layer_spec(kpool, cp_layout, _kernel(kernel)), config=config,
-                        layer_number=4, pg_collection=pg)
+    return build_module(dsa.glm_dsa_layer_spec(kpool, cp_layout, _kernel(kernel, tp_split)),
+                        config=config, layer_number=4, pg_collection=pg)
 
 
 def _copy(ref, ours):
@@ -147,7 +153,7 @@ def _compare(rank, world, kpool, kernel):
         dense=_rel(out_dense.transpose(0, 1), out_ref), sets_equal=sets_equal, kept=kept)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "unfused"])
+@pytest.mark.parametrize("kernel", ["torch", "fused", "unfused"])
 @pytest.mark.parametrize("kpool", [4, 1])
 def test_dsa_matches_transformers(kpool, kernel):
     (r,) = run_ranks(1, _compare, kpool, kernel)
@@ -191,7 +197,7 @@ def _packed_vs_documents(rank, world, kernel):
                 joined=relative_error(joined.detach(), torch.cat(outs)))
 
 
-@pytest.mark.parametrize("kernel", ["torch", "unfused"])
+@pytest.mark.parametrize("kernel", ["torch", "fused", "unfused"])
 def test_packed_documents_are_independent(kernel):
     (r,) = run_ranks(1, _packed_vs_documents, kernel)
     print(r)
@@ -216,6 +222,7 @@ class Case:
     layout: str = "zigzag"
     corrupt: str | None = None  # "wrong_layout": shards in contiguous order; "no_reorder"
     kernel: str = "unfused"  # the mesh layer's; the TP1/CP1 reference always runs "unfused"
+    tp_split: str = "heads"  # model.dsa.tp_split: "sequence" = all heads on this rank's SP rows
 
     @property
     def sp(self) -> bool:
@@ -225,7 +232,8 @@ class Case:
     def id(self) -> str:
         sp = "+sp" if self.sp else ""
         bad = f"-{self.corrupt}" if self.corrupt else ""
-        return f"{self.kernel}-tp{self.tp}{sp}-cp{self.cp}-{self.fmt}-{self.layout}{bad}"
+        split = "-by-rows" if self.tp_split == "sequence" else ""
+        return f"{self.kernel}{split}-tp{self.tp}{sp}-cp{self.cp}-{self.fmt}-{self.layout}{bad}"
 
 
 CASES = [
@@ -247,11 +255,22 @@ CASES = [
     Case(2, 2, "sbhd", kernel="torch"),
     Case(2, 2, "thd", kernel="torch"),
     Case(2, 2, "thd", "contiguous", kernel="torch"),
+    # Sequence-split TP (an all-to-all inside TP: every head on this rank's SP rows, indices for
+    # those rows only).
+    Case(2, 1, "sbhd", kernel="torch", tp_split="sequence"),
+    Case(2, 2, "sbhd", kernel="torch", tp_split="sequence"),
+    Case(2, 2, "thd", kernel="torch", tp_split="sequence"),
+    # The fused path (CPU stand-in of the TileLang kernels) in both TP splits.
+    Case(1, 1, "sbhd", kernel="fused"),
+    Case(2, 2, "thd", kernel="fused"),
+    Case(2, 2, "thd", "contiguous", kernel="fused", tp_split="sequence"),
 ]
 CONTROLS = [
     Case(1, 2, "thd", corrupt="wrong_layout"),  # data in contiguous order, layer told zigzag
     Case(2, 2, "sbhd", corrupt="no_reorder"),  # gathered rows left in rank order
     Case(2, 2, "thd", corrupt="no_reorder", kernel="torch"),
+    # Sequence split whose indexer takes the first TP rank's rows on every TP rank.
+    Case(2, 2, "sbhd", corrupt="first_rows", kernel="torch", tp_split="sequence"),
 ]
 
 
@@ -318,29 +337,34 @@ def _run_case(case, single):
     tp_group, cp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
     config = _config(4, tp=case.tp, cp=case.cp, sp=case.sp)
     layer = _ours(config, 4, ProcessGroupCollection.use_mpu_process_groups(), case.layout,
-                  case.kernel)
+                  case.kernel, case.tp_split)
     load_full_state(layer, full_state, tp_group.rank(), case.tp)
     topk = _record_topk(layer)
     data_layout = "contiguous" if case.corrupt == "wrong_layout" else case.layout
     rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), tp_group.rank(),
                      case.sp, data_layout)
-    saved_sort = dsa.sort_index
+    saved_sort, saved_own = dsa.sort_index, dsa.DSABatchLayout.own_rows
     if case.corrupt == "no_reorder":
         dsa.sort_index = lambda p: torch.arange(p.numel(), device=p.device)
+    if case.corrupt == "first_rows":
+        dsa.DSABatchLayout.own_rows = lambda self, t: t[:t.shape[0] // self.tp_group.size()]
     try:
         x = batch.x[rows].clone().requires_grad_()
         out, _ = layer(x, attention_mask=None, packed_seq_params=batch.packed)
         (out * batch.grad_out[rows]).sum().backward()
     finally:
-        dsa.sort_index = saved_sort
+        dsa.sort_index, dsa.DSABatchLayout.own_rows = saved_sort, saved_own
 
     errors = {"out": relative_error(out.detach(), out_ref.detach()[rows]),
               "dx": relative_error(x.grad, x_ref.grad[rows])}
     grads = _finalize_grads(layer, config, tp_group, cp_group)
     assert grads.keys() == ref_grads.keys(), (sorted(grads), sorted(ref_grads))
     errors.update({f"grad.{n}": relative_error(g, ref_grads[n]) for n, g in grads.items()})
-    # This CP rank's query rows: the TP-gathered SP shards, i.e. the rows without the SP split.
-    q_rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), 0, False, case.layout)
+    # The rows the indexer ran for: this CP rank's (the TP-gathered SP shards, i.e. the rows
+    # without the SP split), or with the sequence split this rank's own SP rows.
+    by_rows = case.tp_split == "sequence" and case.sp
+    q_rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), tp_group.rank(),
+                       by_rows, case.layout)
     (ours,), (theirs,) = topk, ref_topk
     return dict(errors=errors, topk_equal=torch.equal(ours.long(), theirs[:, q_rows]),
                 kept=float((ours >= 0).sum(-1).float().mean()), grads=sorted(grads),

@@ -116,16 +116,19 @@ def _formula_per_query(kernel: str, topk: int) -> int:
 
 
 def test_kept_bytes_per_query_do_not_grow_with_t():
-    cases = [(k, t, topk) for k in ("torch", "unfused") for t, topk in ((48, 8), (192, 8), (48, 24))]
+    kernels = ("torch", "fused", "unfused")
+    cases = [(k, t, topk) for k in kernels for t, topk in ((48, 8), (192, 8), (48, 24))]
     (per_query,) = run_ranks(1, _census, cases)
     print(per_query)
-    for kernel in ("torch", "unfused"):
+    for kernel in kernels:
         short, long = per_query[(kernel, 48, 8)][0], per_query[(kernel, 192, 8)][0]
         assert short == long, (kernel, short, long)
-    # memory.py's torch term, to the byte (the unfused term is checked on the GLM model in
+    # memory.py's torch and fused terms, to the byte (fused: the CPU stand-in of the TileLang
+    # kernels, which keeps nothing itself; the unfused term is checked on the GLM model in
     # tests/test_memory.py; on this layer megatron keeps one more fp32 [heads, s] tensor).
-    for topk in (8, 24):
-        assert per_query[("torch", 48, topk)][0] == _formula_per_query("torch", topk), topk
+    for kernel in ("torch", "fused"):
+        for topk in (8, 24):
+            assert per_query[(kernel, 48, topk)][0] == _formula_per_query(kernel, topk), topk
     wider = per_query[("torch", 48, 24)][1] - per_query[("torch", 48, 8)][1]
     assert wider == 16
     grow_torch = per_query[("torch", 48, 24)][0] - per_query[("torch", 48, 8)][0]
@@ -137,8 +140,10 @@ def test_kept_bytes_per_query_do_not_grow_with_t():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(kernel="fused", attention_block=1, indexer_query_block=1, indexer_pool_block=1),
+    (dict(kernel="triton", attention_block=1, indexer_query_block=1, indexer_pool_block=1),
      "kernel"),
+    (dict(kernel="unfused", tp_split="sequence"), "tp_split=sequence needs"),
+    (dict(kernel="torch", fused_query_block=0), "fused_query_block"),
     (dict(kernel="torch", attention_block=0, indexer_query_block=1, indexer_pool_block=1),
      "attention_block"),
     (dict(kernel="torch", attention_block=1, indexer_query_block=1, indexer_pool_block=-3),

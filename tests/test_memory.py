@@ -266,12 +266,13 @@ def _full(*overrides: str):
 
 
 def test_activations_linear_in_sequence_length():
-    """Every kept term doubles with seq_len, except KDA's concatenated projection weights (a
-    constant): affine there, exactly linear elsewhere."""
+    """Every kept term doubles with seq_len, except KDA's concatenated projection weights and
+    the DSA attention's gathered kv up-projection weight (tp_split=sequence), both constants:
+    affine there, exactly linear elsewhere."""
     a, b, c = (memory.estimate_memory(_full("train.recompute=none", "kda.cp_exchange=a2a", f"data.seq_len={t}"))
                for t in (131072, 262144, 524288))
     for label, value in a.activations.items():
-        if label == "KDA attention":
+        if label in ("KDA attention", "DSA attention"):
             assert c.activations[label] - b.activations[label] == 2 * (b.activations[label] - value)
             assert b.activations[label] < 2 * value
         else:
@@ -282,7 +283,7 @@ def test_activations_linear_in_sequence_length():
 def test_cp_halves_sequence_sharded_terms():
     """Doubling CP halves every per-token term; what stays is the part independent of the
     tokens (KDA's concatenated projection weights; nothing elsewhere) and DSA's whole-sequence
-    KV latent."""
+    KV latent and gathered kv up-projection weight."""
     def recipe(cp, seq_len):
         return _full("train.recompute=none", "kda.cp_exchange=a2a", f"data.seq_len={seq_len}",
                      f"parallel.cp={cp}")
@@ -295,8 +296,12 @@ def test_cp_halves_sequence_sharded_terms():
         assert (fixed[0] > 0) == (fn is memory.kda_activation_bytes), fn.__name__
         one, two = fn(recipe(1, 262144)) - fixed[0], fn(recipe(2, 262144)) - fixed[0]
         assert one == 2 * two, fn.__name__
-    dsa, latent = memory.dsa_activation_bytes, 262144 * _full().model.dsa.kv_lora_rank * 2
-    assert dsa(recipe(1, 262144)) - latent == 2 * (dsa(recipe(2, 262144)) - latent)
+    a = _full().model.dsa
+    # Independent of CP: the whole-sequence latent and (tp_split=sequence) the gathered weight.
+    fixed = 262144 * a.kv_lora_rank * 2 + a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank * 2
+    dsa = memory.dsa_activation_bytes
+    assert a.tp_split == "sequence"
+    assert dsa(recipe(1, 262144)) - fixed == 2 * (dsa(recipe(2, 262144)) - fixed)
 
 
 def test_full_recompute_reduces_kept_activations():

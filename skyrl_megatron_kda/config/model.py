@@ -70,19 +70,49 @@ class DSAConfig(_Config):
     """Keys each query attends to, chosen by the indexer (tokens; the tail is always selected)."""
     index_kpool: PositiveInt = 4
     """Keys pooled into one indexer block (tokens per pooled key)."""
-    kernel: Literal["torch", "unfused"] = "torch"
-    """Sparse attention and indexer implementation. torch: the blocked indexer top-k and the
-    absorbed sparse MLA over the KV latent (model/sparse_mla.py), memory linear in the tokens;
-    unfused: megatron-core's ``unfused_dsa_fn`` on whole-sequence keys and values with the full
-    [queries x pools] indexer scores (the reference the torch path is tested against)."""
+    kernel: Literal["auto", "fused", "torch", "unfused"] = "auto"
+    """Sparse attention implementation. fused: megatron-core's TileLang SparseMLA kernels
+    (CUDA, the ``tilelang`` package) in the absorbed layout (model/fused_sparse_mla.py); torch:
+    the absorbed sparse MLA over the KV latent in query blocks (model/sparse_mla.py), the CPU
+    path and the fused kernel's reference; unfused: megatron-core's ``unfused_dsa_fn`` on
+    whole-sequence keys and values with the full [queries x pools] indexer scores (the oracle
+    the others are tested against); auto: fused when run.device=gpu, else torch. fused and torch
+    share the blocked indexer top-k; memory is linear in the tokens for both."""
+    tp_split: Literal["heads", "sequence"] = "sequence"
+    """How tensor parallelism splits the sparse attention. heads: each TP rank attends with its
+    heads/tp heads from all query rows of its CP rank (the indexer runs on all of them, on every
+    TP rank); sequence: an all-to-all inside the TP group gives each TP rank all heads for its
+    own sequence-parallel rows (Ulysses), so each selected latent row serves every head and the
+    indexer runs once per row. Needs kernel fused or torch. The default by measurement: at the
+    1M recipe's per-rank share, sequence took 3.8x less time per step and less memory
+    (docs/benchmarks.md); with kernel unfused the default is heads."""
     attention_block: PositiveInt = 64
     """Queries per step of the torch sparse attention (forward and backward): the step's working
     set is about attention_block x (index_topk + kpool - 1) x kv_lora_rank fp32 values."""
-    indexer_query_block: PositiveInt = 256
-    """Queries per step of the torch indexer (query projection, pool scores, top-k, indices)."""
+    fused_query_block: PositiveInt = 8192
+    """Queries per call of the fused kernel (forward and backward): each call's transient
+    tensors are about fused_query_block x heads x 576 bf16 values, a few times over."""
+    indexer_query_block: PositiveInt = 1024
+    """Queries per step of the indexer (query projection, pool scores, top-k, indices); the
+    fused kernel's step holds indexer_query_block x (visible pools) fp32 scores."""
     indexer_pool_block: PositiveInt = 4096
     """Pools scored per step of the torch indexer: the live scores are indexer_query_block x
     index_num_heads x indexer_pool_block fp32 values."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unfused_splits_heads(cls, data):
+        # unfused can only split heads: that is its default split, as sequence is the others'.
+        if isinstance(data, dict) and data.get("kernel") == "unfused" and "tp_split" not in data:
+            return {**data, "tp_split": "heads"}
+        return data
+
+    @model_validator(mode="after")
+    def _split_has_kernel(self) -> DSAConfig:
+        if self.tp_split == "sequence" and self.kernel == "unfused":
+            raise ValueError("model.dsa.tp_split=sequence needs model.dsa.kernel fused or torch: "
+                             "the unfused reference attends with whole-sequence keys per head")
+        return self
 
     @model_validator(mode="after")
     def _topk_divisible_by_kpool(self) -> DSAConfig:

@@ -166,4 +166,18 @@ class Recipe(MeshRecipe):
                 "kda.kernel=fla needs run.device=gpu (fla's kernels are Triton on CUDA); "
                 "use kda.kernel=torch or auto on CPU"
             )
+        if self.run.device == "cpu" and self.model.dsa.kernel == "fused":
+            raise ValueError(
+                "model.dsa.kernel=fused needs run.device=gpu (TileLang kernels on CUDA); "
+                "use model.dsa.kernel=torch or auto on CPU"
+            )
         return self
+
+    def with_dsa_kernel_resolved(self) -> Recipe:
+        """This recipe with ``model.dsa.kernel=auto`` replaced by the fastest kernel that runs on
+        ``run.device`` (fused on GPU, torch on CPU); other kernels stay as written."""
+        if self.model.dsa.kernel != "auto":
+            return self
+        dsa = self.model.dsa.model_copy(
+            update={"kernel": "fused" if self.run.device == "gpu" else "torch"})
+        return self.model_copy(update={"model": self.model.model_copy(update={"dsa": dsa})})

@@ -25,13 +25,18 @@ What is ours, and why (megatron-core 0.19.2 has no equivalent):
     local keys; ours inserts the latent gather between the KV norm and the up projection (NoPE
     only); with the torch kernel it hands the gathered latent on as ``key`` (``value`` None) and
     ``_run_core_attention`` adds the kv up-projection weight for the absorbed attention.
-  * ``model.dsa.kernel=torch`` (the default): megatron-core's sparse attention keeps, per query
-    and head, the gathered fp32 keys and values of every selected key, and its indexer forms the
-    [queries x pools] score matrix. Ours never forms whole-sequence keys and values: the
-    indexer scores a block of queries against a block of pools at a time
-    (``sparse_indexer.blocked_pool_topk``, then ``kpool_indices.pool_token_indices``, int32) and
-    the attention runs in the absorbed MLA layout over the gathered KV latent, one query block at
-    a time (``sparse_mla.absorbed_sparse_mla``), keeping O(queries) tensors for backward.
+  * ``model.dsa.kernel=fused`` (GPU) and ``torch`` (CPU): megatron-core's sparse attention keeps,
+    per query and head, the gathered fp32 keys and values of every selected key, and its indexer
+    forms the [queries x pools] score matrix. Ours never forms whole-sequence keys and values:
+    the indexer scores a block of queries at a time (fused: our Triton kernel over the pools the
+    block can see, ``sparse_indexer.fused_pool_topk``; torch: blocks of pools,
+    ``blocked_pool_topk``; then ``kpool_indices.pool_token_indices``, int32) and the attention
+    runs in the absorbed MLA layout over the gathered KV latent (fused: megatron-core's TileLang
+    sparse-MLA kernels, ``fused_sparse_mla``; torch: ``sparse_mla.absorbed_sparse_mla``),
+    keeping O(queries) tensors for backward.
+  * ``model.dsa.tp_split=sequence``: an all-to-all inside TP gives each rank every head for its
+    own SP rows (megatron's ``all_to_all_hp2sp``/``sp2hp``), so the indexer runs once per row
+    instead of once per TP rank.
   * ``DuplicatedLinear`` / ``IndexerKNorm`` / ``LatentRMSNorm``: the local backend has no TE
     duplicated linear or TE norm; torch's norm refuses SP, ours tags its weights for the TP sum.
 
@@ -52,6 +57,8 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -73,8 +80,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from ..config import DSAConfig
 from ..distributed.cp_layout import LAYOUTS, CPLayout, batch_sequences, sort_index
 from .kpool_indices import pool_starts, pool_token_indices, pooled_keys
-from .sparse_indexer import blocked_pool_topk
+from .sparse_indexer import blocked_pool_topk, fused_pool_topk
+from .fused_sparse_mla import fused_absorbed_sparse_mla, fused_dsa_kernels
 from .sparse_mla import absorbed_sparse_mla
+
 
 class DuplicatedLinear(torch.nn.Module):
     """Bias-free linear replicated on every TP rank (stand-in for TE's duplicated ``TELinear``)."""
@@ -132,11 +141,24 @@ class DSABatchLayout:
         cu = self.layout.cu_seqlens
         return cu[torch.bucketize(self.query_positions, cu[1:], right=True)]
 
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether this rank's rows are a TP slice of its CP rank's rows (SP with TP > 1)."""
+        return self.sequence_parallel and self.tp_group.size() > 1
+
+    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of a [s, ...] tensor over this CP rank's rows that covers this rank's own
+        rows (its SP slice; all of them without SP)."""
+        if not self.splits_sequence:
+            return t
+        n = t.shape[0] // self.tp_group.size()
+        return t[self.tp_group.rank() * n:(self.tp_group.rank() + 1) * n]
+
     def cp_rank_rows(self, t: torch.Tensor) -> torch.Tensor:
         """[r, b, ...] rows of this rank -> all rows of its CP rank: under SP the TP all-gather,
         whose backward reduce-scatters (sums the TP ranks' head-partial grads). TP > 1 without
         SP is refused when the layer is built."""
-        if self.sequence_parallel and self.tp_group.size() > 1:
+        if self.splits_sequence:
             return gather_from_sequence_parallel_region(t, group=self.tp_group)
         return t
 
@@ -215,6 +237,8 @@ class GlmKPoolIndexer(DSAIndexer):
         if config.qk_pos_emb_head_dim or config.dsa_indexer_rotate_activation:
             raise NotImplementedError("GLM's indexer has no RoPE and no Hadamard rotation")
         self.index_kpool = index_kpool
+        # Fails here, at build, where the fused kernels cannot run (no CUDA or no tilelang).
+        self.kernels = fused_dsa_kernels() if dsa.kernel == "fused" else None
         self.kpool_compress_ape = torch.nn.Parameter(
             torch.zeros(index_kpool, self.index_head_dim, dtype=config.params_dtype)
         )
@@ -240,10 +264,10 @@ class GlmKPoolIndexer(DSAIndexer):
         weights = weights * (self.index_n_heads**-0.5) * self.softmax_scale
         # Keys of the whole sequence (narrow: 2 * index_head_dim per token); queries stay local.
         keys, gate = layout.whole_sequence(torch.cat([k, gate], -1)).chunk(2, dim=-1)
+        if self.dsa.kernel != "unfused":
+            return self._blocked_indices(qr, weights, keys, gate, layout)
         qr, weights = layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
             [qr.shape[-1], self.index_n_heads], dim=-1)
-        if self.dsa.kernel == "torch":
-            return self._blocked_indices(qr, weights, keys, gate, layout)
         q, _ = self.linear_wq_b(qr)
         q = q.view(*q.shape[:2], self.index_n_heads, self.index_head_dim)
         return select_pools(q, weights, keys, gate, self.kpool_compress_ape,
@@ -253,16 +277,23 @@ class GlmKPoolIndexer(DSAIndexer):
 
     def _blocked_indices(self, qr, weights, keys, gate, layout: DSABatchLayout) -> torch.Tensor:
         """``select_pools``' indices, as int32, without the [queries x pools] scores: the
-        indexer queries, pool scores, top-k and token indices of one query block at a time."""
+        indexer queries, pool scores, top-k and token indices of one query block at a time.
+        ``tp_split=heads``: for every row of this CP rank (the TP ranks' rows gathered);
+        ``sequence``: for this rank's own rows only."""
+        q_pos, doc_start = layout.query_positions, layout.query_document_starts
+        if self.dsa.tp_split == "heads":
+            qr, weights = layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
+                [qr.shape[-1], self.index_n_heads], dim=-1)
+        else:
+            q_pos, doc_start = layout.own_rows(q_pos), layout.own_rows(doc_start)
         P, (s, b) = self.index_kpool, qr.shape[:2]
         cu = layout.layout.cu_seqlens
         if int(cu[-1]) >= 2**31:
-            raise ValueError(f"DSA kernel 'torch' keeps int32 token indices: {int(cu[-1])} tokens "
-                             "is too many (at most 2**31 - 1)")
+            raise ValueError(f"DSA kernel {self.dsa.kernel!r} keeps int32 token indices: "
+                             f"{int(cu[-1])} tokens is too many (at most 2**31 - 1)")
         starts = pool_starts(cu, P)
         pool_k = [pooled_keys(keys[:, i], gate[:, i], self.kpool_compress_ape, starts, P)
                   for i in range(b)]
-        q_pos, doc_start = layout.query_positions, layout.query_document_starts
         out = torch.empty(b, s, self.index_topk + P - 1, dtype=torch.int32, device=qr.device)
         block = self.dsa.indexer_query_block
         for q0 in range(0, s, block):
@@ -271,11 +302,19 @@ class GlmKPoolIndexer(DSAIndexer):
             q = q.view(q1 - q0, b, self.index_n_heads, self.index_head_dim)
             pos, first = q_pos[q0:q1], doc_start[q0:q1]
             for i in range(b):
-                pools = blocked_pool_topk(q[:, i], weights[q0:q1, i], pool_k[i], starts, pos,
-                                          first, P, self.index_topk // P, query_block=block,
-                                          pool_block=self.dsa.indexer_pool_block)
+                pools = self._top_pools(q[:, i], weights[q0:q1, i], pool_k[i], starts, pos, first)
                 out[i, q0:q1] = pool_token_indices(pools, starts, pos, first, P)
         return out
+
+    def _top_pools(self, q, weights, pool_k, starts, pos, first):
+        """One query block's selected pool ids: megatron's TileLang scores (fused) or the torch
+        blocks over pools."""
+        P, n_select, block = self.index_kpool, self.index_topk // self.index_kpool, q.shape[0]
+        if self.dsa.kernel == "fused":
+            return fused_pool_topk(q, weights, pool_k, starts, pos, first, P, n_select, block,
+                                   self.kernels.index_scores)
+        return blocked_pool_topk(q, weights, pool_k, starts, pos, first, P, n_select,
+                                 query_block=block, pool_block=self.dsa.indexer_pool_block)
 
 
 class GlmDSAttention(DSAttention):
@@ -293,6 +332,7 @@ class GlmDSAttention(DSAttention):
         super().__init__(*args, **kwargs)
         self.cp_layout = cp_layout
         self.dsa = dsa
+        self.kernels = fused_dsa_kernels() if dsa.kernel == "fused" else None
 
     def forward(self, query, key, value, attention_mask, x, qr, packed_seq_params=None,
                 kv_up_weight=None, **_):
@@ -305,26 +345,56 @@ class GlmDSAttention(DSAttention):
             topk = self.indexer(x.detach(), qr.detach(), layout)
             if self.index_share:
                 self._get_index_share_topk_holder(packed_seq_params, attention_mask)[self.layer_number] = topk
-        if self.dsa.kernel == "torch":
-            return self._absorbed(query, key, kv_up_weight, topk)
+        if self.dsa.kernel != "unfused":
+            return self._absorbed(query, key, kv_up_weight, topk, layout)
         # The same causal, per-document bounds as a second guard (and so that megatron does not
         # build its default [s, s] causal mask, which assumes queries at positions 0..s-1).
         return unfused_dsa_fn(query, key, value, topk, self.softmax_scale,
                               varlen_starts=layout.query_document_starts,
                               varlen_ends=layout.query_positions + 1)
 
-    def _absorbed(self, query, latent, kv_up_weight, topk):
-        """query [s, b, n, dn], the whole sequence's KV latent [T, b, R] in natural order, this
-        TP rank's kv up-projection weight [n * (dn + dv), R], indices [b, s, k] -> [s, b, n * dv].
-        Each batch row attends over its own latent column (views: one saved storage)."""
+    def _absorbed(self, query, latent, kv_up_weight, topk, layout: DSABatchLayout):
+        """query [s, b, n, dn] (this CP rank's rows, this TP rank's heads), the whole sequence's
+        KV latent [T, b, R] in natural order, this TP rank's kv up-projection weight
+        [n * (dn + dv), R], indices [b, s', k] -> [s, b, n * dv]. With ``tp_split=sequence``
+        (and TP > 1) the queries go through an all-to-all to [s/tp, b, heads, dn], attend with
+        every head's weight, and come back. Each batch row attends over its own latent column."""
         if kv_up_weight is None:
-            raise ValueError("DSA kernel 'torch' needs the kv up-projection weight (kv_up_weight)")
+            raise ValueError(f"DSA kernel {self.dsa.kernel!r} needs the kv up-projection weight")
         s, b = query.shape[:2]
-        outs = [absorbed_sparse_mla(query[:, i], latent[:, i], kv_up_weight, topk[i],
-                                    self.softmax_scale, self.config.v_head_dim,
-                                    self.dsa.attention_block) for i in range(b)]
+        by_rows = self.dsa.tp_split == "sequence" and layout.splits_sequence
+        if by_rows:
+            query = _heads_to_rows(query, layout.tp_group)
+            # Every head's weight; backward sums the ranks' head gradients and keeps this rank's.
+            kv_up_weight = gather_from_sequence_parallel_region(kv_up_weight, group=layout.tp_group)
+        outs = [self._attend(query[:, i], latent[:, i], kv_up_weight, topk[i]) for i in range(b)]
         out = outs[0].unsqueeze(1) if b == 1 else torch.stack(outs, dim=1)
+        if by_rows:
+            out = _rows_to_heads(out, layout.tp_group)
         return out.reshape(s, b, -1)
+
+    def _attend(self, query, latent, kv_up_weight, indices):
+        if self.dsa.kernel == "fused":
+            return fused_absorbed_sparse_mla(query, latent, kv_up_weight, indices,
+                                             self.softmax_scale, self.config.v_head_dim,
+                                             self.dsa.fused_query_block, self.kernels)
+        return absorbed_sparse_mla(query, latent, kv_up_weight, indices, self.softmax_scale,
+                                   self.config.v_head_dim, self.dsa.attention_block)
+
+
+def _heads_to_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """[s, b, n, d] (all rows, this TP rank's heads) -> [s/tp, b, n * tp, d] (this rank's SP
+    rows, every head in TP-rank order); megatron's all-to-all, differentiable."""
+    s, b, n, d = t.shape
+    out = all_to_all_hp2sp(t.reshape(s * b, n * d), group=group)
+    return out.view(s // group.size(), b, n * group.size(), d)
+
+
+def _rows_to_heads(t: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of ``_heads_to_rows``: [s/tp, b, H, d] -> [s, b, H/tp, d]."""
+    r, b, h, d = t.shape
+    out = all_to_all_sp2hp(t.reshape(r * b, h * d), group=group)
+    return out.view(r * group.size(), b, h // group.size(), d)
 
 
 class GlmDSASelfAttention(MLASelfAttention):
@@ -350,6 +420,9 @@ class GlmDSASelfAttention(MLASelfAttention):
         if self.checkpoint_core_attention:
             raise NotImplementedError("DSA: megatron's core-attention recompute is not supported "
                                       "(train.recompute rebuilds whole layers or attention blocks)")
+        if dsa.kernel == "auto":
+            raise ValueError("model.dsa.kernel=auto is resolved by the recipe "
+                             "(Recipe.with_dsa_kernel_resolved) before the model is built")
         self.cp_layout = cp_layout
         self.dsa = dsa
 
@@ -357,7 +430,7 @@ class GlmDSASelfAttention(MLASelfAttention):
                             attn_mask_type=None, **extra_kwargs):
         """megatron's, plus (torch kernel) the kv up-projection weight the absorbed attention
         applies to the latent that stands in ``key``."""
-        if self.dsa.kernel == "torch":
+        if self.dsa.kernel != "unfused":
             extra_kwargs["kv_up_weight"] = self.linear_kv_up_proj.weight
         return super()._run_core_attention(query, key, value, attention_mask, packed_seq_params,
                                            attn_mask_type, **extra_kwargs)
@@ -383,7 +456,7 @@ class GlmDSASelfAttention(MLASelfAttention):
 
         q, _ = self.linear_q_up_proj(qr)
         query = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
-        if self.dsa.kernel == "torch":
+        if self.dsa.kernel != "unfused":
             return query, layout.whole_sequence(kv_latent), None, qr, kv_latent
         # The projection's own weight on the gathered latent: its forward would gather SP rows again.
         kv = F.linear(layout.whole_sequence(kv_latent), self.linear_kv_up_proj.weight)

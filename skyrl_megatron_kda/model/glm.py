@@ -140,7 +140,8 @@ class GLMDecoderLayer(MegatronModule):
                 kda_layer_spec(recipe.kda), config=config, layer_number=number,
                 pg_collection=pg_collection, ledger=ledger)
         else:
-            spec = glm_dsa_layer_spec(m.dsa.index_kpool, recipe.kda.cp_layout, m.dsa)
+            dsa = recipe.with_dsa_kernel_resolved().model.dsa
+            spec = glm_dsa_layer_spec(dsa.index_kpool, recipe.kda.cp_layout, dsa)
             self.self_attention = build_module(spec, config=config, layer_number=number,
                                                pg_collection=pg_collection)
         if self.mlp_type == "dense":

@@ -56,3 +56,35 @@ def blocked_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tens
         chosen = best_id.masked_fill(best_score == float("-inf"), -1)
         result[q0:q1, : chosen.shape[1]] = chosen
     return result
+
+
+def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor,
+                    starts: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor,
+                    kpool: int, n_select: int, query_block: int, scorer) -> torch.Tensor:
+    """``blocked_pool_topk``'s selection with the scores from ``scorer``, megatron-core's
+    TileLang indexer kernel (``indexer_fwd_interface``: q [n, heads, d] bf16, keys [P, d],
+    weights [n, heads] fp32, each query's visible key range [ks, ke) as int32 -> fp32 logits
+    [n, P], -inf outside the range; the relu and the head sum happen on chip). Per block of
+    ``query_block`` queries the logits cover only the pools the block can see; the top-k is
+    ``torch.topk`` (ties in any order, unlike the stable torch path)."""
+    if query_block < 1 or n_select < 0:
+        raise ValueError(f"query_block must be >= 1 and n_select >= 0, got {query_block}, {n_select}")
+    ends = starts + kpool - 1
+    # Each query's candidates are one contiguous run of pool ids: its document's complete pools
+    # that end at or before it.
+    first_pool = torch.searchsorted(starts, doc_start)
+    end_pool = torch.searchsorted(ends, q_pos, right=True)
+    result = torch.full((q.shape[0], n_select), -1, dtype=torch.long, device=q.device)
+    for q0 in range(0, q.shape[0], query_block):
+        q1 = min(q0 + query_block, q.shape[0])
+        lo, hi = int(first_pool[q0:q1].min()), int(end_pool[q0:q1].max())
+        k = min(n_select, hi - lo)
+        if k <= 0:
+            continue
+        ks = (first_pool[q0:q1] - lo).to(torch.int32)
+        ke = (end_pool[q0:q1] - lo).clamp(min=0).to(torch.int32)
+        logits = scorer(q[q0:q1].contiguous(), pool_k[lo:hi].contiguous(),
+                        weights[q0:q1].float().contiguous(), ks.contiguous(), ke.contiguous())
+        score, ids = logits.topk(k, dim=-1)
+        result[q0:q1, :k] = (ids + lo).masked_fill(score == float("-inf"), -1)
+    return result

@@ -1,0 +1,177 @@
+"""Sparse NoPE-MLA on megatron-core's TileLang DSA kernels (``model.dsa.kernel=fused``).
+
+megatron-core 0.19.2 ships DeepSeek-V3.2's sparse-MLA kernels (forward, backward and the
+backward's ``delta`` pre-pass) under ``experimental_attention_variant/ops``. They attend with
+queries [S, H, 576] over one shared latent [T, 1, 576] at int32 indices [S, 1, topk] (-1 = not
+selected) and return the latent-space output [S, H, 512] (the first 512 channels of the selected
+rows) and a log-sum-exp. They are specialised for DeepSeek's 512 latent + 64 RoPE channels;
+GLM's NoPE latent is 512 wide, so the absorbed queries and the latent are zero-padded to 576
+(zero channels add nothing to q . k, and the value is the first 512 channels: exact). They pad
+heads (to a power of two >= 16), rows and the top-k width (to 64) themselves.
+
+``FusedAbsorbedSparseMLA`` wraps them in the absorbed layout of ``sparse_mla.py``: the queries
+are absorbed (``q_nope @ W_UK``) and the value projection applied (``@ W_UV^T``) around the
+kernel, one block of ``query_block`` queries at a time, so forward keeps only what the torch
+kernel keeps (q_nope, the latent, the weight, the indices) and the [block, H, 576] kernel inputs
+and outputs are transient. Backward recomputes each block's forward for its output and
+log-sum-exp (megatron's own ``SparseMLA`` autograd does the same rather than keep them) and sums
+the blocks' latent gradients in fp32.
+
+The kernels are passed in as ``DSAKernels``: ``fused_dsa_kernels()`` on CUDA; the CPU tests
+pass a torch stand-in with the same contract to check the padding, absorption and blocking here.
+The same set carries the indexer-score kernel that the fused indexer
+(``sparse_indexer.fused_pool_topk``) uses: ours in Triton (``index_scores.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.experimental_attention_variant.ops import (
+    tilelang_sparse_mla_bwd,
+    tilelang_sparse_mla_fwd,
+)
+
+from .index_scores import pool_scores
+from .sparse_mla import _check_indices, split_kv_up_weight
+
+KERNEL_WIDTH = 576
+"""Query/latent channels the TileLang kernels are specialised for (512 latent + 64 RoPE)."""
+KERNEL_VALUE_WIDTH = 512
+"""Output channels of the kernels: the first 512 channels of the selected latent rows."""
+
+
+@dataclass(frozen=True)
+class DSAKernels:
+    """megatron-core's TileLang DSA kernels, by their contract.
+
+    Sparse MLA: ``forward(q [S, H, 576], kv [T, 1, 576], indices [S, 1, k] int32, sm_scale) ->
+    (out [S, H, 512], lse [S, H])``; ``delta(out, grad_out) -> [S, H]``; ``backward(q, kv,
+    None, grad_out, indices, lse, sm_scale, delta) -> (dq [S, H, 576], dkv [T, 1, 576])``.
+    Indexer: ``index_scores(q [S, h, d], keys [P, d], weights [S, h] fp32, ks [S] int32,
+    ke [S] int32) -> [S, P]`` fp32, sum_h weights * relu(q . k), -inf outside [ks, ke).
+    ``dtype`` is what the inputs are cast to (None: left as they are)."""
+
+    forward: Callable
+    delta: Callable
+    backward: Callable
+    index_scores: Callable
+    dtype: torch.dtype | None = torch.bfloat16
+
+
+def fused_dsa_kernels() -> DSAKernels:
+    """megatron-core's TileLang sparse-MLA kernels and our Triton indexer scores
+    (``index_scores.pool_scores``: megatron's TileLang indexer kernel has the same contract but
+    was 9x slower on an H200, docs/dsa.md); a clear error where they cannot run."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("model.dsa.kernel=fused needs CUDA (TileLang kernels); "
+                           "use model.dsa.kernel=torch on CPU")
+    if not tilelang_sparse_mla_fwd.HAVE_TILELANG:
+        raise RuntimeError("model.dsa.kernel=fused needs the tilelang package "
+                           "(pip install 'skyrl-megatron-kda[gpu]'), or use model.dsa.kernel=torch")
+    return DSAKernels(forward=tilelang_sparse_mla_fwd.sparse_mla_fwd_interface,
+                      delta=tilelang_sparse_mla_bwd.sparse_mla_delta,
+                      backward=tilelang_sparse_mla_bwd.sparse_mla_bwd,
+                      index_scores=pool_scores)
+
+
+def _padded(t: torch.Tensor, width: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """[..., R] -> [..., width], zero channels after the latent's, in the kernels' dtype."""
+    return F.pad(t.to(dtype or t.dtype), (0, width - t.shape[-1])).contiguous()
+
+
+class FusedAbsorbedSparseMLA(torch.autograd.Function):
+    """``sparse_mla.absorbed_sparse_mla`` on ``DSAKernels``, in query blocks."""
+
+    @staticmethod
+    def forward(ctx, q_nope, latent, kv_up_weight, indices, scale, v_head_dim, query_block,
+                kernels: DSAKernels):
+        if latent.dim() != 2 or latent.shape[-1] > KERNEL_VALUE_WIDTH:
+            raise ValueError(f"the fused kernel takes a latent [Tk, R <= {KERNEL_VALUE_WIDTH}], "
+                             f"got {list(latent.shape)}")
+        _check_indices(q_nope.shape[0], latent, indices, query_block)
+        num_heads, qk_head_dim = q_nope.shape[1], q_nope.shape[2]
+        w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, v_head_dim)
+        kv = _padded(latent, KERNEL_WIDTH, kernels.dtype)[:, None]
+        out = q_nope.new_empty(q_nope.shape[0], num_heads, v_head_dim)
+        for b0 in range(0, q_nope.shape[0], query_block):
+            b1 = b0 + query_block
+            q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels.dtype)
+            out_latent, _ = _attend(kernels, q, kv, indices[b0:b1], scale)
+            out[b0:b1] = torch.einsum("qhr,hvr->qhv", out_latent[..., :latent.shape[-1]],
+                                      w_uv.to(out_latent.dtype))
+        ctx.save_for_backward(q_nope, latent, kv_up_weight, indices)
+        ctx.scale, ctx.v_head_dim, ctx.query_block, ctx.kernels = (scale, v_head_dim,
+                                                                   query_block, kernels)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_nope, latent, kv_up_weight, indices = ctx.saved_tensors
+        kernels, scale, R = ctx.kernels, ctx.scale, latent.shape[-1]
+        num_heads, qk_head_dim = q_nope.shape[1], q_nope.shape[2]
+        w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, ctx.v_head_dim)
+        kv = _padded(latent, KERNEL_WIDTH, kernels.dtype)[:, None]
+        acc = torch.promote_types(latent.dtype, torch.float32)
+        grad_q = torch.empty_like(q_nope)
+        grad_latent = torch.zeros(latent.shape, dtype=acc, device=latent.device)
+        grad_uk = torch.zeros(w_uk.shape, dtype=acc, device=w_uk.device)
+        grad_uv = torch.zeros(w_uv.shape, dtype=acc, device=w_uv.device)
+        for b0 in range(0, q_nope.shape[0], ctx.query_block):
+            b1 = b0 + ctx.query_block
+            q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels.dtype)
+            idx = indices[b0:b1]
+            out_latent, lse = _attend(kernels, q, kv, idx, scale)
+            g_out = grad_out[b0:b1]
+            grad_uv += torch.einsum("qhv,qhr->hvr", g_out.to(acc), out_latent[..., :R].to(acc))
+            # dL/d(latent-space output), zero where the forward's output was forced to zero.
+            g_latent = torch.einsum("qhv,hvr->qhr", g_out, w_uv.to(g_out.dtype))
+            g_latent = _padded(g_latent, KERNEL_VALUE_WIDTH, kernels.dtype)
+            g_latent = torch.where(_has_keys(idx)[:, None, None], g_latent, 0)
+            delta = kernels.delta(out_latent, g_latent)
+            dq, dkv = kernels.backward(q, kv, None, g_latent, idx.to(torch.int32)[:, None].contiguous(),
+                                       lse, sm_scale=scale, delta=delta)
+            dq = dq[..., :R]
+            grad_q[b0:b1] = torch.einsum("qhr,hdr->qhd", dq, w_uk.to(dq.dtype)).to(grad_q.dtype)
+            grad_uk += torch.einsum("qhd,qhr->hdr", q_nope[b0:b1].to(acc), dq.to(acc))
+            grad_latent += dkv[:, 0, :R].to(acc)
+        grad_weight = torch.cat([grad_uk, grad_uv], dim=1).view(kv_up_weight.shape)
+        return (grad_q, grad_latent.to(latent.dtype), grad_weight.to(kv_up_weight.dtype),
+                None, None, None, None, None)
+
+
+def _absorbed_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, dtype) -> torch.Tensor:
+    """[b, H, dn] @ W_UK [H, dn, R] -> the kernels' [b, H, 576] queries."""
+    q = torch.einsum("qhd,hdr->qhr", q_nope, w_uk.to(q_nope.dtype))
+    return _padded(q, KERNEL_WIDTH, dtype)
+
+
+def _has_keys(indices: torch.Tensor) -> torch.Tensor:
+    """[b] queries with at least one selected key (the others' output is 0, as in torch's)."""
+    return (indices >= 0).any(dim=-1)
+
+
+def _attend(kernels: DSAKernels, q, kv, indices, scale):
+    """One block through the forward kernel -> latent-space output [b, H, 512] (0 for a query
+    with no key) and log-sum-exp."""
+    out, lse = kernels.forward(q, kv, indices.to(torch.int32)[:, None].contiguous(), scale)
+    # A query with no key: its log-sum-exp is -inf; 0 keeps the backward's exp(score - lse)
+    # at 0 for its masked keys instead of NaN (megatron's SparseMLA does the same).
+    has_keys = _has_keys(indices)
+    return torch.where(has_keys[:, None, None], out, 0), torch.where(has_keys[:, None], lse, 0)
+
+
+def fused_absorbed_sparse_mla(q_nope: torch.Tensor, latent: torch.Tensor,
+                              kv_up_weight: torch.Tensor, indices: torch.Tensor, scale: float,
+                              v_head_dim: int, query_block: int,
+                              kernels: DSAKernels | None = None) -> torch.Tensor:
+    """``sparse_mla.absorbed_sparse_mla`` on megatron-core's TileLang kernels (``kernels``
+    defaults to ``fused_dsa_kernels()``): queries [Tq, H, dn], latent [Tk, R <= 512], the kv
+    up-projection weight [H * (dn + dv), R], indices [Tq, topk] -> [Tq, H, dv]."""
+    if q_nope.dim() != 3:
+        raise ValueError(f"expected q_nope [Tq, H, dn], got {list(q_nope.shape)}")
+    return FusedAbsorbedSparseMLA.apply(q_nope, latent, kv_up_weight, indices, scale, v_head_dim,
+                                        query_block, kernels or fused_dsa_kernels())

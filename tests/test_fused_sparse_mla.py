@@ -1,0 +1,217 @@
+"""``model.dsa.kernel=fused``: our wrapper around megatron-core's TileLang sparse-MLA kernels.
+
+On CPU the kernels are replaced by a torch stand-in with their contract (576-wide queries and
+latent, 512-wide output, int32 [S, 1, k] indices; tests.support.dsa_kernels.py), so what is
+checked here is ours: the zero padding of the absorbed queries and the latent, the value
+projection, the query blocks, the recomputed forward in backward and the summed latent gradient.
+The fused path equals the torch kernel (``absorbed_sparse_mla``) in fp64 to 1e-10; controls show
+the comparison catches an index shifted by one and a value read from the padded channels. On a
+GPU, ``test_fused_dsa_kernels_match_torch`` runs the real kernels (bf16) against the fp32 torch
+kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron_kda.model.fused_sparse_mla import (
+    KERNEL_VALUE_WIDTH,
+    DSAKernels,
+    fused_absorbed_sparse_mla,
+    fused_dsa_kernels,
+)
+from skyrl_megatron_kda.model.sparse_mla import absorbed_sparse_mla
+from tests.support.dsa_kernels import torch_dsa_kernels
+
+TQ, TK, HEADS, DN, DV, RANK, TOPK = 37, 45, 3, 8, 6, 16, 12
+SCALE = 0.3
+
+
+def _inputs(dtype, gen, tq=TQ, tk=TK, heads=HEADS, rank=RANK, topk=TOPK, device="cpu"):
+    q = torch.randn(tq, heads, DN, generator=gen, dtype=torch.float64)
+    latent = torch.randn(tk, rank, generator=gen, dtype=torch.float64)
+    weight = torch.randn(heads * (DN + DV), rank, generator=gen, dtype=torch.float64) * 0.3
+    idx = torch.stack([torch.randperm(tk, generator=gen)[:topk] for _ in range(tq)])
+    idx = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.25, -1)
+    idx[3] = -1  # a query with nothing selected: output 0, no NaN
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, latent, weight)] + [
+        idx.to(device=device, dtype=torch.int32)]
+
+
+def _run(attend, q, latent, weight, idx, grad):
+    q, latent, weight = (t.detach().clone().requires_grad_() for t in (q, latent, weight))
+    out = attend(q, latent, weight, idx)
+    out.backward(grad)
+    return {"out": out.detach(), "dq": q.grad, "dlatent": latent.grad, "dweight": weight.grad}
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _fused(kernels, block):
+    return lambda q, c, w, i: fused_absorbed_sparse_mla(q, c, w, i, SCALE, DV, block, kernels)
+
+
+def _torch(q, c, w, i):
+    return absorbed_sparse_mla(q, c, w, i, SCALE, DV, block_size=5)
+
+
+@pytest.mark.parametrize("block", [1, 8, TQ, 64])  # single rows, partial last block, one, larger
+def test_fused_wrapper_equals_torch_kernel(block):
+    gen = torch.Generator().manual_seed(0)
+    q, latent, weight, idx = _inputs(torch.float64, gen)
+    grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=torch.float64)
+    ref = _run(_torch, q, latent, weight, idx, grad)
+    got = _run(_fused(torch_dsa_kernels(), block), q, latent, weight, idx, grad)
+    errors = {k: _rel(got[k], ref[k]) for k in ref}
+    print(block, errors)
+    assert max(errors.values()) < 1e-10, errors
+    assert torch.equal(got["out"][3], torch.zeros_like(got["out"][3]))
+    assert all(torch.isfinite(v).all() for v in got.values())
+
+
+def _shifted(kernels):
+    """Control: the kernel reads each selected row one position later."""
+    return DSAKernels(
+        forward=lambda q, kv, i, s: kernels.forward(q, kv, torch.where(i >= 0, (i + 1) % kv.shape[0], i), s),
+        delta=kernels.delta,
+        backward=lambda q, kv, o, do, i, lse, sm_scale, delta: kernels.backward(
+            q, kv, o, do, torch.where(i >= 0, (i + 1) % kv.shape[0], i), lse, sm_scale, delta),
+        index_scores=kernels.index_scores, dtype=kernels.dtype)
+
+
+def _value_from_padding(kernels):
+    """Control: the output read from channels 64..575 (as if the value sat after a RoPE part)."""
+    def forward(q, kv, i, s):
+        out, lse = kernels.forward(q, kv.roll(-64, dims=-1).contiguous(), i, s)
+        return out, lse
+    return DSAKernels(forward=forward, delta=kernels.delta, backward=kernels.backward,
+                      index_scores=kernels.index_scores, dtype=kernels.dtype)
+
+
+@pytest.mark.parametrize("control", [_shifted, _value_from_padding])
+def test_controls_are_caught(control):
+    gen = torch.Generator().manual_seed(1)
+    q, latent, weight, idx = _inputs(torch.float64, gen)
+    grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=torch.float64)
+    ref = _run(_torch, q, latent, weight, idx, grad)
+    got = _run(_fused(control(torch_dsa_kernels()), 8), q, latent, weight, idx, grad)
+    assert _rel(got["out"], ref["out"]) > 1e-2
+
+
+def test_latent_wider_than_the_kernel_is_refused():
+    gen = torch.Generator().manual_seed(2)
+    q, latent, weight, idx = _inputs(torch.float64, gen, rank=KERNEL_VALUE_WIDTH + 1)
+    with pytest.raises(ValueError, match="latent"):
+        _fused(torch_dsa_kernels(), 8)(q, latent, weight, idx)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_fused_kernel_needs_cuda():
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        fused_dsa_kernels()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
+@pytest.mark.parametrize("heads", [8, 64])  # 8: TP8's heads-split share (padded to 16 inside)
+def test_fused_dsa_kernels_match_torch(heads):
+    """bf16 TileLang kernels vs the fp32 torch kernel at GLM's widths (latent 512, head 256):
+    out, dq, d latent and d weight within 1e-2 relative, with -1 padded indices."""
+    gen = torch.Generator().manual_seed(3)
+    tq, tk, topk = 300, 700, 130  # rows and top-k that are not multiples of the kernels' 64/256
+    q = torch.randn(tq, heads, 256, generator=gen) * 0.5
+    latent = torch.randn(tk, 512, generator=gen)
+    weight = torch.randn(heads * 512, 512, generator=gen) * 512 ** -0.5
+    pos = torch.arange(tk - tq, tk)[:, None]
+    idx = (torch.rand(tq, topk, generator=gen) * (pos + 1)).long()
+    idx = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.2, -1).to(torch.int32)
+    grad = torch.randn(tq, heads, 256, generator=gen)
+    dev = torch.device("cuda")
+    args = [t.to(dev) for t in (q, latent, weight, idx)]
+    ref = _run(lambda q, c, w, i: absorbed_sparse_mla(q, c, w, i, 1 / 16, 256, 64), *args,
+               grad.to(dev))
+    bf16 = [t.bfloat16() for t in args[:3]] + [args[3]]
+    got = _run(lambda q, c, w, i: fused_absorbed_sparse_mla(q, c, w, i, 1 / 16, 256, 128), *bf16,
+               grad.to(dev).bfloat16())
+    errors = {k: _rel(got[k], ref[k]) for k in ref}
+    print(heads, errors)
+    assert max(errors.values()) < 1e-2, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
+def test_fused_indexer_selects_the_torch_pools():
+    """The fused indexer's scores (bf16 products, fp32 sums) pick the same pools as the torch
+    indexer (fp32) for nearly every query, and never a pool the query may not see."""
+    from skyrl_megatron_kda.model.kpool_indices import document_starts, pool_starts
+    from skyrl_megatron_kda.model.sparse_indexer import blocked_pool_topk, fused_pool_topk
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 1500, 1503, 4000], device=dev)  # a 3-token document: no pool at all
+    starts = pool_starts(cu, 4)
+    pos = torch.arange(1000, 4000, device=dev)
+    first = document_starts(cu, pos)
+    q = (torch.randn(pos.numel(), 32, 128, generator=gen) * 0.3).to(dev).bfloat16()
+    w = torch.rand(pos.numel(), 32, generator=gen).to(dev)
+    keys = torch.randn(starts.numel(), 128, generator=gen).to(dev).bfloat16()
+    ref = blocked_pool_topk(q, w, keys, starts, pos, first, 4, 64, query_block=256)
+    got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 64, 700,
+                          fused_dsa_kernels().index_scores)
+    same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(got.cpu(), ref.cpu())]
+    ends = starts[got.clamp(min=0)] + 3
+    bad = (got >= 0) & ((ends > pos[:, None]) | (starts[got.clamp(min=0)] < first[:, None]))
+    print(sum(same) / len(same))
+    assert int(bad.sum()) == 0
+    assert sum(same) / len(same) > 0.98
+
+
+@pytest.mark.parametrize("block", [1, 7, 4000])
+def test_fused_indexer_selects_the_blocked_pools(block):
+    """``fused_pool_topk`` with the stand-in scores equals ``blocked_pool_topk`` (fp32, no ties):
+    the per-query pool ranges [ks, ke) and the block's pool window are right; a query whose
+    document has no complete pool yet selects nothing. Control: ranges one pool too far."""
+    from skyrl_megatron_kda.model.kpool_indices import document_starts, pool_starts
+    from skyrl_megatron_kda.model.sparse_indexer import blocked_pool_topk, fused_pool_topk
+
+    gen = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, 61, 66, 156, 192])
+    starts = pool_starts(cu, 4)
+    pos = torch.arange(0, 192)
+    first = document_starts(cu, pos)
+    q, w = torch.randn(192, 4, 8, generator=gen), torch.rand(192, 4, generator=gen)
+    keys = torch.randn(starts.numel(), 8, generator=gen)
+    ref = blocked_pool_topk(q, w, keys, starts, pos, first, 4, 5, query_block=9, pool_block=3)
+    scores = torch_dsa_kernels().index_scores
+    got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores)
+    assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
+    assert (got[:3] == -1).all()  # tokens 0..2: no complete pool
+    # (one block: a single query's window ends at its own range, so the control needs several)
+    late = fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, 4000,
+                           lambda q, k, w, ks, ke: scores(q, k, w, ks, ke + 1))
+    assert not torch.equal(late.sort(-1).values, ref.sort(-1).values)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
+@pytest.mark.parametrize("n, pools", [(1, 5), (100, 300), (257, 1000)])  # partial tiles
+def test_triton_pool_scores_equal_the_reference(n, pools):
+    """``index_scores.pool_scores`` against the fp32 torch reference of the same contract on
+    bf16-rounded inputs: the same -inf pattern (visible ranges, empty ranges) and finite scores
+    within 1e-3 relative (bf16 products, fp32 sums in another order)."""
+    from skyrl_megatron_kda.model.index_scores import pool_scores
+
+    gen, dev = torch.Generator().manual_seed(6), torch.device("cuda")
+    q = torch.randn(n, 32, 128, generator=gen).bfloat16()
+    keys = torch.randn(pools, 128, generator=gen).bfloat16()
+    w = torch.rand(n, 32, generator=gen)
+    ks = torch.randint(0, pools, (n,), generator=gen, dtype=torch.int32)
+    ke = (ks + torch.randint(-3, pools, (n,), generator=gen, dtype=torch.int32)).clamp(0, pools)
+    ref = torch_dsa_kernels().index_scores(q.float(), keys.float(), w, ks, ke)
+    got = pool_scores(*(t.to(dev) for t in (q, keys, w, ks, ke))).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    finite = torch.isfinite(ref)
+    err = float((got[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
+    print(n, pools, err)
+    assert err < 1e-3, err
