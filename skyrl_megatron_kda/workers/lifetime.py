@@ -25,11 +25,19 @@ class StartedRay:
 
     def __init__(self, run: RunConfig):
         before = {p.pid for p in psutil.Process().children()}
-        self.started = ensure_ray(run)
+        was_up = ray.is_initialized()
+        try:
+            self.started = ensure_ray(run)
+        except BaseException:
+            # Stopped inside ray.init (Ctrl-C; Ray's own SIGTERM handler exits with SystemExit):
+            # end the processes it started so far, which ray.shutdown alone does not know of yet.
+            if not was_up:
+                self.started, self.roots = True, _new_children(before)
+                self.shutdown()
+            raise
         # The processes ray.init started are this process's new children; the workers are
         # their children.
-        self.roots = ([p for p in psutil.Process().children() if p.pid not in before]
-                      if self.started else [])
+        self.roots = _new_children(before) if self.started else []
 
     def shutdown(self) -> None:
         """Shut down a Ray started here and end every process it started; no-op otherwise."""
@@ -44,17 +52,36 @@ class StartedRay:
             except psutil.NoSuchProcess:
                 pass
         ray.shutdown()
+        # ray.shutdown has already stopped the processes it knows of; after an interrupted
+        # ray.init it knows none, and SIGTERM is how Ray itself asks them to stop.
+        _send(self.roots, psutil.Process.terminate)
         alive = _wait_ended(procs, EXIT_GRACE_S)
         if not alive:
             return
-        logger.warning("%d Ray processes still running %.0f s after ray.shutdown; killing them",
-                       len(alive), EXIT_GRACE_S)
-        for proc in alive:
+        logger.warning("Ray processes still running %.0f s after ray.shutdown, killed: %s",
+                       EXIT_GRACE_S, ", ".join(f"{p.pid} ({_name(p)})" for p in alive))
+        _send(alive, psutil.Process.kill)
+        _wait_ended(alive, EXIT_GRACE_S)
+
+
+def _send(procs: list[psutil.Process], action) -> None:
+    for proc in procs:
+        if _running(proc):
             try:
-                proc.kill()
+                action(proc)
             except psutil.NoSuchProcess:
                 pass
-        _wait_ended(alive, EXIT_GRACE_S)
+
+
+def _new_children(before: set[int]) -> list[psutil.Process]:
+    return [p for p in psutil.Process().children() if p.pid not in before]
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline()[:3]) or proc.name()
+    except psutil.Error:
+        return "?"
 
 
 def _running(proc: psutil.Process) -> bool:
