@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-import ray
 import yaml
 
 from ..config import Recipe
