@@ -76,10 +76,10 @@ def error_lines(err: BaseException, command: str | None = None) -> tuple[list[st
     Ray rank gives the rank's own exception first; anything else its message's first line."""
     # Looked up, not imported: an error raised before Ray and torch were imported cannot be a
     # rank's, and the message should not wait seconds for those imports.
-    group = sys.modules.get(__package__ + ".workers.group")
+    errors = sys.modules.get(__package__ + ".workers.errors")
     if isinstance(err, ValidationError):
         return [f"error: {err.title}: {line}" for line in validation_lines(err)], USAGE_ERROR
-    if group is not None and isinstance(err, group.WorkerError):
+    if errors is not None and isinstance(err, errors.WorkerError):
         return [f"error: {worker_message(err, command)}"], RUNTIME_ERROR
     if isinstance(err, yaml.YAMLError):
         return [f"error: {yaml_message(err)}"], USAGE_ERROR
@@ -108,24 +108,10 @@ def validation_lines(err) -> list[str]:
 
 
 def worker_message(err, command: str | None = None) -> str:
-    """A ``workers.group.WorkerError`` as one line: the rank's own exception message first (what
-    to fix), then the failed command, which rank, and how (an exception, or the process died)."""
-    ray_error = err.__cause__
-    if ray_error is None:
-        return message(err)
-    cause = getattr(ray_error, "cause", None) or ray_error
-    ray = sys.modules.get("ray")
-    died = ray is not None and isinstance(ray_error, ray.exceptions.RayActorError)
-    text, kind = message(cause), type(cause).__name__
-    if ray is not None and isinstance(cause, ray.exceptions.UnserializableException):
-        # An exception the driver could not unpickle arrives as the rank's traceback text, whose
-        # last line is "module.Type: message".
-        last = cause._original_stack_trace.strip().splitlines()[-1:] or [""]
-        name, sep, rest = last[0].partition(": ")
-        if sep and " " not in name:
-            text, kind = rest, name.rsplit(".", 1)[-1]
-    failed = f"{command} failed: " if command else ""
-    return f"{text} ({failed}rank {err.rank} {'died' if died else 'failed'}, {kind})"
+    """A ``workers.errors.WorkerError`` as one line: the rank and its own message first (what to
+    fix), then the failed command and the exception's type."""
+    failed = f"{command} failed, " if command else ""
+    return f"{message(err)} ({failed}{err.kind})"
 
 
 def yaml_message(err: yaml.YAMLError) -> str:

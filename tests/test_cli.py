@@ -152,37 +152,29 @@ def test_demo_with_unknown_exchange(capsys, no_ray):
 # --- errors from Ray ranks, and --debug ---------------------------------------------------
 
 
-def test_worker_error_shows_the_rank_exception_first():
-    from skyrl_megatron_kda.workers.group import WorkerError
+def test_worker_error_shows_the_rank_and_its_message_first():
+    from skyrl_megatron_kda.workers.errors import RankError, WorkerError
 
-    cause = ValueError("corpus.jsonl:7: invalid_json (Expecting value)\nsecond line")
+    try:
+        raise ValueError("corpus.jsonl:7: invalid_json (Expecting value)\nsecond line")
+    except ValueError as err:
+        cause = RankError.of(3, err)
     task_error = ray.exceptions.RayTaskError("train_step", "Traceback (most recent call last): ...",
                                              cause)
     try:
         raise WorkerError(3, task_error) from task_error
     except WorkerError as err:
         lines, status = error_lines(err, "run")
+        notes = err.__notes__
     assert status == 1
-    assert lines == ["error: corpus.jsonl:7: invalid_json (Expecting value) "
-                     "(run failed: rank 3 failed, ValueError)"]
-
-
-def test_worker_error_that_ray_could_not_unpickle():
-    from skyrl_megatron_kda.workers.group import WorkerError
-
-    trace = ("Traceback (most recent call last):\n  File \"data.py\", line 3, in read\n"
-             "skyrl_megatron_kda.train.data.BadRecord: bad.jsonl:2: invalid_json: not JSON\n")
-    cause = ray.exceptions.UnserializableException(trace)
-    task_error = ray.exceptions.RayTaskError("train_step", trace, cause)
-    try:
-        raise WorkerError(0, task_error) from task_error
-    except WorkerError as err:
-        lines, _ = error_lines(err, "run")
-    assert lines == ["error: bad.jsonl:2: invalid_json: not JSON (run failed: rank 0 failed, BadRecord)"]
+    assert lines == ["error: rank 3: corpus.jsonl:7: invalid_json (Expecting value) "
+                     "(run failed, ValueError)"]
+    # --debug shows the rank's own traceback.
+    assert any("raise ValueError" in note for note in notes), notes
 
 
 def test_dead_rank_is_named_with_the_failed_command():
-    from skyrl_megatron_kda.workers.group import WorkerError
+    from skyrl_megatron_kda.workers.errors import WorkerError
 
     died = ray.exceptions.ActorDiedError()
     try:
@@ -190,8 +182,8 @@ def test_dead_rank_is_named_with_the_failed_command():
     except WorkerError as err:
         lines, status = error_lines(err, "run")
     assert status == 1 and len(lines) == 1
-    assert lines[0].startswith("error: The actor died unexpectedly")
-    assert "(run failed: rank 1 died, ActorDiedError)" in lines[0]
+    assert lines[0].startswith("error: rank 1 died: The actor died unexpectedly")
+    assert lines[0].endswith("(run failed, ActorDiedError)")
 
 
 def test_debug_raises_with_the_traceback():

@@ -50,7 +50,7 @@ def example(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("finetune")
     proc = subprocess.run([sys.executable, str(EXAMPLE), str(work), "--steps", str(STEPS),
                            "--stop-after", str(STOP_AFTER)],
-                          capture_output=True, text=True, env=cli_runs._env(), timeout=1500)
+                          capture_output=True, text=True, env=cli_runs.env(), timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -135,7 +135,7 @@ def test_example_stops_on_sigterm_and_resumed_run_repeats_the_uninterrupted_one(
     cmd = example_module.train_command(Path(example["hf_in"]), Path(example["corpus"]),
                                        reference_dir, STEPS)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=cli_runs._env())
+                            env=cli_runs.env())
     rc, err = cli_runs.finish(proc)
     assert rc == 0, err[-3000:]
     reference = cli_runs.metrics(reference_dir)

@@ -6,7 +6,6 @@ import re
 import signal
 import struct
 
-import psutil
 import pytest
 import yaml
 
@@ -14,6 +13,7 @@ from skyrl_megatron_kda.config import Recipe
 from skyrl_megatron_kda.train.report import PLOTS, write_report
 from tests.support import cli_runs
 from tests.support.mesh_runs import EXCHANGES, STEPS, mesh_runs
+from tests.support.watched_run import WatchedRun
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "tokens", "step_time_s", "exchange", "cp_bytes"}
 
@@ -56,21 +56,17 @@ def test_report_refuses_a_folder_without_metrics(tmp_path):
         write_report(tmp_path)
 
 
-def _rank_actor_processes(proc) -> list:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if any("RankActor" in part for part in p.cmdline())]
-
-
 def test_dead_actor_ends_the_run_naming_the_rank():
     out = cli_runs.ROOT / "dead_actor"
-    proc = cli_runs.start(out)
-    cli_runs.wait_for_steps(proc, out, 1)
-    actors = _rank_actor_processes(proc)
+    run = WatchedRun(out)
+    run.wait_for_text("step 1/")
+    actors = run.rank_actors()
     assert len(actors) == 4, [a.cmdline() for a in actors]
     actors[1].send_signal(signal.SIGKILL)
-    rc, err = cli_runs.finish(proc, timeout=120)
+    rc, err = run.finish(timeout=120)
     assert rc == 1, err[-3000:]
-    assert re.search(r"run failed: rank [0-3] died", err), err[-3000:]
+    assert re.search(r"^error: rank [0-3] died: .*\(run failed, \w+\)$", err, re.M), err[-3000:]
+    assert run.left_running() == [], "processes outlived the driver"
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

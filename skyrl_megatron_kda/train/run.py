@@ -1,44 +1,38 @@
 """The training driver: one Ray actor per rank runs a ``RankTrainer``; this process steps them,
 writes ``metrics.jsonl`` and ``recipe.yaml`` into ``run.output_dir``, shows progress, saves
-checkpoints (every ``train.save_interval`` steps, at the end, and on SIGTERM / Ctrl-C) and
-resumes from the latest one with ``run.resume``.
+checkpoints (every ``train.save_interval`` steps, at the end, and on SIGTERM / Ctrl-C: ``stop``)
+and resumes from the latest one with ``run.resume``.
 
 A rank that fails or dies ends the run with ``WorkerError`` naming the rank and the cause
-(``workers.group``); the other actors are killed with it.
+(``workers.errors``). Whatever ends the run (done, a signal, a rank's failure, an exception
+here), the rank actors are killed, and a Ray started here is shut down with all its processes
+(``workers.lifetime``), before ``run`` returns or raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TextIO
 
-import ray
 import yaml
 
 from ..config import Recipe
-from ..workers.group import ActorGroup, ensure_ray
+from ..workers.group import ActorGroup
+from ..workers.lifetime import StartedRay
 from . import checkpoint
 from .outputs import METRICS, RECIPE
+from .stop import Interrupted, StopSignals
 from .trainer import RankTrainer
 
 logger = logging.getLogger(__name__)
 
 # Same on every rank (global after the all-reduce, or the recipe's); taken from rank 0.
 _GLOBAL_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "loss_tokens", "exchange")
-
-
-class Interrupted(RuntimeError):
-    """The run stopped on SIGTERM or Ctrl-C after saving a checkpoint; ``--resume`` continues it."""
-
-    def __init__(self, signum: int, step: int, path: Path):
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; "
-                         f"checkpoint {path} (continue with --resume)")
-        self.signum, self.step, self.path = signum, step, path
 
 
 def _make_trainer(rank: int, world: int, recipe: Recipe):
@@ -66,6 +60,7 @@ class Progress:
     def __init__(self, total: int, stream: TextIO = sys.stderr):
         self.total, self.stream = total, stream
         self.times: list[float] = []
+        self.open = False  # a step's line was written without its newline
 
     def update(self, line: dict) -> None:
         self.times.append(line["step_time_s"])
@@ -76,35 +71,17 @@ class Progress:
             f"\r[{'#' * done}{'.' * (20 - done)}] step {line['step']}/{self.total}  "
             f"loss {line['loss']:.4f}  {line['tokens_per_s']:,.0f} tok/s  "
             f"{line['step_time_s']:.2f} s/step  ETA {eta:.0f} s ")
-        if line["step"] == self.total:
+        self.open = line["step"] != self.total
+        if not self.open:
             self.stream.write("\n")
         self.stream.flush()
 
-
-class _StopSignals:
-    """SIGTERM / SIGINT set a flag that the loop checks between steps (a step in flight
-    finishes, then a checkpoint is saved); a second signal restores the default behaviour."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step "
-              "(again to abort now)", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    def end(self) -> None:
+        """End a line left open by a run that stopped early, so the next message starts its own."""
+        if self.open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
 
 
 def _start_metrics(path: Path, resume_step: int) -> None:
@@ -125,34 +102,55 @@ def run(recipe: Recipe, *, progress: TextIO | None = sys.stderr) -> list[dict]:
                                 "checkpoint")
     out.mkdir(parents=True, exist_ok=True)
     world = recipe.run.num_workers
-    started_here = ensure_ray(recipe.run)
-    group = None
+    # Installed before Ray starts: a signal at any moment of start-up ends it cleanly.
+    with StopSignals() as stop:
+        ray_here = group = None
+        try:
+            ray_here = _start_ray(recipe, stop)
+            group = ActorGroup(world, recipe.run.device)
+            group.hold(_make_trainer, recipe)
+            # The recipe as the ranks run it: recipes.load_recipe resolved kda.cp_exchange=auto
+            # and kept the reason in kda.exchange_reason.
+            (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+            start = group.call_held("load_checkpoint", str(resume_from))[0] if resume_from else 0
+            _start_metrics(out / METRICS, start)
+            if resume_from:
+                logger.info("resumed from %s at step %d", resume_from, start)
+            stop.step = start
+            stop.begin("training")
+            return _train_loop(recipe, group, out, start, progress, stop)
+        except KeyboardInterrupt:
+            if stop.signum is None:  # Ctrl-C that reached Python's own handler (not main thread)
+                raise
+            last = checkpoint.latest_checkpoint(out)
+            raise Interrupted(stop.signum, stop.stopped_line(stop.step, last), stop.step) from None
+        finally:
+            stop.begin("stopping")
+            if group is not None:
+                group.shutdown()
+            if ray_here is not None:
+                ray_here.shutdown()
+
+
+def _start_ray(recipe: Recipe, stop: StopSignals) -> StartedRay:
+    """Start or join Ray, then take SIGTERM back from Ray's handler."""
     try:
-        group = ActorGroup(world, recipe.run.device)
-        group.hold(_make_trainer, recipe)
-        # The recipe as the ranks run it: recipes.load_recipe resolved kda.cp_exchange=auto and
-        # kept the reason in kda.exchange_reason.
-        (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-        start = group.call_held("load_checkpoint", str(resume_from))[0] if resume_from else 0
-        _start_metrics(out / METRICS, start)
-        if resume_from:
-            logger.info("resumed from %s at step %d", resume_from, start)
-        lines = _train_loop(recipe, group, out, start, progress)
-        group.shutdown()
-        group = None
-        return lines
-    finally:
-        if group is not None:
-            group.shutdown()
-        if started_here:
-            ray.shutdown()
+        ray_here = StartedRay(recipe.run)
+    except SystemExit:
+        # While ray.init runs, its own SIGTERM handlers are in place (the only sys.exit calls on
+        # its start-up path): they end the processes it has started, then exit.
+        raise Interrupted(signal.SIGTERM, "stopped by SIGTERM while Ray was starting (Ray ended "
+                          "its processes); nothing saved") from None
+    stop.install()
+    return ray_here
 
 
-def _train_loop(recipe: Recipe, group, out: Path, start: int, progress: TextIO | None) -> list[dict]:
+def _train_loop(recipe: Recipe, group, out: Path, start: int, progress: TextIO | None,
+                stop: StopSignals) -> list[dict]:
     total, interval = recipe.train.steps, recipe.train.save_interval
     bar = Progress(total, progress) if progress is not None else None
     lines: list[dict] = []
-    with _StopSignals() as stop, open(out / METRICS, "a") as metrics:
+    with open(out / METRICS, "a") as metrics, _ending(bar):
         for step in range(start + 1, total + 1):
             line = merge_rank_metrics(group.call_held("train_step"))
             if line["step"] != step:
@@ -160,11 +158,37 @@ def _train_loop(recipe: Recipe, group, out: Path, start: int, progress: TextIO |
             metrics.write(json.dumps(line) + "\n")
             metrics.flush()
             lines.append(line)
+            stop.step = step
             if bar is not None:
                 bar.update(line)
-            if stop.signum is not None:
-                path = Path(group.call_held("save_checkpoint", str(out))[0])
-                raise Interrupted(stop.signum, step, path)
-            if (step == total and recipe.train.save_at_end) or (interval and step % interval == 0):
-                group.call_held("save_checkpoint", str(out))
+            path = None
+            if (stop.signum is not None or (step == total and recipe.train.save_at_end)
+                    or (interval and step % interval == 0)):
+                if bar is not None:
+                    bar.end()
+                path = _save(group, out, stop, step)
+            # Also a first signal that arrived during this save; one that came after the check
+            # above is answered after the next step.
+            if stop.signum is not None and path is not None:
+                raise Interrupted(stop.signum, stop.saved_line(step, path), step, path)
     return lines
+
+
+@contextlib.contextmanager
+def _ending(bar: Progress | None):
+    try:
+        yield
+    finally:
+        if bar is not None:
+            bar.end()
+
+
+def _save(group, out: Path, stop: StopSignals, step: int) -> Path:
+    """The checkpoint of ``step``; signals meanwhile let it finish (``stop``)."""
+    stop.begin("saving")
+    logger.info("saving checkpoint of step %d", step)
+    path = Path(group.call_held("save_checkpoint", str(out))[0])
+    # With a stop pending the run ends here: a signal from now on must not be taken for a
+    # second one during a step (which would abandon a checkpoint that was written).
+    stop.begin("training" if stop.signum is None else "stopping")
+    return path

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import socket
 from typing import Any, Callable
 
@@ -13,6 +16,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import RunConfig
 from ..distributed.cpu import redirect_cuda_device_queries
+from .errors import RankError, WorkerError
+
+logger = logging.getLogger(__name__)
 
 
 # Ray's start-up waits assume an idle machine. On a small CPU host that is busy (a test suite next
@@ -40,15 +46,23 @@ def ensure_ray(run: RunConfig) -> bool:
     return True
 
 
-class WorkerError(RuntimeError):
-    """A rank failed or died; names the rank and carries the cause."""
+# Seconds the driver waits for Ray to confirm that the rank actors it killed are gone (a kill is
+# a message to the actor's raylet, so it can lag on a busy host).
+KILL_CONFIRM_S = 60.0
 
-    def __init__(self, rank: int, error: BaseException):
-        # A task error carries the worker's own exception; a dead actor only Ray's account of it.
-        cause = getattr(error, "cause", None) or error
-        what = "died" if isinstance(error, ray.exceptions.RayActorError) else "failed"
-        super().__init__(f"rank {rank} {what}: {type(cause).__name__}: {cause}")
-        self.rank = rank
+
+def _on_rank(method: Callable) -> Callable:
+    """A ``RankActor`` method whose exceptions reach the driver as ``RankError`` (rank, type,
+    message and traceback as text), never as Ray's ``UnserializableException``."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args):
+        try:
+            return method(self, *args)
+        except Exception as err:
+            raise RankError.of(self.rank, err) from None
+
+    return wrapped
 
 
 @ray.remote
@@ -58,12 +72,16 @@ class RankActor:
     def __init__(self, rank: int, world: int, device: str):
         self.rank, self.world, self.device = rank, world, device
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def free_address(self) -> tuple[str, int]:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    @_on_rank
     def init_distributed(self, address: str, port: int) -> None:
         if self.device == "cpu":
             redirect_cuda_device_queries()
@@ -74,13 +92,16 @@ class RankActor:
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}",
                                 rank=self.rank, world_size=self.world)
 
+    @_on_rank
     def call(self, fn: Callable, *args) -> Any:
         return fn(self.rank, self.world, *args)
 
+    @_on_rank
     def hold(self, factory: Callable, *args) -> None:
         """Keep ``factory(rank, world, *args)`` in this process (e.g. a rank's trainer)."""
         self.held = factory(self.rank, self.world, *args)
 
+    @_on_rank
     def call_held(self, method: str, *args) -> Any:
         return getattr(self.held, method)(*args)
 
@@ -89,24 +110,31 @@ class ActorGroup:
     """``world`` rank actors packed into one placement group (one CPU or GPU slot each)."""
 
     def __init__(self, world: int, device: str = "cpu", ready_timeout_s: float = 120):
+        self.actors: list = []
+        self.placement = None
         bundle = {"CPU": 1} if device == "cpu" else {"CPU": 1, "GPU": 1}
-        self.placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-        ready, _ = ray.wait([self.placement.ready()], timeout=ready_timeout_s)
-        if not ready:
-            remove_placement_group(self.placement)
-            raise RuntimeError(
-                f"Ray could not place {world} workers with {bundle} each within {ready_timeout_s:.0f} s; "
-                f"cluster resources: {ray.cluster_resources()}"
-            )
-        self.actors = [
-            RankActor.options(
-                num_cpus=1, num_gpus=0 if device == "cpu" else 1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
-            ).remote(r, world, device)
-            for r in range(world)
-        ]
-        address, port = ray.get(self.actors[0].free_address.remote())
-        self._gather([a.init_distributed.remote(address, port) for a in self.actors])
+        try:
+            self.placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+            ready, _ = ray.wait([self.placement.ready()], timeout=ready_timeout_s)
+            if not ready:
+                raise RuntimeError(
+                    f"Ray could not place {world} workers with {bundle} each within "
+                    f"{ready_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")
+            self.actors = [
+                RankActor.options(
+                    num_cpus=1, num_gpus=0 if device == "cpu" else 1,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.placement, placement_group_bundle_index=r),
+                ).remote(r, world, device)
+                for r in range(world)
+            ]
+            address, port = ray.get(self.actors[0].free_address.remote())
+            self._gather([a.init_distributed.remote(address, port) for a in self.actors])
+        except BaseException:
+            # Also on Ctrl-C or a stop signal in the middle of start-up: the caller never gets
+            # this group, so it cannot end the actors that already exist.
+            self.shutdown()
+            raise
 
     def run(self, fn: Callable, *args) -> list:
         """``fn(rank, world, *args)`` on every rank; results in rank order."""
@@ -154,6 +182,21 @@ class ActorGroup:
         return rank, err
 
     def shutdown(self) -> None:
-        for actor in self.actors:
+        """Kill every rank actor and free the placement group, then wait until Ray reports each
+        actor gone (what a driver joining a cluster can know of remote processes; a driver that
+        started Ray also ends the processes themselves, ``workers.lifetime``). Safe to call
+        again."""
+        actors, self.actors = self.actors, []
+        for actor in actors:
             ray.kill(actor)
-        remove_placement_group(self.placement)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+            self.placement = None
+        if not actors:
+            return
+        # A call on a killed actor fails with RayActorError once Ray has recorded its death.
+        probes = [actor.pid.remote() for actor in actors]
+        _, alive = ray.wait(probes, num_returns=len(probes), timeout=KILL_CONFIRM_S)
+        if alive:
+            logger.warning("%d of %d rank actors not reported gone %.0f s after they were killed",
+                           len(alive), len(actors), KILL_CONFIRM_S)

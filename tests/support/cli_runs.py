@@ -34,14 +34,14 @@ def command(out: Path, *extra: str) -> list[str]:
             "--set", f"train.steps={STEPS}", *extra]
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "SKYRL_KDA_CP_EXCHANGE"}
-    return {**env, "TORCHDYNAMO_DISABLE": "1"}
+def env() -> dict:
+    kept = {k: v for k, v in os.environ.items() if k != "SKYRL_KDA_CP_EXCHANGE"}
+    return {**kept, "TORCHDYNAMO_DISABLE": "1"}
 
 
 def start(out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(command(out, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+                            text=True, env=env())
 
 
 def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
