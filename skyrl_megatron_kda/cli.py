@@ -253,14 +253,15 @@ def _run(args: argparse.Namespace) -> int:
     128+signal when interrupted."""
     import logging
 
-    recipe = load_recipe(args.recipe, [*args.overrides, *(["run.resume=true"] if args.resume else [])])
+    resume = ["run.resume=true"] if args.resume else []
+    recipe = load_recipe(args.recipe, [*args.overrides, *resume])
     start = check_run_inputs(recipe, overwrite=args.overwrite,
                              override_schedule=args.override_schedule)
     for note in start.notes:
         print(note, file=sys.stderr)
-    if start.finished(recipe):
-        print(f"{recipe.run.output_dir} is finished: {start.resume_from.name} is at step "
-              f"{start.step} of train.steps={recipe.train.steps} (nothing to train)", file=sys.stderr)
+    finished = start.finished_line(recipe)
+    if finished is not None:
+        print(finished, file=sys.stderr)
         return 0
     from .train.run import Interrupted, run
 

@@ -209,8 +209,9 @@ def test_resume_of_a_finished_run_says_so_and_trains_nothing(capsys, tmp_path, n
     assert cli.main(["run", TINY, "--resume", "--set", f"run.output_dir={tmp_path / 'run'}",
                      "--set", "train.steps=2"]) == 0
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"{tmp_path / 'run'} is finished: step_00000002 is at step 2 of "
-                                "train.steps=2 (nothing to train)"]
+    finished = (f"{tmp_path / 'run'} is finished: step_00000002 is at step 2 of train.steps=2 "
+                "(nothing to train)")
+    assert err.splitlines() == [finished]
 
 
 def test_resume_from_a_checkpoint_without_manifest_is_refused(capsys, tmp_path, no_ray):

@@ -125,9 +125,9 @@ def run(recipe: Recipe, *, start: RunStart | None = None,
     if start is None:
         start = prepare(recipe)
     resume_from = start.resume_from
-    if start.finished(recipe):
-        logger.info("%s is at step %d of train.steps=%d: finished", resume_from, start.step,
-                    recipe.train.steps)
+    finished = start.finished_line(recipe)
+    if finished is not None:
+        logger.info(finished)
         return []
     out.mkdir(parents=True, exist_ok=True)
     world = recipe.run.num_workers

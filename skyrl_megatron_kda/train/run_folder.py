@@ -34,8 +34,12 @@ class RunStart:
     notes: list[str] = field(default_factory=list)
     """Lines for the console: what was moved aside, which settings were overridden."""
 
-    def finished(self, recipe: Recipe) -> bool:
-        return self.resume_from is not None and self.step >= recipe.train.steps
+    def finished_line(self, recipe: Recipe) -> str | None:
+        """One line saying the resumed run has nothing left to train, or None."""
+        if self.resume_from is None or self.step < recipe.train.steps:
+            return None
+        return (f"{recipe.run.output_dir} is finished: {self.resume_from.name} is at step "
+                f"{self.step} of train.steps={recipe.train.steps} (nothing to train)")
 
 
 def holds_run(out: Path) -> bool:
