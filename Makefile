@@ -24,7 +24,7 @@ setup: $(VENV)/.installed
 
 # The main job on its embedded default: train the tiny GLM-5.3-Flash recipe on 4 Ray CPU ranks.
 run: setup
-	$(VENV)/bin/skyrl-kda run glm53_flash_tiny
+	$(VENV)/bin/skyrl-kda run glm53_flash_tiny --overwrite  # a rerun moves the last run aside
 
 test: setup
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q tests

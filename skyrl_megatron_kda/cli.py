@@ -14,6 +14,7 @@ from .tables import format_table
 
 if TYPE_CHECKING:
     from .config import MeshRecipe, Recipe
+    from .train.run_folder import RunStart
 
 
 def plan_lines(recipe: MeshRecipe, state_prepass: float | None = None) -> list[str]:
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override the recipe, e.g. --set kda.cp_exchange=allgather")
     train.add_argument("--resume", action="store_true",
                        help="continue from the latest checkpoint in run.output_dir")
+    train.add_argument("--overwrite", action="store_true",
+                       help="run.output_dir holds a run: move it aside to "
+                            "<output_dir>.replaced-<time> and start over (nothing is deleted)")
+    train.add_argument("--override-schedule", action="store_true",
+                       help="with --resume: apply changed train.steps, lr, min_lr, warmup_steps or "
+                            "weight_decay from the checkpoint's step on (refused without it)")
     export = command("export",
                      "a run's latest checkpoint as a Hugging Face glm5_next safetensors folder")
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
@@ -138,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="copy nothing; config.json is a text-only config from the recipe")
     report = command("report", "PNG plots of a run's metrics.jsonl")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
+    ckpt = command("checkpoint", "check a run's checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    verify = ckpt_sub.add_parser(
+        "verify", parents=[debug], help="hash the latest checkpoint's files against its manifest",
+        description="hash every file of RUN_DIR's latest checkpoint and compare it with the "
+                    "manifest its save wrote (sizes and sha256)")
+    verify.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
     return parser
 
 
@@ -163,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
-        return _run(args.recipe, args.overrides, args.resume)
+        return _run(args)
+
+    if args.command == "checkpoint":
+        return _verify_checkpoint(args.run_dir)
 
     if args.command == "export":
         return _export(args)
@@ -211,45 +228,65 @@ def load_recipe(name: str, overrides: list[str]) -> Recipe:
         raise ValueError(f"recipe {name}: {yaml_message(err)}") from err
 
 
-def check_run_inputs(recipe: Recipe) -> None:
-    """Refuse, before Ray starts, the inputs of a run that this machine can see are missing: the
-    checkpoint ``--resume`` continues from, and on a local cluster (whose ranks read this
-    machine's files) ``data.path`` and ``run.init_from_hf``."""
-    from .train import checkpoint
+def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
+                     override_schedule: bool = False) -> RunStart:
+    """Refuse, before Ray starts, the inputs of a run that this machine can see are missing or
+    wrong: on a local cluster (whose ranks read this machine's files) ``data.path`` and
+    ``run.init_from_hf``; then the output folder (``train.run_folder.prepare``: a used one, the
+    checkpoint ``--resume`` continues from and its schedule), last because ``--overwrite`` moves
+    the old run aside. Returns where the run starts."""
+    if recipe.run.ray_address is None:
+        if recipe.data.path is not None:
+            from .train.data import list_jsonl
 
-    out = recipe.run.output_dir
-    if recipe.run.resume and checkpoint.latest_checkpoint(out) is None:
-        raise FileNotFoundError(f"--resume: {checkpoint.checkpoints_dir(out)} has no checkpoint "
-                                "(run without --resume to start over)")
-    if recipe.run.ray_address is not None:
-        return
-    if recipe.data.path is not None:
-        from .train.data import list_jsonl
+            list_jsonl(recipe.data.path)
+        hf = recipe.run.init_from_hf
+        if hf is not None and not Path(hf).expanduser().is_dir():
+            raise FileNotFoundError(f"run.init_from_hf={hf!r} is not a folder")
+    from .train.run_folder import prepare
 
-        list_jsonl(recipe.data.path)
-    hf = recipe.run.init_from_hf
-    if hf is not None and not Path(hf).expanduser().is_dir():
-        raise FileNotFoundError(f"run.init_from_hf={hf!r} is not a folder")
+    return prepare(recipe, overwrite=overwrite, override_schedule=override_schedule)
 
 
-def _run(name: str, overrides: list[str], resume: bool) -> int:
-    """``skyrl-kda run``: exit 0 when done, 1 when a rank failed, 128+signal when interrupted."""
+def _run(args: argparse.Namespace) -> int:
+    """``skyrl-kda run``: exit 0 when done (or already finished), 1 when a rank failed,
+    128+signal when interrupted."""
     import logging
 
-    recipe = load_recipe(name, [*overrides, *(["run.resume=true"] if resume else [])])
-    check_run_inputs(recipe)
+    resume = ["run.resume=true"] if args.resume else []
+    recipe = load_recipe(args.recipe, [*args.overrides, *resume])
+    start = check_run_inputs(recipe, overwrite=args.overwrite,
+                             override_schedule=args.override_schedule)
+    for note in start.notes:
+        print(note, file=sys.stderr)
+    finished = start.finished_line(recipe)
+    if finished is not None:
+        print(finished, file=sys.stderr)
+        return 0
     from .train.run import Interrupted, run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(recipe_line(recipe), file=sys.stderr)
     try:
-        lines = run(recipe)
+        lines = run(recipe, start=start)
     except Interrupted as err:
         print(err, file=sys.stderr)
         return 128 + err.signum
     if lines:
         print(f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}; "
               f"{recipe.run.output_dir}", file=sys.stderr)
+    return 0
+
+
+def _verify_checkpoint(run_dir: str) -> int:
+    """``skyrl-kda checkpoint verify``: exit 0 with one line when every file matches."""
+    from .train.checkpoint import checkpoints_dir, latest_checkpoint
+    from .train.manifest import summary, verify
+
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"{checkpoints_dir(run_dir)} has no checkpoint to verify")
+    print(summary(path, verify(path)))
     return 0
 
 

@@ -14,7 +14,9 @@ from pydantic import ValidationError
 from skyrl_megatron_kda import cli
 from skyrl_megatron_kda.config import CP_EXCHANGE_ENV
 from skyrl_megatron_kda.console import error_lines
-from skyrl_megatron_kda.recipes import BUILTIN_RECIPES, RECIPES_DIR
+from skyrl_megatron_kda.recipes import BUILTIN_RECIPES, RECIPES_DIR, get_recipe
+from skyrl_megatron_kda.train import manifest
+from tests.support import cli_runs
 
 TINY = "glm53_flash_tiny"
 
@@ -147,6 +149,114 @@ def test_export_without_checkpoint(capsys, tmp_path, no_ray):
 def test_demo_with_unknown_exchange(capsys, no_ray):
     line = refused(capsys, ["demo", "--exchanges", "a2a,ring"])
     assert "kda.cp_exchange: Input should be" in line and "'ring'" in line
+
+
+# --- run folders, resume and checkpoint verify: answered before Ray starts -------------------
+
+
+def fake_run(out, steps: int = 4, saved_at: int = 2):
+    """A run folder as ``skyrl-kda run`` leaves it, without training: ``saved_at`` metrics lines
+    and one checkpoint (a 16 KiB stand-in shard with a real manifest) of a ``steps``-step run of
+    the tiny recipe. Returns the shard's path."""
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 5.0}}\n'
+                                               for s in range(1, saved_at + 1)))
+    ckpt = out / "checkpoints" / f"step_{saved_at:08d}"
+    ckpt.mkdir(parents=True)
+    shard = ckpt / "__0_0.distcp"
+    shard.write_bytes(bytes(range(256)) * 64)
+    schedule = get_recipe(TINY, [f"train.steps={steps}"], environ={}).train.schedule()
+    manifest.write(ckpt, step=saved_at, mesh={"world": 4, "tp": 2, "cp": 2, "ep": 2, "etp": 1},
+                   schedule=schedule, recipe_sha256="0" * 64)
+    (out / "checkpoints" / "latest").write_text(ckpt.name)
+    return shard
+
+
+def run_in(out, *args: str) -> list[str]:
+    return ["run", TINY, "--set", f"run.output_dir={out}", "--set", "train.steps=4", *args]
+
+
+def test_run_into_a_used_folder_is_refused(capsys, tmp_path, no_ray):
+    fake_run(tmp_path / "run")
+    line = refused(capsys, run_in(tmp_path / "run"))
+    assert f"{tmp_path / 'run'} already holds a run" in line
+    assert "--resume" in line and "--overwrite" in line
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # untouched
+
+
+def test_overwrite_and_resume_exclude_each_other(capsys, tmp_path, no_ray):
+    fake_run(tmp_path / "run")
+    line = refused(capsys, run_in(tmp_path / "run", "--resume", "--overwrite"))
+    assert "--overwrite and --resume exclude each other" in line
+
+
+def test_resume_with_a_changed_schedule_is_refused_naming_the_fields(capsys, tmp_path, no_ray):
+    fake_run(tmp_path / "run", steps=4)
+    line = refused(capsys, run_in(tmp_path / "run", "--resume", "--set", "train.steps=6",
+                                  "--set", "train.lr=0.001", "--set", "train.warmup_steps=1"))
+    assert "the schedule differs from step_00000002's" in line
+    assert "train.steps 4 -> 6" in line and "train.lr 0.003 -> 0.001" in line
+    assert "train.warmup_steps 0 -> 1" in line and "--override-schedule" in line
+
+
+def test_override_schedule_needs_resume(capsys, tmp_path, no_ray):
+    line = refused(capsys, run_in(tmp_path / "new", "--override-schedule"))
+    assert "--override-schedule applies to a resumed run only" in line
+
+
+def test_resume_of_a_finished_run_says_so_and_trains_nothing(capsys, tmp_path, no_ray):
+    fake_run(tmp_path / "run", steps=2, saved_at=2)
+    assert cli.main(["run", TINY, "--resume", "--set", f"run.output_dir={tmp_path / 'run'}",
+                     "--set", "train.steps=2"]) == 0
+    err = capsys.readouterr().err
+    finished = (f"{tmp_path / 'run'} is finished: step_00000002 is at step 2 of train.steps=2 "
+                "(nothing to train)")
+    assert err.splitlines() == [finished]
+
+
+def test_resume_from_a_checkpoint_without_manifest_is_refused(capsys, tmp_path, no_ray):
+    shard = fake_run(tmp_path / "run")
+    (shard.parent / manifest.MANIFEST).unlink()
+    line = refused(capsys, run_in(tmp_path / "run", "--resume"))
+    assert f"checkpoint {shard.parent} has no manifest.json: its save did not finish" in line
+
+
+def test_checkpoint_verify_of_a_good_checkpoint(capsys, tmp_path):
+    fake_run(tmp_path / "run")
+    assert cli.main(["checkpoint", "verify", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].endswith("ok, step 2, 1 files, 0.0 MiB match their sha256; "
+                                             "mesh world4 tp2 cp2 ep2 etp1")
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("flip", "__0_0.distcp has changed since the save (sha256 differs from the manifest)"),
+    ("truncate", "__0_0.distcp is 8192 bytes, the manifest says 16384 (truncated"),
+    ("delete", "__0_0.distcp is missing"),
+    ("add", "extra.distcp is not in the manifest"),
+    ("no manifest", "has no manifest.json"),
+])
+def test_checkpoint_verify_names_the_damaged_file(capsys, tmp_path, damage, expected):
+    shard = fake_run(tmp_path / "run")
+    if damage == "flip":
+        cli_runs.flip_4kib(shard)
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:8192])
+    elif damage == "delete":
+        shard.unlink()
+    elif damage == "add":
+        (shard.parent / "extra.distcp").write_bytes(b"x")
+    else:
+        (shard.parent / manifest.MANIFEST).unlink()
+    line = refused(capsys, ["checkpoint", "verify", str(tmp_path / "run")])
+    assert line.startswith(f"error: checkpoint {shard.parent}") and expected in line
+
+
+def test_report_names_the_cut_metrics_line(capsys, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.9}\n'
+                                            '{"step": 3, "lo')
+    line = refused(capsys, ["report", str(tmp_path)])
+    assert f"{tmp_path / 'metrics.jsonl'}:3: not a JSON line" in line
 
 
 # --- errors from Ray ranks, and --debug ---------------------------------------------------

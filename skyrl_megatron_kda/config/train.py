@@ -10,6 +10,9 @@ from .base import NonNegativeInt, PositiveInt, _Config
 from .model import LayerType
 
 
+SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay")
+
+
 class TrainConfig(_Config):
     """The optimisation loop."""
 
@@ -52,6 +55,12 @@ class TrainConfig(_Config):
         if not value or len(set(value)) != len(value):
             raise ValueError(f"train.recompute_layers={value} must name 'kda' and/or 'dsa', each once")
         return value
+
+    def schedule(self) -> dict:
+        """The settings megatron's LR and weight-decay scheduler is built from
+        (``trainer.build_scheduler``), by dotted name: a checkpoint records them, and a resume that
+        changes one changes the schedule (refused unless asked for, ``train.run_folder``)."""
+        return {f"train.{name}": getattr(self, name) for name in SCHEDULE_FIELDS}
 
     def recompute_of(self, layer_type: str) -> str:
         """The recompute mode of layers of ``layer_type``."""

@@ -12,8 +12,11 @@ One checkpoint is a directory ``<output_dir>/checkpoints/step_<N>/`` holding:
   only on the same mesh: RNG streams belong to ranks, so another mesh starts them from the seed
   (logged; nothing in the GLM model draws random numbers while training).
 
+Last, rank 0 hashes every file the ranks wrote into ``manifest.json`` (``train.manifest``: sizes,
+sha256, step, mesh, schedule settings, recipe hash), once all ranks have finished writing.
 ``<output_dir>/checkpoints/latest`` names the newest complete checkpoint; it is written after
-the checkpoint itself, so an interrupted save never becomes the one ``--resume`` picks.
+the manifest, so an interrupted save never becomes the one ``--resume`` picks. ``load`` checks
+the files against the manifest first (rank 0 hashes them) and refuses a mismatch naming the file.
 
 The trainer hands its pieces over as a ``TrainState``; ``load`` restores model, optimizer,
 scheduler and RNG in place and returns the step and the data position (``Restored``), which the
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from ..config import ParallelConfig
 from ..distributed.cpu import cuda_names_cpu
+from . import manifest
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +72,10 @@ class TrainState:
     use_cpu: bool
     tp_group: Any
     dp_cp_group: Any
+    schedule: dict
+    """``TrainConfig.schedule()`` of the run: recorded in the manifest, compared on load."""
+    recipe_sha256: str
+    """``manifest.recipe_hash`` of the run's recipe (recorded in the manifest)."""
 
     def cpu_mode(self):
         """Context for megatron's CUDA-only checkpoint and optimizer code on CPU ranks."""
@@ -228,16 +237,36 @@ def _unshare_adam_steps(state: TrainState) -> None:
                 param_state["step"] = step.clone()
 
 
+def _clear_for_save(path: Path, output_dir: str | Path) -> None:
+    """Make ``path`` ready for a new save (rank 0): a step folder that ``latest`` does not name is
+    what an interrupted save left, removed so that the manifest lists only the new files; the one
+    ``latest`` names (saved again at the same step) loses its manifest first, so that a save cut
+    short now reads as unfinished instead of passing for the old checkpoint."""
+    marker = checkpoints_dir(output_dir) / LATEST
+    named = marker.read_text().strip() if marker.is_file() else None
+    if not path.exists():
+        return
+    if path.name == named:
+        (path / manifest.MANIFEST).unlink(missing_ok=True)
+    else:
+        logger.warning("removing %s: a save that did not finish (no %s names it)", path, LATEST)
+        shutil.rmtree(path)
+
+
 def save(state: TrainState, output_dir: str | Path) -> Path:
-    """Write a checkpoint of ``state`` at its step (collective: every rank calls it)."""
+    """Write a checkpoint of ``state`` at its step (collective: every rank calls it): the shards,
+    then (rank 0, once every rank has written) the manifest, then ``latest``."""
     path = step_dir(output_dir, state.step)
     if dist.get_rank() == 0:
+        _clear_for_save(path, output_dir)
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     with state.cpu_mode():
         dist_checkpointing.save(_sharded_state(state, is_loading=False), str(path))
     dist.barrier()
     if dist.get_rank() == 0:
+        manifest.write(path, step=state.step, mesh=_mesh(state), schedule=state.schedule,
+                       recipe_sha256=state.recipe_sha256)
         marker = checkpoints_dir(output_dir) / LATEST
         tmp = marker.with_suffix(".tmp")
         tmp.write_text(path.name)
@@ -247,13 +276,39 @@ def save(state: TrainState, output_dir: str | Path) -> Path:
     return path
 
 
-def load(state: TrainState, path: str | Path) -> Restored:
-    """Restore model, optimizer, scheduler and (same mesh) RNG from ``path`` into ``state``'s
-    objects; returns the saved step and data position for the caller to continue from."""
+def verified_manifest(path: str | Path) -> dict:
+    """The manifest of checkpoint ``path`` after rank 0 has checked every file against it
+    (hashed once, not once per rank); collective: every rank gets it, or raises rank 0's
+    ``manifest.CheckpointError``."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    saved_mesh = dist_checkpointing.load_common_state_dict(str(path))["mesh"]
+    result: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            result[0] = manifest.verify(path)
+        except manifest.CheckpointError as err:
+            result[0] = err
+    dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], manifest.CheckpointError):
+        raise result[0]
+    return result[0]
+
+
+def load(state: TrainState, path: str | Path, *, override_schedule: bool = False) -> Restored:
+    """Restore model, optimizer, scheduler and (same mesh) RNG from ``path`` into ``state``'s
+    objects; returns the saved step and data position for the caller to continue from.
+
+    The files are verified against the checkpoint's manifest first. A checkpoint trained under
+    other schedule settings (``TrainConfig.schedule``) is refused naming them, unless
+    ``override_schedule``: then this run's settings drive the schedule from the saved step."""
+    path = Path(path)
+    record = verified_manifest(path)
+    changes = manifest.schedule_changes(record["schedule"], state.schedule)
+    if changes and not override_schedule:
+        raise ValueError(f"checkpoint {path} was trained with other schedule settings: "
+                         f"{', '.join(changes)} (override_schedule applies this run's)")
+    saved_mesh = record["mesh"]
     same_mesh = saved_mesh == _mesh(state)
     _materialize_optimizer_state(state)
     request = _sharded_state(state, is_loading=True)
@@ -271,6 +326,8 @@ def load(state: TrainState, path: str | Path) -> Restored:
     # from 0, so that loading into a trainer that has already stepped (SkyRL's load_checkpoint
     # on a live worker) sets the saved LR too.
     state.scheduler.num_steps = 0
+    # megatron's own switch: keep the scheduler's (this run's) values instead of the saved ones.
+    state.scheduler.override_opt_param_scheduler = override_schedule
     state.scheduler.load_state_dict(saved["scheduler"])
     if same_mesh:
         _set_rng_state(state.use_cpu, saved["rng"])

@@ -28,7 +28,7 @@ from ..distributed.cpu import cuda_names_cpu
 from ..model.hf_io import save_hf_checkpoint
 from ..recipes import load_recipe
 from ..workers.group import ActorGroup, ensure_ray
-from . import checkpoint
+from . import checkpoint, manifest
 from .outputs import RECIPE
 from .setup import build_glm_model, init_parallel_state, seed_everything
 
@@ -52,7 +52,9 @@ def load_run_model(recipe: Recipe, path: str | Path):
     """Rank side: the GLM model on ``recipe``'s mesh with the weights of checkpoint ``path``.
 
     torch.distributed must be initialised; megatron's parallel state is set up here (tear it down
-    with ``parallel_state.destroy_model_parallel``). Only the model's shards are read."""
+    with ``parallel_state.destroy_model_parallel``). The checkpoint's files are verified against
+    its manifest first; only the model's shards are read."""
+    checkpoint.verified_manifest(path)
     use_cpu = recipe.run.device == "cpu"
     init_parallel_state(recipe)
     seed_everything(recipe.train.seed, use_cpu)  # the build draws init values, then overwritten
@@ -109,7 +111,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str]
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
-    step = int(dist_checkpointing.load_common_state_dict(str(ckpt))["step"])
+    step = int(manifest.read(ckpt)["step"])  # an unfinished save is refused before Ray starts
     world = recipe.run.num_workers
     started_here = ensure_ray(recipe.run)
     try:

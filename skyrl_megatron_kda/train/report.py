@@ -3,13 +3,12 @@ time, CP bytes per step by exchange), written next to it in ``RUN_DIR/report/``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 # Figure objects without pyplot: no backend or display is chosen by importing this module.
 from matplotlib.figure import Figure
 
-from .outputs import METRICS
+from .outputs import METRICS, read_metrics_lines
 
 PLOTS = {
     "loss.png": ("loss", "loss (token-masked mean)"),
@@ -24,7 +23,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / METRICS
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (is {run_dir} a run's output folder?)")
-    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    lines = read_metrics_lines(path)
     if not lines:
         raise ValueError(f"{path} has no steps yet")
     return sorted(lines, key=lambda m: m["step"])

@@ -1,7 +1,8 @@
 """The training driver: one Ray actor per rank runs a ``RankTrainer``; this process steps them,
 writes ``metrics.jsonl`` and ``recipe.yaml`` into ``run.output_dir``, shows progress, saves
 checkpoints (every ``train.save_interval`` steps, at the end, and on SIGTERM / Ctrl-C: ``stop``)
-and resumes from the latest one with ``run.resume``.
+and resumes from the latest one with ``run.resume``. What it may do with the output folder (a
+used one, a resume with other schedule settings, a finished run) is ``train.run_folder``'s to say.
 
 A rank that fails or dies ends the run with ``WorkerError`` naming the rank and the cause
 (``workers.errors``). Whatever ends the run (done, a signal, a rank's failure, an exception
@@ -25,7 +26,8 @@ from ..config import Recipe
 from ..workers.group import ActorGroup
 from ..workers.lifetime import StartedRay
 from . import checkpoint
-from .outputs import METRICS, RECIPE
+from .outputs import METRICS, RECIPE, read_metrics_lines
+from .run_folder import RunStart, prepare
 from .stop import Interrupted, StopSignals
 from .trainer import RankTrainer
 
@@ -88,18 +90,23 @@ def _start_metrics(path: Path, resume_step: int) -> None:
     """metrics.jsonl up to ``resume_step`` (the lines a resumed run continues after)."""
     kept = []
     if resume_step and path.is_file():
-        kept = [ln for ln in path.read_text().splitlines()
-                if ln.strip() and json.loads(ln)["step"] <= resume_step]
-    path.write_text("".join(ln + "\n" for ln in kept))
+        kept = [m for m in read_metrics_lines(path) if m["step"] <= resume_step]
+    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
 
 
-def run(recipe: Recipe, *, progress: TextIO | None = sys.stderr) -> list[dict]:
-    """Train ``recipe`` on ``run.num_workers`` Ray actors; returns this invocation's metrics."""
+def run(recipe: Recipe, *, start: RunStart | None = None,
+        progress: TextIO | None = sys.stderr) -> list[dict]:
+    """Train ``recipe`` on ``run.num_workers`` Ray actors; returns this invocation's metrics
+    (none for a finished run). ``start`` is ``run_folder.prepare``'s answer (made here when not
+    given: a used folder is refused, no overwrite, no schedule override)."""
     out = Path(recipe.run.output_dir)
-    resume_from = checkpoint.latest_checkpoint(out) if recipe.run.resume else None
-    if recipe.run.resume and resume_from is None:
-        raise FileNotFoundError(f"run.resume is set but {checkpoint.checkpoints_dir(out)} has no "
-                                "checkpoint")
+    if start is None:
+        start = prepare(recipe)
+    resume_from = start.resume_from
+    finished = start.finished_line(recipe)
+    if finished is not None:
+        logger.info(finished)
+        return []
     out.mkdir(parents=True, exist_ok=True)
     world = recipe.run.num_workers
     # Installed before Ray starts: a signal at any moment of start-up ends it cleanly.
@@ -112,13 +119,16 @@ def run(recipe: Recipe, *, progress: TextIO | None = sys.stderr) -> list[dict]:
             # The recipe as the ranks run it: recipes.load_recipe resolved kda.cp_exchange=auto
             # and kept the reason in kda.exchange_reason.
             (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-            start = group.call_held("load_checkpoint", str(resume_from))[0] if resume_from else 0
-            _start_metrics(out / METRICS, start)
+            step = 0
             if resume_from:
-                logger.info("resumed from %s at step %d", resume_from, start)
-            stop.step = start
+                step = group.call_held("load_checkpoint", str(resume_from),
+                                       start.override_schedule)[0]
+            _start_metrics(out / METRICS, step)
+            if resume_from:
+                logger.info("resumed from %s at step %d", resume_from, step)
+            stop.step = step
             stop.begin("training")
-            return _train_loop(recipe, group, out, start, progress, stop)
+            return _train_loop(recipe, group, out, step, progress, stop)
         except KeyboardInterrupt:
             if stop.signum is None:  # Ctrl-C that reached Python's own handler (not main thread)
                 raise

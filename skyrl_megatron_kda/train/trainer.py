@@ -44,7 +44,7 @@ from megatron.core.utils import get_model_config
 from ..config import Recipe
 from ..distributed.cpu import cuda_names_cpu
 from ..model.hf_io import load_hf_checkpoint
-from . import checkpoint
+from . import checkpoint, manifest
 from .data import (
     PackedLoader,
     PackedRow,
@@ -252,16 +252,19 @@ class RankTrainer:
         return checkpoint.TrainState(
             model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler,
             step=self.step, loader_state=self.loader.state_dict(), parallel=self.recipe.parallel,
-            use_cpu=self.use_cpu, tp_group=self.pgs.tp, dp_cp_group=self.dp_cp_group)
+            use_cpu=self.use_cpu, tp_group=self.pgs.tp, dp_cp_group=self.dp_cp_group,
+            schedule=self.recipe.train.schedule(), recipe_sha256=manifest.recipe_hash(self.recipe))
 
     def save_checkpoint(self, output_dir: str) -> str:
         """Sharded checkpoint of this step under ``output_dir/checkpoints`` (every rank calls it)."""
         return str(checkpoint.save(self.train_state(), output_dir))
 
-    def load_checkpoint(self, path: str) -> int:
-        """Restore a checkpoint directory (any mesh); returns the step it continues from. The
-        loader continues the saved data stream (rebuilt when the saved mesh padded differently)."""
-        restored = checkpoint.load(self.train_state(), path)
+    def load_checkpoint(self, path: str, override_schedule: bool = False) -> int:
+        """Restore a checkpoint directory (any mesh), verified against its manifest; returns the
+        step it continues from. The loader continues the saved data stream (rebuilt when the
+        saved mesh padded differently). Other schedule settings than the checkpoint's are
+        refused unless ``override_schedule`` (``checkpoint.load``)."""
+        restored = checkpoint.load(self.train_state(), path, override_schedule=override_schedule)
         self.loader = continue_loader(self.loader, restored.loader_state)
         self.step = restored.step
         return self.step

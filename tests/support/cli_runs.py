@@ -74,3 +74,11 @@ def reference_run() -> tuple[Path, int, str]:
     out = ROOT / "reference"
     rc, err = finish(start(out))
     return out, rc, err
+
+
+def flip_4kib(path: Path) -> None:
+    """Invert 4 KiB in the middle of ``path``: the size stays, the bytes differ (a damaged shard)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2 - 2048
+    data[middle:middle + 4096] = bytes(b ^ 0xFF for b in data[middle:middle + 4096])
+    path.write_bytes(bytes(data))
