@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 # Only light modules here: the warning filters must be in place before the commands import the
 # package's config, megatron, fla, torch and Ray (see main).
-from .console import error_lines, quiet_warnings, yaml_message
+from .console import error_lines, quiet_warnings
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -200,15 +200,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def load_recipe(name: str, overrides: list[str]) -> Recipe:
-    """``recipes.load_recipe``, with a recipe file's YAML syntax error named by the file."""
-    import yaml
-
+    """``recipes.load_recipe``, imported when a command needs it (a recipe file's YAML error
+    arrives as a ``ValueError`` naming the file)."""
     from .recipes import load_recipe as load
 
-    try:
-        return load(name, overrides)
-    except yaml.YAMLError as err:
-        raise ValueError(f"recipe {name}: {yaml_message(err)}") from err
+    return load(name, overrides)
 
 
 def check_run_inputs(recipe: Recipe) -> None:

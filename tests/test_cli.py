@@ -105,7 +105,12 @@ def test_missing_yaml_file(capsys, tmp_path):
 def test_malformed_yaml_file(capsys, tmp_path):
     path = tiny_yaml(tmp_path, "model:\n  hidden_size: [64\nparallel: {tp: 1}\n")
     line = refused(capsys, ["plan", str(path)])
-    assert f"recipe {path}: not valid YAML" in line and "line 3" in line
+    assert f"recipe file {path}: not valid YAML" in line and "line 3" in line
+
+
+def test_empty_yaml_file(capsys, tmp_path):
+    line = refused(capsys, ["plan", str(tiny_yaml(tmp_path, ""))])
+    assert f"recipe file {tmp_path / 'recipe.yaml'} is empty" in line
 
 
 def test_yaml_file_not_a_mapping(capsys, tmp_path):
