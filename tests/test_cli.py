@@ -81,6 +81,14 @@ def test_override_invalid_mesh(capsys):
     assert "run.num_workers=6 must be divisible by tp*cp*pp" in line
 
 
+@pytest.mark.parametrize("pair, named", [
+    ("model.moe.top_k=1", "model.moe.top_k=1 with model.moe.norm_topk_prob=true"),
+    ("model.moe.norm_topk_prob=false", "model.moe.norm_topk_prob=false with model.moe.top_k=2"),
+])
+def test_run_refuses_a_router_megatron_cannot_build_before_ray(capsys, no_ray, pair, named):
+    assert named in refused(capsys, ["run", TINY, "--set", pair])
+
+
 def test_every_invalid_value_gets_its_line(capsys):
     assert cli.main(["plan", TINY, "--set", "parallel.tp=two", "--set", "train.stepz=3"]) == 2
     err = capsys.readouterr().err

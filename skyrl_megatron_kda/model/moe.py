@@ -32,10 +32,11 @@ fused SwiGLU kernel (``bias_activation_fusion=True``), TE's activation modules
 ``check_glm_moe_config`` refuses those combinations.
 
 Not expressible: ``norm_topk_prob=False`` with sigmoid scores and top-k > 1 (megatron always
-normalises), and ``norm_topk_prob=True`` with top-k = 1 (megatron does not normalise then); both
-are refused. Differences that are only rounding: GLM multiplies the routing weight after the
-expert's down projection, megatron before it (inside the activation); the same in fp32 up to
-rounding, slightly different in bf16.
+normalises), ``norm_topk_prob=True`` with top-k = 1 (megatron does not normalise a single sigmoid
+score, and refuses a softmax over one logit), and the score-correction bias with softmax scores;
+``MoEConfig`` refuses all three when the recipe is built. Differences that are only rounding: GLM
+multiplies the routing weight after the expert's down projection, megatron before it (inside the
+activation); the same in fp32 up to rounding, slightly different in bf16.
 
 Bias training: with ``moe_router_enable_expert_bias`` megatron counts tokens per expert in the
 forward and updates ``expert_bias`` by ``moe_router_bias_update_rate`` in
@@ -66,28 +67,11 @@ def moe_transformer_config_kwargs(
     """``TransformerConfig`` keyword arguments that make megatron's MoELayer compute GLM's MoE.
 
     They also set the (dense and shared) MLP activation to the clamped SwiGLU, which GLM's dense
-    FFN uses as well. Raises ``NotImplementedError`` for the router variants megatron cannot
-    express (see the module docstring)."""
-    if moe.score_function == "sigmoid":
-        if moe.top_k > 1 and not moe.norm_topk_prob:
-            raise NotImplementedError(
-                "model.moe.norm_topk_prob=false with sigmoid scores and top_k > 1: megatron-core's "
-                "sigmoid router always renormalises the top-k scores; set norm_topk_prob=true"
-            )
-        if moe.top_k == 1 and moe.norm_topk_prob:
-            raise NotImplementedError(
-                "model.moe.norm_topk_prob=true with top_k=1: megatron-core does not renormalise a "
-                "single sigmoid score (GLM would give weight 1); set norm_topk_prob=false or top_k > 1"
-            )
-        pre_softmax = False  # unused by the sigmoid path
-    else:
-        if moe.score_correction_bias:
-            raise NotImplementedError(
-                "model.moe.score_correction_bias=true needs score_function=sigmoid: megatron-core's "
-                "expert bias supports only sigmoid and sqrtsoftplus scores"
-            )
-        # softmax over all experts then renormalised top-k == softmax over the top-k logits.
-        pre_softmax = not moe.norm_topk_prob
+    FFN uses as well. ``moe`` was validated: the router variants megatron cannot express are
+    refused by ``MoEConfig`` (see the module docstring)."""
+    # softmax over all experts then renormalised top-k == softmax over the top-k logits; the
+    # sigmoid path ignores the flag.
+    pre_softmax = moe.score_function == "softmax" and not moe.norm_topk_prob
     kwargs = dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
