@@ -32,11 +32,12 @@ TINY_MODEL = dict(
 TINY_KDA = dict(num_heads=4, head_dim=8, gate_low_rank=8, output_gate_low_rank=8, kernel="torch")
 
 
-def tiny_recipe(tp=1, cp=1, ep=1, etp=1, sp=False, exchange="a2a"):
+def tiny_recipe(tp=1, cp=1, ep=1, etp=1, sp=False, exchange="a2a", shared_experts=1):
     from skyrl_megatron_kda.config import Recipe
 
+    model = {**TINY_MODEL, "moe": {**TINY_MODEL["moe"], "num_shared_experts": shared_experts}}
     return Recipe.model_validate(dict(
-        model=TINY_MODEL, kda={**TINY_KDA, "cp_exchange": exchange},
+        model=model, kda={**TINY_KDA, "cp_exchange": exchange},
         parallel=dict(tp=tp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp),
         data=dict(seq_len=T), run=dict(num_workers=tp * cp)))
 
@@ -83,8 +84,9 @@ def _packed():
     return ids, targets, cu
 
 
-def _make_checkpoint(path: str) -> dict:
-    """Random glm5_next (text + a tiny vision tower) saved to ``path``; reference outputs."""
+def _make_checkpoint(path: str, recipe=None) -> dict:
+    """Random glm5_next (text + a tiny vision tower) of ``recipe`` (default ``tiny_recipe()``)
+    saved to ``path``; reference outputs."""
     _hide_fla()
     import torch.nn.functional as F
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
@@ -92,7 +94,7 @@ def _make_checkpoint(path: str) -> dict:
 
     from skyrl_megatron_kda.model.hf_io import hf_text_config
 
-    text = dict(hf_text_config(tiny_recipe()), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    text = dict(hf_text_config(recipe or tiny_recipe()), pad_token_id=0, bos_token_id=1, eos_token_id=2)
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
                   projection_intermediate_size=16, patch_size=2, temporal_patch_size=1)
     torch.manual_seed(0)
@@ -212,6 +214,29 @@ def _single(rank, world, path, export_path):
     except ValueError as err:
         res["config_error"] = str(err)
     return res
+
+
+def _without_shared_experts(rank, world, path):
+    from megatron.core import parallel_state
+
+    from safetensors.torch import load_file
+
+    recipe = tiny_recipe(shared_experts=0)
+    ref = _make_checkpoint(path, recipe)
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    empty = sorted(n for n, t in saved.items() if "shared_experts" in n and t.numel() == 0)
+    parallel_state.initialize_model_parallel()
+    _, res = _run_ours(recipe, path, ref, 0, 0)
+    parallel_state.destroy_model_parallel()
+    return dict(res, empty_in_checkpoint=empty)
+
+
+def test_checkpoint_without_shared_experts_loads(tmp_path):
+    """transformers saves n_shared_experts=0 as zero-element shared-expert tensors (an MLP of
+    width 0); they load as nothing, and the model equals transformers'."""
+    (res,) = run_ranks(1, _without_shared_experts, str(tmp_path / "hf"))
+    assert len(res["empty_in_checkpoint"]) == 9, res["empty_in_checkpoint"]  # 3 MoE layers x 3
+    assert res["logits"] < TOL and res["loss"] < TOL, res
 
 
 # train settings that change what is kept for backward, not what is computed
