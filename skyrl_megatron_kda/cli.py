@@ -238,12 +238,19 @@ def _run(name: str, overrides: list[str], resume: bool) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(recipe_line(recipe), file=sys.stderr)
+    if recipe.kda.exchange_reason is not None:
+        # recipes.load_recipe logged the choice before logging was configured here: say it.
+        print(f"kda.cp_exchange=auto -> {recipe.kda.exchange_reason}", file=sys.stderr)
     try:
         lines = run(recipe)
     except Interrupted as err:
         print(err, file=sys.stderr)
         return 128 + err.signum
     if lines:
+        if recipe.data.path is not None:
+            from .train.data import skip_summary
+
+            print(f"data: {skip_summary(lines[-1]['skipped_records'])}", file=sys.stderr)
         print(f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}; "
               f"{recipe.run.output_dir}", file=sys.stderr)
     return 0
