@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 # Only light modules here: the warning filters must be in place before the commands import the
 # package's config, megatron, fla, torch and Ray (see main).
-from .console import error_lines, quiet_warnings, yaml_message
+from .console import error_lines, quiet_warnings
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -217,15 +217,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def load_recipe(name: str, overrides: list[str]) -> Recipe:
-    """``recipes.load_recipe``, with a recipe file's YAML syntax error named by the file."""
-    import yaml
-
+    """``recipes.load_recipe``, imported when a command needs it (a recipe file's YAML error
+    arrives as a ``ValueError`` naming the file)."""
     from .recipes import load_recipe as load
 
-    try:
-        return load(name, overrides)
-    except yaml.YAMLError as err:
-        raise ValueError(f"recipe {name}: {yaml_message(err)}") from err
+    return load(name, overrides)
 
 
 def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
@@ -267,12 +263,19 @@ def _run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(recipe_line(recipe), file=sys.stderr)
+    if recipe.kda.exchange_reason is not None:
+        # recipes.load_recipe logged the choice before logging was configured here: say it.
+        print(f"kda.cp_exchange=auto -> {recipe.kda.exchange_reason}", file=sys.stderr)
     try:
         lines = run(recipe, start=start)
     except Interrupted as err:
         print(err, file=sys.stderr)
         return 128 + err.signum
     if lines:
+        if recipe.data.path is not None:
+            from .train.data import skip_summary
+
+            print(f"data: {skip_summary(lines[-1]['skipped_records'])}", file=sys.stderr)
         print(f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}; "
               f"{recipe.run.output_dir}", file=sys.stderr)
     return 0

@@ -23,6 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from .config import Recipe, load_recipe_dict, merge, parse_overrides
+from .console import yaml_message
 from .kda.cost import resolve_cp_exchange
 
 RECIPES_DIR = Path(str(files("skyrl_megatron_kda.builtin_recipes")))
@@ -89,13 +90,19 @@ def _resolve_path(source: str) -> Path:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    """The mapping a recipe file holds. An empty file is refused, not read as ``{}``: every
+    default is the full 320B model, which is never what an empty file was meant to say."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"recipe file {path} does not exist") from None
-    raw = yaml.safe_load(text)
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:  # PyYAML names the stream "<unicode string>", not the file
+        raise ValueError(f"recipe file {path}: {yaml_message(err)}") from None
     if raw is None:
-        return {}
+        raise ValueError(f"recipe file {path} is empty (no settings); an empty recipe would mean "
+                         "the full GLM-5.3-Flash model with every default")
     if not isinstance(raw, dict):
         raise ValueError(f"recipe file {path} must hold a mapping at top level, got {type(raw).__name__}")
     return raw

@@ -83,6 +83,14 @@ def test_override_invalid_mesh(capsys):
     assert "run.num_workers=6 must be divisible by tp*cp*pp" in line
 
 
+@pytest.mark.parametrize("pair, named", [
+    ("model.moe.top_k=1", "model.moe.top_k=1 with model.moe.norm_topk_prob=true"),
+    ("model.moe.norm_topk_prob=false", "model.moe.norm_topk_prob=false with model.moe.top_k=2"),
+])
+def test_run_refuses_a_router_megatron_cannot_build_before_ray(capsys, no_ray, pair, named):
+    assert named in refused(capsys, ["run", TINY, "--set", pair])
+
+
 def test_every_invalid_value_gets_its_line(capsys):
     assert cli.main(["plan", TINY, "--set", "parallel.tp=two", "--set", "train.stepz=3"]) == 2
     err = capsys.readouterr().err
@@ -107,7 +115,12 @@ def test_missing_yaml_file(capsys, tmp_path):
 def test_malformed_yaml_file(capsys, tmp_path):
     path = tiny_yaml(tmp_path, "model:\n  hidden_size: [64\nparallel: {tp: 1}\n")
     line = refused(capsys, ["plan", str(path)])
-    assert f"recipe {path}: not valid YAML" in line and "line 3" in line
+    assert f"recipe file {path}: not valid YAML" in line and "line 3" in line
+
+
+def test_empty_yaml_file(capsys, tmp_path):
+    line = refused(capsys, ["plan", str(tiny_yaml(tmp_path, ""))])
+    assert f"recipe file {tmp_path / 'recipe.yaml'} is empty" in line
 
 
 def test_yaml_file_not_a_mapping(capsys, tmp_path):

@@ -19,12 +19,14 @@ from skyrl_megatron_kda.train.data import (
     DataStats,
     JsonlSource,
     RecordRules,
+    UNRECORDED_FILE,
     SyntheticSource,
     build_loader,
     pack_row,
     pad_multiple,
     row_multiple,
     shard_for_rank,
+    skip_summary,
 )
 
 WORDS = "the quick brown fox jumps over lazy dog a long document about packing rows".split()
@@ -262,7 +264,7 @@ def test_bad_record_skipped_and_counted(tmp_path, tokenizer_dir, case):
     loader = build_loader(data, seed=0, vocab_size=VOCAB)
     row = loader.next_row()
     assert row.tokens[:3].tolist() == [1, 2, 3]
-    assert loader.stats.skipped == {KIND[case]: 1}
+    assert loader.stats.skipped == {str(path): {KIND[case]: 1}}
 
 
 def test_skip_counts_every_reason_and_logs_the_pass(tmp_path, caplog):
@@ -278,9 +280,44 @@ def test_skip_counts_every_reason_and_logs_the_pass(tmp_path, caplog):
     assert torch.equal(row.tokens, torch.ones(8, dtype=torch.long))
     # Seven passes are over; the buffer (1024 documents) has read the eighth ahead of its draw.
     assert loader.stats.epochs_completed == 7 and loader.stats.blank_lines == 8
-    assert loader.stats.skipped == {k: 8 * v for k, v in per_pass.items()}
+    assert loader.stats.skipped == {str(path): {k: 8 * v for k, v in per_pass.items()}}
     pass_logs = [r.message for r in caplog.records if "end of pass" in r.message]
-    assert len(pass_logs) == 7 and "skipped 13 (" in pass_logs[0], pass_logs[0]
+    assert len(pass_logs) == 7 and f"skipped 13 bad records ({path}: " in pass_logs[0], pass_logs[0]
+
+
+def test_skips_are_counted_per_file_and_reason(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1]}, b"{bad", b"{bad"])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"input_ids": [999]}, b"{bad", {"input_ids": [2]}])
+    loader = build_loader(DataConfig(seq_len=2, path=str(tmp_path), on_bad_record="skip",
+                                     shuffle_buffer=1), seed=0, vocab_size=VOCAB)
+    assert loader.next_row().tokens.tolist() == [1, 2]  # one pass, nothing read ahead
+    assert loader.stats.skipped == {str(a): {"invalid_json": 2},
+                                    str(b): {"invalid_json": 1, "token_out_of_range": 1}}
+    assert loader.stats.skipped_by_reason() == {"invalid_json": 3, "token_out_of_range": 1}
+    assert skip_summary(loader.stats.skipped) == (
+        f"skipped 4 bad records ({a}: invalid_json=2; {b}: invalid_json=1, token_out_of_range=1)")
+    restored = DataStats.from_state_dict(loader.state_dict()["stats"])
+    assert restored == loader.stats
+
+
+def test_skip_counts_saved_by_reason_only_still_load():
+    """A loader state saved before skips were counted per file keeps its counts, marked."""
+    state = {**DataStats().state_dict(), "skipped": {"invalid_json": 2}}
+    assert DataStats.from_state_dict(state).skipped == {UNRECORDED_FILE: {"invalid_json": 2}}
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_utf8_bom_keeps_the_first_record(tmp_path, policy):
+    """A file that starts with a UTF-8 byte order mark (Windows editors write one) keeps its first
+    record, also when a resumed loader re-reads it by reference."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"input_ids": [1, 2]}\n{"input_ids": [3]}\n')
+    data = DataConfig(seq_len=3, path=str(path), on_bad_record=policy, shuffle_buffer=1)
+    loader = build_loader(data, seed=0, vocab_size=VOCAB)
+    assert loader.next_row().tokens[:3].tolist() == [1, 2, 3]
+    assert loader.stats.skipped == {}
+    source = loader.source
+    assert source.fetch((0, 1, 0)).tokens.tolist() == [1, 2]
 
 
 def test_corpus_of_only_bad_records_raises_instead_of_spinning(tmp_path):
@@ -414,8 +451,9 @@ def test_resume_jsonl_mid_stream(tmp_path, warmup):
         lambda: build_loader(data, seed=3, parallel=ParallelConfig(cp=2), vocab_size=VOCAB),
         warmup, after=12)
     assert state["buffer"], "resumed with documents waiting in the shuffle buffer"
-    assert loader.stats.skipped == {"invalid_json": loader.stats.epochs_completed + 1,
-                                    "token_out_of_range": loader.stats.epochs_completed + 1}
+    passes = loader.stats.epochs_completed + 1
+    assert loader.stats.skipped_by_reason() == {"invalid_json": passes,
+                                                "token_out_of_range": passes}
     if warmup == 13:
         assert state["stats"]["epochs_completed"] == 0 and loader.stats.epochs_completed == 1
 

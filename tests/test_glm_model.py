@@ -32,13 +32,14 @@ TINY_MODEL = dict(
 TINY_KDA = dict(num_heads=4, head_dim=8, gate_low_rank=8, output_gate_low_rank=8, kernel="torch")
 
 
-def tiny_recipe(tp=1, cp=1, ep=1, etp=1, sp=False, exchange="a2a"):
+def tiny_recipe(tp=1, cp=1, ep=1, etp=1, sp=False, exchange="a2a", shared_experts=1, workers=None):
     from skyrl_megatron_kda.config import Recipe
 
+    model = {**TINY_MODEL, "moe": {**TINY_MODEL["moe"], "num_shared_experts": shared_experts}}
     return Recipe.model_validate(dict(
-        model=TINY_MODEL, kda={**TINY_KDA, "cp_exchange": exchange},
+        model=model, kda={**TINY_KDA, "cp_exchange": exchange},
         parallel=dict(tp=tp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp),
-        data=dict(seq_len=T), run=dict(num_workers=tp * cp)))
+        data=dict(seq_len=T), run=dict(num_workers=workers or tp * cp)))
 
 
 def _hide_fla():
@@ -83,8 +84,9 @@ def _packed():
     return ids, targets, cu
 
 
-def _make_checkpoint(path: str) -> dict:
-    """Random glm5_next (text + a tiny vision tower) saved to ``path``; reference outputs."""
+def _make_checkpoint(path: str, recipe=None) -> dict:
+    """Random glm5_next (text + a tiny vision tower) of ``recipe`` (default ``tiny_recipe()``)
+    saved to ``path``; reference outputs."""
     _hide_fla()
     import torch.nn.functional as F
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
@@ -92,7 +94,7 @@ def _make_checkpoint(path: str) -> dict:
 
     from skyrl_megatron_kda.model.hf_io import hf_text_config
 
-    text = dict(hf_text_config(tiny_recipe()), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    text = dict(hf_text_config(recipe or tiny_recipe()), pad_token_id=0, bos_token_id=1, eos_token_id=2)
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
                   projection_intermediate_size=16, patch_size=2, temporal_patch_size=1)
     torch.manual_seed(0)
@@ -212,6 +214,29 @@ def _single(rank, world, path, export_path):
     except ValueError as err:
         res["config_error"] = str(err)
     return res
+
+
+def _without_shared_experts(rank, world, path):
+    from megatron.core import parallel_state
+
+    from safetensors.torch import load_file
+
+    recipe = tiny_recipe(shared_experts=0)
+    ref = _make_checkpoint(path, recipe)
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    empty = sorted(n for n, t in saved.items() if "shared_experts" in n and t.numel() == 0)
+    parallel_state.initialize_model_parallel()
+    _, res = _run_ours(recipe, path, ref, 0, 0)
+    parallel_state.destroy_model_parallel()
+    return dict(res, empty_in_checkpoint=empty)
+
+
+def test_checkpoint_without_shared_experts_loads(tmp_path):
+    """transformers saves n_shared_experts=0 as zero-element shared-expert tensors (an MLP of
+    width 0); they load as nothing, and the model equals transformers'."""
+    (res,) = run_ranks(1, _without_shared_experts, str(tmp_path / "hf"))
+    assert len(res["empty_in_checkpoint"]) == 9, res["empty_in_checkpoint"]  # 3 MoE layers x 3
+    assert res["logits"] < TOL and res["loss"] < TOL, res
 
 
 # train settings that change what is kept for backward, not what is computed
@@ -357,3 +382,46 @@ def test_mesh_negative_control_is_caught(mesh):
 
 def test_mesh_export_round_trips_bit_exactly(mesh):
     assert _same_tensors(mesh["path"], mesh["export"]) == []
+
+
+# --- initialisation ----------------------------------------------------------------------------
+
+INIT_MESHES = {
+    # name: (tp, cp, ep, etp, world); TP > 1 needs SP (MoE and DSA layers)
+    "tp1_ep1": (1, 1, 1, 1, 1),  # the reference: one rank holds every full tensor
+    "tp2_cp2_ep2": (2, 2, 2, 1, 4),
+    "tp2_ep2_etp2_dp2": (2, 1, 2, 2, 4),  # experts split over ETP too, two data-parallel replicas
+}
+
+
+def _initial_weights(rank, world, mesh):
+    """The seeded model of ``mesh`` built as a training rank builds it, gathered to full tensors
+    under their HF names (every expert, every TP/ETP shard)."""
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda.model.hf_io import export_hf_tensors
+    from skyrl_megatron_kda.train.setup import build_glm_model, init_parallel_state, seed_everything
+
+    tp, cp, ep, etp, _ = mesh
+    recipe = tiny_recipe(tp, cp, ep, etp, sp=tp > 1, workers=world)
+    init_parallel_state(recipe)
+    seed_everything(recipe.train.seed, use_cpu=True)
+    model = build_glm_model(recipe, use_cpu=True)
+    full = {name: t.clone() for name, t in export_hf_tensors(model)}
+    parallel_state.destroy_model_parallel()
+    return full if rank == 0 else None
+
+
+def test_same_seed_gives_the_same_full_weights_at_every_mesh():
+    """A user debugging on one rank starts from exactly the cluster mesh's weights: every full
+    tensor is equal bitwise (the routed experts of the EP and ETP ranks included)."""
+    ref = run_ranks(1, _initial_weights, INIT_MESHES["tp1_ep1"])[0]
+    assert all(t.abs().sum() > 0 for n, t in ref.items() if n.endswith("proj.weight")), \
+        "a projection drew all zeros: nothing would be compared"
+    for name, mesh in INIT_MESHES.items():
+        if name == "tp1_ep1":
+            continue
+        got = run_ranks(mesh[-1], _initial_weights, mesh)[0]
+        assert got.keys() == ref.keys()
+        differ = sorted(n for n in ref if not torch.equal(got[n], ref[n]))
+        assert not differ, f"{name}: {len(differ)} of {len(ref)} tensors differ from TP1/EP1: {differ[:8]}"

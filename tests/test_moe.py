@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 
 from skyrl_megatron_kda.config import MoEConfig
 from skyrl_megatron_kda.model.hf_io import load_hf_tensors, moe_layer_entries
@@ -38,7 +39,7 @@ def _reference(moe: MoEConfig):
         hidden_size=HIDDEN, n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
         moe_intermediate_size=moe.ffn_hidden_size, n_shared_experts=moe.num_shared_experts,
         routed_scaling_factor=moe.routed_scaling_factor, n_group=1, topk_group=1,
-        norm_topk_prob=True, swiglu_limit=moe.swiglu_limit, hidden_act="silu",
+        norm_topk_prob=moe.norm_topk_prob, swiglu_limit=moe.swiglu_limit, hidden_act="silu",
         vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(0)
@@ -94,13 +95,13 @@ def _megatron_layer(moe: MoEConfig, mesh: dict, checkpoint: dict, **overrides):
     return layer
 
 
-def _glm_vs_megatron(rank, world, mesh):
+def _glm_vs_megatron(rank, world, mesh, moe_fields=TINY):
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=mesh["tp"], expert_model_parallel_size=mesh["ep"],
         expert_tensor_parallel_size=mesh["etp"])
-    moe = MoEConfig(**TINY)
+    moe = MoEConfig(**moe_fields)
     ref = _reference(moe)
     checkpoint = _checkpoint_tensors(ref)
     layer = _megatron_layer(moe, mesh, checkpoint)
@@ -204,11 +205,46 @@ def test_expert_parallel_2_equals_reference_and_ep1(ep1):
     assert ep_gap < 1e-6
 
 
-def test_unexpressible_router_variants_are_refused():
-    with pytest.raises(NotImplementedError, match="norm_topk_prob"):
-        moe_transformer_config_kwargs(MoEConfig(**TINY, norm_topk_prob=False))
-    with pytest.raises(NotImplementedError, match="sigmoid"):
-        moe_transformer_config_kwargs(MoEConfig(**TINY, score_function="softmax"))
+@pytest.mark.parametrize("fields, field", [
+    (dict(norm_topk_prob=False), r"model\.moe\.norm_topk_prob=false with model\.moe\.top_k=2"),
+    (dict(top_k=1), r"model\.moe\.top_k=1 with model\.moe\.norm_topk_prob=true"),
+    (dict(top_k=1, score_function="softmax", score_correction_bias=False),
+     r"model\.moe\.top_k=1 with model\.moe\.norm_topk_prob=true: .*softmax"),
+    (dict(score_function="softmax"), r"model\.moe\.score_correction_bias=true with .*softmax"),
+], ids=["sigmoid-unnormalised-top2", "normalised-top1", "softmax-normalised-top1",
+        "softmax-with-bias"])
+def test_unexpressible_router_variants_are_refused_naming_the_field(fields, field):
+    with pytest.raises(ValidationError, match=field):
+        MoEConfig(**{**TINY, **fields})
+
+
+ROUTER_GRID = [dict(score_function=f, score_correction_bias=b, norm_topk_prob=n, top_k=k)
+               for f in ("sigmoid", "softmax") for b in (True, False) for n in (True, False)
+               for k in (1, 2)]
+
+
+@pytest.mark.parametrize("fields", ROUTER_GRID, ids=lambda f: "-".join(map(str, f.values())))
+def test_every_accepted_router_variant_builds_a_megatron_config(fields):
+    """What MoEConfig accepts, megatron's TransformerConfig accepts too: a refusal comes when the
+    recipe is built, never after Ray has started."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        moe = MoEConfig(**{**TINY, **fields})
+    except ValidationError as err:
+        assert "model.moe." in str(err)
+        return
+    TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4,
+                      use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                      **moe_transformer_config_kwargs(moe))
+
+
+def test_top_1_routing_equals_reference():
+    """top_k=1 runs when it is expressible (norm_topk_prob=false: the weight is the score)."""
+    (r,) = run_ranks(1, _glm_vs_megatron, dict(tp=1, ep=1, etp=1),
+                     {**TINY, "top_k": 1, "norm_topk_prob": False})
+    print(f"top-1: out {r['out']:.3g}, dx {r['dx']:.3g}, router grad {r['grad_router']:.3g}")
+    assert r["out"] < 1e-5 and r["dx"] < 1e-5 and r["grad_router"] < 1e-5, r
 
 
 def test_clamp_dropping_configs_are_refused():

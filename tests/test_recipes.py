@@ -1,6 +1,7 @@
 """Recipes: the GLM-5.3-Flash model config, the whole-job Recipe and its cross-section checks,
 the registry, override precedence, and the `recipes` / `plan RECIPE` commands."""
 
+import re
 import sys
 import tomllib
 import types
@@ -215,6 +216,25 @@ def test_yaml_must_be_a_mapping(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match=r"must hold a mapping at top level, got list"):
         load_recipe(path)
+
+
+@pytest.mark.parametrize("text", ["", "\n# only a comment\n"], ids=["empty", "comment-only"])
+def test_empty_yaml_is_refused_naming_the_file(tmp_path, text):
+    # Read as {} it would silently mean the full 320B model (every default).
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"recipe file {re.escape(str(path))} is empty"):
+        load_recipe(path, environ={})
+
+
+def test_broken_yaml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  hidden_size: [64\nparallel: {tp: 1}\n")
+    with pytest.raises(ValueError) as info:
+        load_recipe(path, environ={})
+    text = str(info.value)
+    assert text.startswith(f"recipe file {path}: not valid YAML") and "line 3" in text, text
+    assert "<unicode string>" not in text and "\n" not in text, text
 
 
 def test_missing_yaml_and_unknown_name():

@@ -1,7 +1,9 @@
 """Training end to end: `skyrl-kda run` over 4 Ray CPU actors (loss falls, metrics, recipe,
 progress, report; a dead actor is named), and CP1 == CP2 losses for every KDA exchange."""
 
+import json
 import math
+import random
 import re
 import signal
 import struct
@@ -67,6 +69,38 @@ def test_dead_actor_ends_the_run_naming_the_rank():
     assert rc == 1, err[-3000:]
     assert re.search(r"^error: rank [0-3] died: .*\(run failed, \w+\)$", err, re.M), err[-3000:]
     assert run.left_running() == [], "processes outlived the driver"
+
+
+ONE_RANK = tuple(f"--set={pair}" for pair in (
+    "parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
+    "run.num_workers=1"))
+
+
+def _documents(rng: random.Random, n: int) -> bytes:
+    return b"".join(json.dumps({"input_ids": [rng.randrange(16) for _ in range(rng.randint(8, 60))]}
+                               ).encode() + b"\n" for _ in range(n))
+
+
+def test_skipped_records_reach_metrics_and_console(tmp_path):
+    """data.on_bad_record=skip: the skips per file and reason are in every metrics line and in one
+    console line at the end; a file that starts with a UTF-8 BOM keeps its first record (else it
+    would count as invalid_json); kda.cp_exchange=auto's choice is on the console."""
+    rng, corpus = random.Random(1), tmp_path / "corpus"
+    corpus.mkdir()
+    a, b = corpus / "a.jsonl", corpus / "b.jsonl"
+    a.write_bytes(b"\xef\xbb\xbf" + _documents(rng, 20) + b"{broken\n" + _documents(rng, 5) + b"[1]\n")
+    b.write_bytes(_documents(rng, 20) + b'{"input_ids": [999]}\n')
+    out = tmp_path / "run"
+    proc = cli_runs.start(out, *ONE_RANK, f"--set=data.path={corpus}", "--set=data.on_bad_record=skip",
+                          "--set=train.steps=2", "--set=kda.cp_exchange=auto")
+    rc, err = cli_runs.finish(proc)
+    assert rc == 0, err[-3000:]
+    # The shuffle buffer (1024 documents) reads the whole pass before the first row.
+    want = {str(a): {"invalid_json": 1, "wrong_type": 1}, str(b): {"token_out_of_range": 1}}
+    assert [m["skipped_records"] for m in cli_runs.metrics(out)] == [want, want]
+    assert (f"data: skipped 3 bad records ({a}: invalid_json=1, wrong_type=1; "
+            f"{b}: token_out_of_range=1)") in err.splitlines(), err[-3000:]
+    assert re.search(r"^kda\.cp_exchange=auto -> \w+: ", err, re.MULTILINE), err[-3000:]
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

@@ -46,6 +46,30 @@ class MoEConfig(_Config):
             )
         return self
 
+    @model_validator(mode="after")
+    def _router_expressible(self) -> MoEConfig:
+        # megatron-core's router (model/moe.py maps these fields onto it) computes only some of
+        # GLM's router variants; the others would fail at model build, after Ray has started.
+        k = self.top_k
+        if self.score_function == "sigmoid" and k > 1 and not self.norm_topk_prob:
+            raise ValueError(
+                f"model.moe.norm_topk_prob=false with model.moe.top_k={k} and sigmoid scores: "
+                "megatron-core's sigmoid router always renormalises the top-k scores; set "
+                "model.moe.norm_topk_prob=true")
+        if k == 1 and self.norm_topk_prob:
+            what = ("does not renormalise a single sigmoid score (GLM would weigh it 1)"
+                    if self.score_function == "sigmoid" else
+                    "refuses a softmax over the one selected logit (weight 1, zero router gradient)")
+            raise ValueError(
+                f"model.moe.top_k=1 with model.moe.norm_topk_prob=true: megatron-core {what}; set "
+                "model.moe.norm_topk_prob=false (the expert's weight is then its router score)")
+        if self.score_function == "softmax" and self.score_correction_bias:
+            raise ValueError(
+                "model.moe.score_correction_bias=true with model.moe.score_function=softmax: "
+                "megatron-core's expert bias supports only sigmoid scores; set "
+                "model.moe.score_correction_bias=false or score_function=sigmoid")
+        return self
+
 
 class DSAConfig(_Config):
     """The DSA layers: MLA without RoPE plus the lightning indexer; defaults are GLM-5.3-Flash's."""

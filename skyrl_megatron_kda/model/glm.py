@@ -50,7 +50,7 @@ from ..kda.layer import kda_layer_spec
 from ..megatron_config import mesh_config_kwargs
 from .dsa import glm_dsa_layer_spec
 from .hyper_connections import HyperConnection, expand_to_streams, reduce_streams
-from .moe import check_glm_moe_config, moe_layer_spec, moe_transformer_config_kwargs
+from .moe import build_moe_layer, check_glm_moe_config, moe_transformer_config_kwargs
 
 
 class RMSNorm(torch.nn.Module):
@@ -147,8 +147,8 @@ class GLMDecoderLayer(MegatronModule):
         if self.mlp_type == "dense":
             self.mlp = build_module(_dense_mlp_spec(), config=config, tp_group=pg_collection.tp)
         else:
-            self.mlp = moe_layer_spec(m.moe)(config=config, layer_number=number,
-                                             pg_collection=pg_collection)
+            self.mlp = build_moe_layer(m.moe, config=config, layer_number=number,
+                                       pg_collection=pg_collection)
 
     def _attention(self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:
         out, bias = self.self_attention(self.input_layernorm(x), None, packed_seq_params=packed_seq_params)
@@ -276,7 +276,9 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
 
     ``kda.cp_exchange=auto`` must be resolved already (``recipes.load_recipe`` does it, once);
     the choice and its reason are on ``model.recipe`` and ``model.cp_exchange_reason``. Random
-    init (CPU: full tensors then sliced, so the same seed gives the same model for any TP size)."""
+    init on CPU draws full tensors and slices them (the MoE layers' from a seed per tensor,
+    ``model.moe.build_moe_layer``), so the same seed gives the same full weights at every mesh:
+    TP, CP, EP, ETP."""
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     _check_mesh(recipe, pgs)
     if recipe.kda.cp_exchange == exchanges.AUTO:

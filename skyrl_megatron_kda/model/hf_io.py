@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from ..config import MoEConfig, Recipe
 from ..distributed.tensor_parallel import shard_of, unshard
-from .moe import moe_weight_name_map
+from .moe import HF_MOE_NAMES, moe_weight_name_map
 
 TEXT = "model.language_model."
 LM_HEAD = "lm_head.weight"
@@ -231,11 +231,18 @@ class SafetensorsCheckpoint:
     def keys(self) -> set[str]:
         return set(self.weight_map)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file(self, name: str):
         file = self.weight_map[name]
         if file not in self._files:
             self._files[file] = self._open(os.path.join(self.path, file), "pt")
-        return self._files[file].get_tensor(name)
+        return self._files[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+    def numel(self, name: str) -> int:
+        """Elements of tensor ``name``, from the file's header (no data is read)."""
+        return math.prod(self._file(name).get_slice(name).get_shape())
 
 
 def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -253,6 +260,18 @@ def _check_table_covers_model(entries: list[Entry], tensors: dict[str, torch.Ten
         raise RuntimeError(
             "model/hf_io.py's name table and the model disagree (a module was renamed?): "
             f"model tensors without an HF name: {unmapped}; table names not in the model: {absent}")
+
+
+def empty_shared_experts(recipe: Recipe, ckpt: SafetensorsCheckpoint) -> set[str]:
+    """The zero-element shared-expert tensors of ``ckpt`` when the recipe has no shared expert:
+    transformers builds an MLP of width ``n_shared_experts * moe_intermediate_size = 0`` and saves
+    its empty weights. They hold nothing, so they are not unexpected; any other shape still is."""
+    if recipe.model.moe.num_shared_experts:
+        return set()
+    shared = [HF_MOE_NAMES[k] for k in ("shared_gate", "shared_up", "shared_down")]
+    names = {f"{TEXT}layers.{i}.mlp.{n}" for i, mlp in enumerate(recipe.model.mlp_types())
+             if mlp == "moe" for n in shared}
+    return {n for n in names & ckpt.keys() if ckpt.numel(n) == 0}
 
 
 def check_hf_keys(recipe: Recipe, names: set[str]) -> None:
@@ -355,7 +374,7 @@ def load_hf_checkpoint(model, path: str | os.PathLike, *, check_config: bool = T
     ckpt = SafetensorsCheckpoint(path)
     if check_config:
         check_hf_config(recipe, path)
-    check_hf_keys(recipe, ckpt.keys())
+    check_hf_keys(recipe, ckpt.keys() - empty_shared_experts(recipe, ckpt))
     tp, etp, ep = _groups(model)
     entries = name_table(recipe, ep_rank=ep.rank(), ep_size=ep.size())
     load_hf_tensors(model, entries, ckpt.get, tp=tp, etp=etp)

@@ -32,10 +32,11 @@ fused SwiGLU kernel (``bias_activation_fusion=True``), TE's activation modules
 ``check_glm_moe_config`` refuses those combinations.
 
 Not expressible: ``norm_topk_prob=False`` with sigmoid scores and top-k > 1 (megatron always
-normalises), and ``norm_topk_prob=True`` with top-k = 1 (megatron does not normalise then); both
-are refused. Differences that are only rounding: GLM multiplies the routing weight after the
-expert's down projection, megatron before it (inside the activation); the same in fp32 up to
-rounding, slightly different in bf16.
+normalises), ``norm_topk_prob=True`` with top-k = 1 (megatron does not normalise a single sigmoid
+score, and refuses a softmax over one logit), and the score-correction bias with softmax scores;
+``MoEConfig`` refuses all three when the recipe is built. Differences that are only rounding: GLM
+multiplies the routing weight after the expert's down projection, megatron before it (inside the
+activation); the same in fp32 up to rounding, slightly different in bf16.
 
 Bias training: with ``moe_router_enable_expert_bias`` megatron counts tokens per expert in the
 forward and updates ``expert_bias`` by ``moe_router_bias_update_rate`` in
@@ -47,11 +48,13 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
 from ..config import MoEConfig
+from ..distributed.mesh_init import init_shard_from_full, name_seed
 
 Dispatcher = Literal["allgather", "alltoall", "flex"]
 
@@ -66,28 +69,11 @@ def moe_transformer_config_kwargs(
     """``TransformerConfig`` keyword arguments that make megatron's MoELayer compute GLM's MoE.
 
     They also set the (dense and shared) MLP activation to the clamped SwiGLU, which GLM's dense
-    FFN uses as well. Raises ``NotImplementedError`` for the router variants megatron cannot
-    express (see the module docstring)."""
-    if moe.score_function == "sigmoid":
-        if moe.top_k > 1 and not moe.norm_topk_prob:
-            raise NotImplementedError(
-                "model.moe.norm_topk_prob=false with sigmoid scores and top_k > 1: megatron-core's "
-                "sigmoid router always renormalises the top-k scores; set norm_topk_prob=true"
-            )
-        if moe.top_k == 1 and moe.norm_topk_prob:
-            raise NotImplementedError(
-                "model.moe.norm_topk_prob=true with top_k=1: megatron-core does not renormalise a "
-                "single sigmoid score (GLM would give weight 1); set norm_topk_prob=false or top_k > 1"
-            )
-        pre_softmax = False  # unused by the sigmoid path
-    else:
-        if moe.score_correction_bias:
-            raise NotImplementedError(
-                "model.moe.score_correction_bias=true needs score_function=sigmoid: megatron-core's "
-                "expert bias supports only sigmoid and sqrtsoftplus scores"
-            )
-        # softmax over all experts then renormalised top-k == softmax over the top-k logits.
-        pre_softmax = not moe.norm_topk_prob
+    FFN uses as well. ``moe`` was validated: the router variants megatron cannot express are
+    refused by ``MoEConfig`` (see the module docstring)."""
+    # softmax over all experts then renormalised top-k == softmax over the top-k logits; the
+    # sigmoid path ignores the flag.
+    pre_softmax = moe.score_function == "softmax" and not moe.norm_topk_prob
     kwargs = dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
@@ -140,6 +126,55 @@ def check_glm_moe_config(config) -> None:
         reasons.append(f"glu_linear_offset={config.glu_linear_offset} (GLM has none)")
     if reasons:
         raise ValueError("GLM's clamped SwiGLU would not be computed: " + "; ".join(reasons))
+
+
+def build_moe_layer(moe: MoEConfig, *, config, layer_number: int, pg_collection):
+    """megatron's MoELayer for GLM (``moe_layer_spec``) with initial weights that do not depend
+    on the mesh.
+
+    megatron's CPU initialisation draws the router, then this EP rank's experts, then the shared
+    expert from one generator: an EP rank would draw expert 0's values for its first expert, and
+    every tensor built after the layer would shift with the number of local experts. So the layer
+    is built on a forked generator (the outer stream advances by one draw, the same on every mesh)
+    and each of its tensors is then drawn whole from a seed of its own (global) name and sliced to
+    this rank's TP / ETP shard (``distributed.mesh_init``). Without CPU initialisation (GPU:
+    megatron's per-rank CUDA streams) the layer is built as megatron builds it."""
+    spec = moe_layer_spec(moe)
+    if not (config.use_cpu_initialization and config.perform_initialization):
+        return spec(config=config, layer_number=layer_number, pg_collection=pg_collection)
+    base = int(torch.randint(2**62, ()))
+    with torch.random.fork_rng(devices=[]):
+        layer = spec(config=config, layer_number=layer_number, pg_collection=pg_collection)
+    _draw_mesh_independent(layer, config, base, pg_collection)
+    return layer
+
+
+def _draw_mesh_independent(layer, config, base: int, pg_collection) -> None:
+    """Every parameter of a SequentialMLP ``layer`` drawn as ``build_moe_layer`` says, with the
+    init method megatron gives it (fc2: the output-layer init)."""
+    tp, etp, ep = pg_collection.tp, pg_collection.expt_tp, pg_collection.ep
+    # parameter name -> (name its seed is drawn from, init method, group sharding it, GLU fc1)
+    draws = {"router.weight": ("router.weight", config.init_method, None, False)}
+    local = layer.experts.local_experts
+    for i in range(len(local)):
+        e = ep.rank() * len(local) + i  # the global expert: its name is the same on every mesh
+        for fc, init_method, glu in (("linear_fc1", config.init_method, True),
+                                     ("linear_fc2", config.output_layer_init_method, False)):
+            draws[f"experts.local_experts.{i}.{fc}.weight"] = (
+                f"experts.{e}.{fc}.weight", init_method, etp, glu)
+    if layer.shared_experts is not None:
+        for fc, init_method, glu in (("linear_fc1", config.init_method, True),
+                                     ("linear_fc2", config.output_layer_init_method, False)):
+            name = f"shared_experts.{fc}.weight"
+            draws[name] = (name, init_method, tp, glu)
+    params = dict(layer.named_parameters())
+    if params.keys() != draws.keys():
+        raise RuntimeError(f"MoE parameters {sorted(params)} are not the ones drawn mesh-"
+                           f"independently {sorted(draws)}: megatron's MoELayer changed")
+    for name, (seed_name, init_method, group, glu) in draws.items():
+        rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
+        init_shard_from_full(params[name], init_method, name_seed(base, seed_name), rank, size,
+                             glu=glu)
 
 
 def moe_layer_spec(moe: MoEConfig, *, use_te: bool = False, grouped_gemm: bool = False):

@@ -13,8 +13,8 @@ so it stays small at 1M-token documents and a resumed loader re-reads its buffer
 the rows an uninterrupted one would.
 
 Bad records raise :class:`BadRecord` naming ``file:line`` and the reason (policy ``stop``), or are
-skipped and counted per reason in :class:`DataStats` (policy ``skip``), which is logged at the end
-of every pass over the corpus.
+skipped and counted per file and reason in :class:`DataStats` (policy ``skip``), which is logged at
+the end of every pass over the corpus; the trainer reports the counts in every metrics line.
 """
 
 from __future__ import annotations
@@ -76,31 +76,60 @@ class DataStats:
     """Whitespace-only lines (not records, so not errors)."""
     epochs_completed: int = 0
     """Full passes over the corpus."""
-    skipped: dict[str, int] = field(default_factory=dict)
-    """Bad records skipped under on_bad_record=skip, by reason (BadRecord.kind)."""
+    skipped: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Bad records skipped under on_bad_record=skip: file -> reason (BadRecord.kind) -> count,
+    over every pass so far."""
 
-    def count_skip(self, kind: str) -> None:
-        self.skipped[kind] = self.skipped.get(kind, 0) + 1
+    def count_skip(self, file: str, kind: str) -> None:
+        per_file = self.skipped.setdefault(file, {})
+        per_file[kind] = per_file.get(kind, 0) + 1
+
+    def skipped_by_reason(self) -> dict[str, int]:
+        """Skips of all files, by reason."""
+        out: dict[str, int] = {}
+        for reasons in self.skipped.values():
+            for kind, n in reasons.items():
+                out[kind] = out.get(kind, 0) + n
+        return out
 
     @property
     def total_skipped(self) -> int:
-        return sum(self.skipped.values())
+        return sum(self.skipped_by_reason().values())
 
     def summary(self) -> str:
         """One log line with every count."""
-        skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
         return (f"data: {self.epochs_completed} epochs, {self.rows} rows, {self.documents} documents, "
                 f"{self.document_tokens} document tokens, {self.padding_tokens} padding tokens, "
-                f"{self.blank_lines} blank lines, skipped {self.total_skipped} ({skipped})")
+                f"{self.blank_lines} blank lines, {skip_summary(self.skipped)}")
 
     def state_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in ("documents", "document_tokens", "padding_tokens",
                                                  "rows", "blank_lines", "epochs_completed")},
-                "skipped": dict(self.skipped)}
+                "skipped": {f: dict(r) for f, r in self.skipped.items()}}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> DataStats:
-        return cls(**{**state, "skipped": dict(state["skipped"])})
+        skipped = state["skipped"]
+        if any(isinstance(n, int) for n in skipped.values()):
+            # Saved before skips were counted per file: keep the counts, say what is unknown.
+            skipped = {UNRECORDED_FILE: skipped}
+        return cls(**{**state, "skipped": {f: dict(r) for f, r in skipped.items()}})
+
+
+UNRECORDED_FILE = "(file not recorded)"
+"""The file of skips restored from a loader state saved when skips were counted by reason only."""
+
+
+def skip_summary(skipped: dict[str, dict[str, int]]) -> str:
+    """``skipped N bad records (file: reason=n, ...; file: ...)``, or ``skipped 0 bad records``:
+    a file -> reason -> count mapping (``DataStats.skipped``, a metrics line's
+    ``skipped_records``) in one line."""
+    total = sum(n for reasons in skipped.values() for n in reasons.values())
+    if not total:
+        return "skipped 0 bad records"
+    files = "; ".join(f"{file}: " + ", ".join(f"{k}={v}" for k, v in sorted(reasons.items()))
+                      for file, reasons in sorted(skipped.items()))
+    return f"skipped {total} bad records ({files})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,9 +172,10 @@ def list_jsonl(path: str | Path) -> list[Path]:
 
 
 def _decode_json(raw: bytes, file: str, line: int) -> dict:
-    """Bytes of one line -> the record object."""
+    """Bytes of one line -> the record object. A UTF-8 byte order mark (what some Windows editors
+    write) is dropped at the start of a file, where it is not part of the first record."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
     except UnicodeDecodeError as err:
         raise BadRecord(file, line, "non_utf8",
                         f"byte {raw[err.start]:#04x} at column {err.start} is not valid UTF-8") from None
@@ -270,7 +300,7 @@ class JsonlSource:
         except BadRecord as err:
             if self.on_bad_record == "stop":
                 raise
-            stats.count_skip(err.kind)
+            stats.count_skip(err.file, err.kind)
             logger.debug("skipping bad record %s", err)
             return None
 

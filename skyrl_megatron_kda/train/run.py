@@ -34,7 +34,8 @@ from .trainer import RankTrainer
 logger = logging.getLogger(__name__)
 
 # Same on every rank (global after the all-reduce, or the recipe's); taken from rank 0.
-_GLOBAL_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "loss_tokens", "exchange")
+_GLOBAL_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "loss_tokens", "exchange",
+                "skipped_records")
 
 
 def _make_trainer(rank: int, world: int, recipe: Recipe):

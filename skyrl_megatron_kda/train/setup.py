@@ -31,8 +31,10 @@ def init_parallel_state(recipe: Recipe) -> None:
 
 def seed_everything(seed: int, use_cpu: bool) -> None:
     """The same seed on every rank: with CPU initialisation megatron draws each full weight from
-    the CPU generator and slices it, so the model is the same for every mesh. On GPU megatron's
-    own ``model_parallel_cuda_manual_seed`` sets the per-TP/EP CUDA streams as in its trainer."""
+    the CPU generator and slices it (the MoE layers draw each tensor from a seed of its own name,
+    ``model.moe.build_moe_layer``), so the full weights are the same at every mesh. On GPU
+    megatron's own ``model_parallel_cuda_manual_seed`` sets the per-TP/EP CUDA streams as in its
+    trainer, and the weights depend on the mesh."""
     random.seed(seed)
     torch.manual_seed(seed)
     if use_cpu:

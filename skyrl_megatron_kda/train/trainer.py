@@ -243,6 +243,8 @@ class RankTrainer:
             "step_time_s": time.perf_counter() - start,
             "exchange": self.recipe.kda.cp_exchange,
             "cp_bytes": self.model.module.cp_bytes(),
+            # Every rank reads every row, so this rank's counts are the run's.
+            "skipped_records": self.loader.stats.state_dict()["skipped"],
             # Peak of torch's allocator since the run started (what `skyrl-kda plan` estimates).
             "peak_gib": None if self.use_cpu else torch.cuda.max_memory_allocated() / 2**30,
         }
