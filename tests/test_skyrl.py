@@ -19,7 +19,7 @@ from skyrl.train.config import SkyRLTrainConfig
 from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, Recipe
 from skyrl_megatron_kda.integrations.skyrl import ENTRYPOINT, SKYRL_VERSION
 from skyrl_megatron_kda.integrations.skyrl.config import KDASkyRLConfig, apply_recipe
-from skyrl_megatron_kda.recipes import get_recipe
+from skyrl_megatron_kda.recipes import get_recipe, load_recipe
 from tests.support.ranks import run_ranks
 
 # A job the integration accepts as far as SkyRL's own checks go (GRPO, no KL, not colocated).
@@ -51,7 +51,8 @@ def test_skyrl_config_selects_tiny_recipe_with_allgather():
     assert recipe.kda.cp_exchange == "allgather"
     # The file says otherwise, so the value above came through SkyRL's command line.
     assert get_recipe("glm53_flash_tiny").kda.cp_exchange != "allgather"
-    assert recipe == get_recipe("glm53_flash_tiny", ["kda.cp_exchange=allgather"])
+    # load_recipe, as the integration: the recipe as it runs (model.dsa.kernel=auto decided).
+    assert recipe == load_recipe("glm53_flash_tiny", ["kda.cp_exchange=allgather"])
 
 
 def test_overrides_are_dot_paths_into_the_recipe():
@@ -165,7 +166,8 @@ def test_skyrl_main_dispatches_to_our_entrypoint():
     assert f"entrypoint: {ENTRYPOINT}" in lines
     dumped = next(line for line in lines if line.startswith("recipe json: "))
     recipe = Recipe.model_validate(json.loads(dumped.removeprefix("recipe json: ")))
-    assert recipe == get_recipe("glm53_flash_tiny", ["kda.cp_exchange=allgather"])
+    # load_recipe, as the integration: the recipe as it runs (model.dsa.kernel=auto decided).
+    assert recipe == load_recipe("glm53_flash_tiny", ["kda.cp_exchange=allgather"])
     assert "launch blocked by:" in lines
 
 
