@@ -79,9 +79,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..config import DSAConfig
 from ..distributed.cp_layout import LAYOUTS, CPLayout, batch_sequences, sort_index
+from .fused_sparse_mla import fused_absorbed_sparse_mla, fused_dsa_kernels
 from .kpool_indices import pool_starts, pool_token_indices, pooled_keys
 from .sparse_indexer import blocked_pool_topk, fused_pool_topk
-from .fused_sparse_mla import fused_absorbed_sparse_mla, fused_dsa_kernels
 from .sparse_mla import absorbed_sparse_mla
 
 
@@ -307,8 +307,8 @@ class GlmKPoolIndexer(DSAIndexer):
         return out
 
     def _top_pools(self, q, weights, pool_k, starts, pos, first):
-        """One query block's selected pool ids: megatron's TileLang scores (fused) or the torch
-        blocks over pools."""
+        """One query block's selected pool ids: the Triton scores of the whole visible range
+        (fused) or the torch blocks over pools."""
         P, n_select, block = self.index_kpool, self.index_topk // self.index_kpool, q.shape[0]
         if self.dsa.kernel == "fused":
             return fused_pool_topk(q, weights, pool_k, starts, pos, first, P, n_select, block,
