@@ -24,7 +24,8 @@ tensor); nothing is fitted to a measurement.
   tensors. ``train.offload_activations`` moves the kept ones to host memory.
 - **Peak phase**: activations are not all alive at once. The estimate takes the largest of a
   few phases of the step, each the activations alive then plus its working set: the loss (the
-  head's tensors and the bf16 logits), a KDA layer's kernel backward (fla's ``chunk_kda_bwd``
+  head's tensors and the bf16 logits, or under ``train.loss_chunk_tokens`` one chunk's fp32
+  logits and the hidden and weight gradients), a KDA layer's kernel backward (fla's ``chunk_kda_bwd``
   allocations; the head, the later layers and that layer's MLP are freed by then; a recomputed
   layer's rebuilt tensors are alive), and a DSA layer's working set (model.dsa.kernel: one
   block of the torch kernel, or the unfused path's indexer scores and whole-sequence keys).
@@ -460,13 +461,43 @@ def moe_activation_bytes(recipe: Recipe) -> int:
 
 def head_activation_bytes(recipe: Recipe) -> int:
     """Embedding, final norm, output layer and loss: the token ids, the final norm, the output
-    layer's input [s, D], and megatron's vocab-parallel cross entropy on the fp32 logits
-    [S, V/tp] with its target mask and masked targets."""
-    m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
+    layer's input [s, D], and the loss's per-token tensors (``loss_kept_bytes_per_token``)."""
+    m, w, r = recipe.model, _act_bytes(recipe), rows_of(recipe)
     total = r.cp * 8 + norm_activation_bytes(recipe, m.hidden_size, r.sp)
     total += r.sp * m.hidden_size * w
-    total += r.cp * (m.vocab_size // p.tp * 4 + 1 + 8)
-    return total
+    return total + r.cp * loss_kept_bytes_per_token(recipe)
+
+
+def loss_kept_bytes_per_token(recipe: Recipe) -> int:
+    """What the loss keeps per token of the CP rank. Unfused (megatron's vocab-parallel cross
+    entropy): the fp32 softmax over the vocabulary shard [V/tp], the target mask (bool) and the
+    masked target (int64). ``train.loss_chunk_tokens`` (model/fused_loss.py): the labels (int64)
+    and the all-reduced fp32 row max and sum of exp."""
+    if recipe.train.loss_chunk_tokens is not None:
+        return 8 + 4 + 4
+    return recipe.model.vocab_size // recipe.parallel.tp * 4 + 1 + 8
+
+
+def loss_working_bytes(recipe: Recipe) -> tuple[str, int]:
+    """The loss phase's working set on top of what is kept, with its label.
+
+    Unfused: the logits [S, V/tp] in the activation dtype (before their fp32 copy in forward,
+    their gradient in backward). ``train.loss_chunk_tokens`` = c (model/fused_loss.py's
+    backward, its largest point): the gathered hidden rows [S, D] (under SP with tp > 1; else
+    the kept input itself) and their gradient [S, D] in the activation dtype, the fp32 weight
+    gradient accumulator and one chunk's product [V/tp, D] (in the activation dtype), and one
+    chunk's logits [c, V/tp]: fp32, with the matmul's output in the activation dtype (bf16)
+    alive at the fp32 copy, or the gradient cast to it after (fp32 needs neither)."""
+    m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
+    shard = m.vocab_size // p.tp
+    chunk = recipe.train.loss_chunk_tokens
+    if chunk is None:
+        return "bf16 logits", r.cp * shard * w
+    gathered = r.cp * m.hidden_size * w if p.sequence_parallel and p.tp > 1 else 0
+    rows = gathered + r.cp * m.hidden_size * w
+    weight = shard * m.hidden_size * (4 + w)
+    logits = min(chunk, r.cp) * shard * (4 + (w if w != 4 else 0))
+    return f"fused loss chunk of {chunk}", rows + weight + logits
 
 
 def attention_activation_bytes(recipe: Recipe, index: int) -> int:
@@ -612,11 +643,11 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
         per_element = 12 if g.dtype_bytes != 4 else 8
         optimizer += g.numel * per_element // (expert_shard if g.expert else dense_shard)
 
-    m, r, w = recipe.model, rows_of(recipe), _act_bytes(recipe)
+    m = recipe.model
     kinds = m.layer_types()
     exchange, per_layer_extra = exchange_extra_bytes(recipe)
     head = head_activation_bytes(recipe)
-    logits = r.cp * m.vocab_size // recipe.parallel.tp * w
+    loss_label, loss_working = loss_working_bytes(recipe)
     kda_bwd = kda_backward_bytes(recipe) if "kda" in kinds else 0
     dsa_scratch = dsa_transient_bytes(recipe) if "dsa" in kinds else 0
     offload = recipe.train.offload_activations
@@ -634,8 +665,8 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
     # buffers live around the projection and the exchange, not during the kernel's backward:
     # the larger of the two counts. Offloaded activations live on the host until their layer's
     # backward copies them back.
-    loss = head + logits if offload else sum(activations.values()) + logits
-    phases = {"loss: kept + head + bf16 logits": loss}
+    loss = head + loss_working if offload else sum(activations.values()) + loss_working
+    phases = {f"loss: kept + head + {loss_label}": loss}
     dsa_layer = 0
     for kind, working, label in (
             ("kda", max(per_layer_extra, kda_bwd), "KDA layer backward (largest)"),

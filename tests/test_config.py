@@ -15,6 +15,7 @@ from skyrl_megatron_kda.config import (
     LinkConfig,
     ModelConfig,
     ParallelConfig,
+    TrainConfig,
     apply_env_overrides,
     load_mesh_recipe,
     merge,
@@ -125,6 +126,17 @@ def test_pipeline_parallel_refused():
 def test_parallel_sizes_positive(size):
     with pytest.raises(ValidationError, match=r"cp\n.*greater than 0"):
         ParallelConfig(cp=size)
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_loss_chunk_tokens_positive(size):
+    with pytest.raises(ValidationError, match=r"loss_chunk_tokens\n.*greater than 0"):
+        TrainConfig(loss_chunk_tokens=size)
+
+
+def test_loss_chunk_tokens_default_is_the_unfused_loss():
+    assert TrainConfig().loss_chunk_tokens is None
+    assert TrainConfig(loss_chunk_tokens=4096).loss_chunk_tokens == 4096
 
 
 def test_parallel_size_not_a_bool():

@@ -183,7 +183,8 @@ def _census_on_rank(rank, world, overrides_list):
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, recipe.model.vocab_size, (1, recipe.data.seq_len), generator=gen)
         with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda h: h.t):
-            loss = model(ids, labels=ids)
+            # Labels in their own storage, as the trainer's: the fused loss keeps them.
+            loss = model(ids, labels=ids.roll(-1, 1))
         parts: dict[str, int] = {}
         for module, nbytes in census.by_module().items():
             parts[_part(module)] = parts.get(_part(module), 0) + nbytes
@@ -207,15 +208,19 @@ def census():
         "full_dsa": SINGLE + ["model.params_dtype=bfloat16", "train.recompute=full",
                               "train.recompute_layers=[dsa]"],
         "offload": SINGLE + ["model.params_dtype=bfloat16", "train.offload_activations=true"],
+        # the fused loss, with chunks that do not divide the 256 tokens
+        "fp32_fused_loss": SINGLE + ["train.loss_chunk_tokens=100"],
+        "bf16_fused_loss": SINGLE + ["model.params_dtype=bfloat16", "train.loss_chunk_tokens=100"],
     }
     (result,) = run_ranks(1, _census_on_rank, list(variants.values()))
     return dict(zip(variants, result)), {k: load_recipe(TINY, v) for k, v in variants.items()}
 
 
-@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16_T96", "fp32_unfused", "bf16_unfused"])
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16_T96", "fp32_unfused", "bf16_unfused",
+                                     "fp32_fused_loss", "bf16_fused_loss"])
 def test_activation_terms_equal_saved_tensors(census, variant):
     """Every block but KDA attention, exactly: mHC + norms per layer, DSA (both kernels), dense
-    MLP, MoE, head."""
+    MLP, MoE, head (with megatron's loss, and with ``train.loss_chunk_tokens``)."""
     measured, recipes = census
     parts, recipe = measured[variant], recipes[variant]
     m = recipe.model
@@ -409,6 +414,23 @@ def test_offload_keeps_only_one_layer_on_the_gpu():
     for label in ("loss: kept + head + bf16 logits", "KDA layer backward (largest)"):
         assert offload.phases[label] < on_gpu.phases[label] / 10, label
     assert offload.phases["loss: kept + head + bf16 logits"] > head
+
+
+def test_fused_loss_replaces_the_logits():
+    """``train.loss_chunk_tokens``: the head keeps 16 bytes per token instead of the fp32 softmax
+    over the vocabulary shard, and the loss phase holds one chunk's logits instead of all."""
+    plain = memory.estimate_memory(_full())
+    fused_recipe = _full("train.loss_chunk_tokens=8192")
+    fused = memory.estimate_memory(fused_recipe)
+    r, m = memory.rows_of(fused_recipe), fused_recipe.model
+    head = "embedding + head + loss"
+    assert plain.activations[head] - fused.activations[head] == r.cp * (m.vocab_size // 8 * 4 + 9 - 16)
+    loss = "loss: kept + head + fused loss chunk of 8192"
+    assert fused.phases[loss] < plain.phases["loss: kept + head + bf16 logits"] - 40 * memory.GiB
+    # The chunk's logits scale with the chunk, not with the rank's tokens.
+    half = memory.estimate_memory(_full("train.loss_chunk_tokens=4096"))
+    assert (fused.phases[loss] - half.phases["loss: kept + head + fused loss chunk of 4096"]
+            == 4096 * (m.vocab_size // 8) * (4 + 2))
 
 
 # --- the full model against its model card -------------------------------------------------

@@ -39,6 +39,11 @@ class TrainConfig(_Config):
     """Keep the tensors saved for backward in host memory instead of the GPU (torch's
     ``save_on_cpu``, pinned): under full recompute the layer inputs, else every kept activation.
     Each is copied to the host in forward and back in backward."""
+    loss_chunk_tokens: PositiveInt | None = None
+    """Compute the output layer and cross entropy in chunks of this many tokens of the CP rank,
+    never forming the [tokens, vocab/tp] logits (model/fused_loss.py: kept per token are two fp32
+    numbers, the logits of one chunk are rebuilt in backward). None: megatron's unfused loss on
+    the whole fp32 logits. Same loss and gradients either way (fp32 summation order)."""
     log_every: PositiveInt = 1
     """Log metrics every this many steps."""
     warmup_steps: NonNegativeInt = 0

@@ -18,7 +18,9 @@ megatron-core 0.19.2 has no hook for that; every block inside is megatron's own 
 
 ``train.recompute`` rebuilds whole layers (``full``) or attention blocks (``selective``) of the
 types in ``train.recompute_layers`` in backward (reentrant checkpoints, as megatron's);
-``train.offload_activations`` keeps every tensor saved for backward in host memory.
+``train.offload_activations`` keeps every tensor saved for backward in host memory;
+``train.loss_chunk_tokens`` computes the loss in token chunks without forming the logits
+(model/fused_loss.py).
 
 Tensors are megatron's ``[s, b, ...]`` inside; ``s`` is this rank's CP shard (zigzag by default)
 and, under sequence parallelism, its ``1/tp`` slice. The MTP layer is not built.
@@ -49,6 +51,7 @@ from ..kda.exchanges import CommLedger
 from ..kda.layer import kda_layer_spec
 from ..megatron_config import mesh_config_kwargs
 from .dsa import glm_dsa_layer_spec
+from .fused_loss import chunked_linear_cross_entropy
 from .hyper_connections import HyperConnection, expand_to_streams, reduce_streams
 from .moe import build_moe_layer, check_glm_moe_config, moe_transformer_config_kwargs
 
@@ -202,6 +205,8 @@ class GLMModel(MegatronModule):
             bias=False, skip_bias_add=False, gather_output=False,
             skip_weight_param_allocation=m.tie_word_embeddings, tp_group=pg_collection.tp)
         self._cp_bytes_base = 0
+        # train.loss_chunk_tokens: the loss in token chunks without the logits (model/fused_loss.py).
+        self.loss_chunk_tokens = recipe.train.loss_chunk_tokens
 
     # --- communication accounting -------------------------------------------------------------
 
@@ -227,6 +232,11 @@ class GLMModel(MegatronModule):
     def _output_weight(self) -> torch.Tensor | None:
         return self.embedding.weight if self.recipe.model.tie_word_embeddings else None
 
+    def _vocab_weight(self) -> torch.Tensor:
+        """This rank's vocabulary shard of the output layer [V/tp, D] (the embedding when tied)."""
+        tied = self._output_weight()
+        return self.output_layer.weight if tied is None else tied
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 packed_seq_params: PackedSeqParams | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,7 +245,7 @@ class GLMModel(MegatronModule):
 
         Returns logits [b, s_local, vocab/tp] without ``labels``, else the per-token fp32 loss
         [b, s_local] of megatron's vocab-parallel cross entropy (unmasked; the caller masks and
-        averages). ``position_ids`` are accepted for the trainer's calling convention and unused:
+        averages), in token chunks without the logits under ``train.loss_chunk_tokens``. ``position_ids`` are accepted for the trainer's calling convention and unused:
         the model has no positional encoding (KDA is causal by construction, DSA is NoPE).
         """
         if input_ids.dim() != 2:
@@ -255,6 +265,12 @@ class GLMModel(MegatronModule):
                 else:
                     streams = layer(streams, packed_seq_params)
             hidden = self.final_norm(reduce_streams(streams))
+            if labels is not None and self.loss_chunk_tokens is not None:
+                loss = chunked_linear_cross_entropy(
+                    hidden, self._vocab_weight(),
+                    labels.transpose(0, 1).contiguous(), chunk=self.loss_chunk_tokens,
+                    tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel)
+                return loss.transpose(0, 1).contiguous()
             logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
             if labels is None:
                 return logits.transpose(0, 1).contiguous()
