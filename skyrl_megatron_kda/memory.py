@@ -16,7 +16,8 @@ tensor); nothing is fitted to a measurement.
   group of each parameter: dense parameters over DP x CP (``intra_dp_cp``), routed experts over
   the expert data-parallel group (world / (ep * etp)). Per element: fp32 main copy + exp_avg +
   exp_avg_sq = 12 bytes for bf16 parameters; 8 for fp32 ones (the main copy is the parameter).
-  ``train.optimizer_offload_fraction`` f moves f of it to host memory (``optimizer_split``).
+  ``train.optimizer_offload_fraction`` f moves f of it to host memory (``optimizer_split``;
+  modelled only: a run refuses it, see ``train/optimizer.py``).
 - **Activations**: the tensors autograd keeps for backward, per layer type, for one packed row
   of ``data.seq_len`` tokens (the trainer runs forward+backward one row at a time, so
   ``micro_batch_size`` does not multiply them). KDA is modeled on the fla (GPU) kernels;
@@ -746,7 +747,9 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
                      f"-> {verdict}")
     if est.host_optimizer:
         lines.append(f"host memory per GPU: optimizer state {est.host_optimizer / GiB:.2f} GiB "
-                     f"(train.optimizer_offload_fraction={t.optimizer_offload_fraction:g})")
+                     f"(train.optimizer_offload_fraction={t.optimizer_offload_fraction:g}; "
+                     "modelled only: a run refuses it, megatron-core 0.19.2's "
+                     "HybridDeviceOptimizer cannot hold fp32 parameters)")
     return lines
 
 

@@ -1,17 +1,20 @@
 """Optimizer state on the host (``train.optimizer_offload_fraction``) and bf16 gradient reduction
 (``train.grad_reduce_in_fp32``): the settings' validation, the megatron configs built from them,
-their memory model against the bytes the built optimizer and DDP hold, and (GPU only) that an
-offloaded optimizer takes the same steps and that its checkpoints resume without offload and
-vice versa.
+their memory model against the bytes the built optimizer and DDP hold, and bf16 reduction's
+losses.
 
-megatron-core 0.19.2's HybridDeviceOptimizer cannot run on this project's CPU ranks: it offloads
-only parameters for which ``is_cuda`` holds (none on a CPU rank), puts the rest in its CPU
-optimizer anyway and then looks each of them up among the offloaded copies in ``step``
-(KeyError), and it pins host memory and uses CUDA streams. So the recipe refuses it on
-``run.device=cpu`` and the step tests run on a GPU."""
+Offload is modelled (``plan``) but refused when a run or a trainer is built
+(``train.optimizer.OFFLOAD_REFUSED``): megatron-core 0.19.2's HybridDeviceOptimizer cannot hold
+fp32 model parameters, which this model always has (mHC maps, A_log, dt_bias).
+``test_megatron_hybrid_optimizer_cannot_hold_fp32_parameters`` reproduces that on megatron's own
+classes; when it fails, megatron changed and the refusal can be lifted. It is also refused on
+``run.device=cpu``: there the hybrid optimizer offloads only parameters for which ``is_cuda``
+holds (none), puts the rest in its CPU optimizer anyway and then looks each of them up among the
+offloaded copies in ``step`` (KeyError), and it pins host memory and uses CUDA streams."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -20,7 +23,11 @@ from pydantic import ValidationError
 
 from skyrl_megatron_kda import cli, memory
 from skyrl_megatron_kda.recipes import load_recipe
-from skyrl_megatron_kda.train.optimizer import ddp_config, optimizer_config
+from skyrl_megatron_kda.train.optimizer import (
+    OFFLOAD_REFUSED,
+    ddp_config,
+    optimizer_config,
+)
 from tests.support.ranks import run_ranks
 
 TINY = "glm53_flash_tiny"
@@ -58,15 +65,93 @@ def test_built_configs_follow_the_recipe():
     assert cfg.optimizer_offload_fraction == 0.0 and cfg.use_distributed_optimizer
     assert ddp_config(default).grad_reduce_in_fp32
 
-    recipe = load_recipe(TINY, [*ON_GPU, "train.optimizer_offload_fraction=0.25",
-                                "train.grad_reduce_in_fp32=false"], environ={})
-    cfg = optimizer_config(recipe)
-    # The hybrid optimizer runs on megatron's precision-aware path (it keeps the fp32 main
-    # parameters itself); without TE this is the only path that may take it.
-    assert cfg.optimizer_cpu_offload and cfg.use_precision_aware_optimizer
-    assert cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-    assert cfg.optimizer_offload_fraction == 0.25 and cfg.decoupled_weight_decay
+    recipe = load_recipe(TINY, ["train.grad_reduce_in_fp32=false"], environ={})
     assert not ddp_config(recipe).grad_reduce_in_fp32
+    assert not optimizer_config(recipe).optimizer_cpu_offload
+
+
+def test_offload_refused_when_built():
+    """The recipe takes the fraction (``plan`` models it); the trainer's optimizer config and
+    ``skyrl-kda run`` (before Ray starts) refuse it with one line naming megatron's limitation."""
+    recipe = load_recipe(TINY, [*ON_GPU, "train.optimizer_offload_fraction=0.25"], environ={})
+    with pytest.raises(ValueError, match=r"not supported with megatron-core 0\.19\.2: its "
+                                         r"HybridDeviceOptimizer cannot hold fp32 model parameters"):
+        optimizer_config(recipe)
+    assert "\n" not in OFFLOAD_REFUSED
+
+
+def test_run_refuses_offload_before_starting(capsys, tmp_path):
+    overrides = [*ON_GPU, "train.optimizer_offload_fraction=1.0", f"run.output_dir={tmp_path}/run"]
+    assert cli.main(["run", TINY, *[a for o in overrides for a in ("--set", o)]]) == 2
+    assert f"error: {OFFLOAD_REFUSED}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def _megatron_cuda_code():
+    """Where megatron's CUDA-only optimizer code runs: as is on a GPU box, in
+    ``cuda_names_cpu`` on a CPU one."""
+    from skyrl_megatron_kda.distributed.cpu import cuda_names_cpu
+
+    return contextlib.nullcontext() if torch.cuda.is_available() else cuda_names_cpu()
+
+
+def _megatron_hybrid_optimizer(no_grad: bool):
+    """megatron's own path with the offload configuration megatron intends (precision-aware,
+    fraction 1): ``DistributedOptimizer._build_model_and_main_param_groups`` shards an fp32
+    parameter (as A_log, dt_bias, an mHC map) and a bf16 one, then the hybrid optimizer is built
+    over the shard group as ``DistributedOptimizer.__init__`` builds it. Returns the shard group
+    and the optimizer (or the construction error)."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    params = [torch.nn.Parameter(torch.randn(8, device=device)),
+              torch.nn.Parameter(torch.randn(8, device=device, dtype=torch.bfloat16))]
+    group = {"params": list(params), "wd_mult": 1.0}
+    gbuf_ranges = [{torch.float32: [{"param_map": {p: {"param": Range(0, 8)} for p in params}}]}]
+    config = OptimizerConfig(
+        optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+        optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+        use_precision_aware_optimizer=True)
+    with _megatron_cuda_code(), (torch.no_grad() if no_grad else contextlib.nullcontext()):
+        DistributedOptimizer._build_model_and_main_param_groups(
+            gbuf_ranges, {p: (0, torch.float32, 0) for p in params},
+            [{"params": params, "orig_group": group}], config)
+        try:
+            optimizer = HybridDeviceOptimizer(
+                [group], offload_fraction=1.0, cpu_optimizer_cls=torch.optim.AdamW,
+                gpu_optimizer_cls=torch.optim.AdamW, overlap_cpu_optimizer_d2h_h2d=False,
+                pin_cpu_grads=cuda, pin_cpu_params=cuda, param_update_in_fp32=True, lr=1e-3,
+                weight_decay=0.0)
+        except ValueError as err:
+            return group["params"], err
+    return group["params"], optimizer
+
+
+def test_megatron_hybrid_optimizer_cannot_hold_fp32_parameters():
+    """Why ``train.optimizer_offload_fraction`` is refused (megatron-core 0.19.2). When this test
+    fails, megatron's hybrid optimizer changed: lift ``OFFLOAD_REFUSED`` and run the offloaded
+    steps and checkpoints on a GPU."""
+    # The fp32 branch slices the parameter without detaching it: a non-leaf view, which
+    # torch.optim.Optimizer refuses (the error the GPU run hit); the bf16 branch detaches.
+    (fp32_shard, bf16_shard), built = _megatron_hybrid_optimizer(no_grad=False)
+    assert not fp32_shard.is_leaf and bf16_shard.is_leaf
+    assert isinstance(built, ValueError) and "can't optimize a non-leaf Tensor" in str(built)
+    # Built under no_grad the shard is a leaf and the optimizer constructs, but it makes fp32
+    # copies of 16-bit parameters only, and its load_state_dict looks every parameter with state
+    # up among those copies: no checkpoint holding an fp32 parameter's state loads.
+    (fp32_shard, bf16_shard), optimizer = _megatron_hybrid_optimizer(no_grad=True)
+    assert fp32_shard.is_leaf and not isinstance(optimizer, ValueError)
+    assert bf16_shard in optimizer.param_to_fp32_param
+    assert fp32_shard not in optimizer.param_to_fp32_param
+    for p in (fp32_shard, bf16_shard):  # a step's state, as _sync_sub_optimizers_state_to_hdo
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(8),
+                              "exp_avg_sq": torch.zeros(8), "master_param": p.detach().float()}
+    with _megatron_cuda_code(), pytest.raises(KeyError) as missing:
+        optimizer.load_state_dict(optimizer.state_dict())
+    assert missing.traceback[-1].name == "_update_fp32_params_by_new_state"
 
 
 # --- memory model -------------------------------------------------------------------------
@@ -197,65 +282,3 @@ def test_bf16_grad_reduction_leaves_the_first_loss_and_trains():
     worst = max(abs(a - b) / a for a, b in zip(fp32, bf16))
     assert worst < 1e-2, f"bf16 gradient reduction moved the losses by {worst:.1e}: {fp32} vs {bf16}"
     assert fp32[2] < fp32[0]
-
-
-# --- on a GPU: the hybrid optimizer's steps and checkpoints -------------------------------
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="megatron's HybridDeviceOptimizer needs CUDA parameters (refused on run.device=cpu)")
-
-
-def _gpu_run(rank, world, overrides, save_dir, load_dir) -> dict:
-    """3 steps (after loading ``load_dir`` if given: its step + 1 to 3); saves after step 2 into
-    ``save_dir`` if given. Returns the losses and the final weights on the CPU."""
-    from skyrl_megatron_kda.train.checkpoint import latest_checkpoint
-    from skyrl_megatron_kda.train.trainer import RankTrainer
-
-    trainer = RankTrainer(load_recipe(TINY, [*ONE_RANK, *ON_GPU, *overrides], environ={}))
-    if load_dir:
-        trainer.load_checkpoint(str(latest_checkpoint(load_dir)))
-    losses = []
-    while trainer.step < 3:
-        losses.append(trainer.train_step()["loss"])
-        if save_dir and trainer.step == 2:
-            trainer.save_checkpoint(save_dir)
-    weights = {k: v.detach().float().cpu() for k, v in trainer.model.module.state_dict().items()
-               if isinstance(v, torch.Tensor)}
-    trainer.close()
-    return {"losses": losses, "weights": weights}
-
-
-def _assert_same_run(a: dict, b: dict, what: str) -> None:
-    # The offloaded share runs torch's fused AdamW on the CPU instead of the foreach one on the
-    # GPU: the same update, summed in another order, so fp32 main weights may differ in the last
-    # bits and a bf16 weight by one rounding step; a wrong step (a missed gradient, another LR)
-    # moves them by the LR, far more.
-    assert len(a["losses"]) == len(b["losses"])
-    for x, y in zip(a["losses"], b["losses"]):
-        assert abs(x - y) <= 1e-6 * abs(x), f"{what}: losses {a['losses']} vs {b['losses']}"
-    for name, w in a["weights"].items():
-        torch.testing.assert_close(b["weights"][name], w, rtol=2**-8, atol=0,
-                                   msg=lambda m, name=name: f"{what}: {name}: {m}")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fraction", ["1.0", "0.5"])
-def test_offloaded_optimizer_takes_the_same_steps(fraction):
-    plain = run_ranks(1, _gpu_run, [], None, None, backend="nccl")[0]
-    offload = run_ranks(1, _gpu_run, [f"train.optimizer_offload_fraction={fraction}"], None, None,
-                        backend="nccl")[0]
-    _assert_same_run(plain, offload, f"offload {fraction} vs none after 3 steps")
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_checkpoints_cross_offload_settings(tmp_path):
-    on, off = ["train.optimizer_offload_fraction=1.0"], []
-    for saved, loaded in ((on, off), (off, on)):
-        folder = tmp_path / ("from_offload" if saved else "to_offload")
-        whole = run_ranks(1, _gpu_run, saved, str(folder), None, backend="nccl")[0]
-        resumed = run_ranks(1, _gpu_run, loaded, None, str(folder), backend="nccl")[0]
-        _assert_same_run({"losses": whole["losses"][2:], "weights": whole["weights"]}, resumed,
-                         f"saved with {saved or 'no offload'}, resumed with {loaded or 'no offload'}")

@@ -101,6 +101,8 @@ class RankTrainer:
             raise RuntimeError("RankTrainer needs torch.distributed initialised (one process per rank)")
         self.recipe = recipe
         self.use_cpu = recipe.run.device == "cpu"
+        # Before anything is built: refuses the settings megatron cannot build (optimizer offload).
+        opt_config = optimizer_config(recipe)
         init_parallel_state(recipe)
         seed_everything(recipe.train.seed, self.use_cpu)
         self.pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -122,7 +124,7 @@ class RankTrainer:
         self.model = DistributedDataParallel(self.config, ddp_config(recipe), module)
         t = recipe.train
         with self.cpu_mode():
-            self.optimizer = get_megatron_optimizer(optimizer_config(recipe), [self.model])
+            self.optimizer = get_megatron_optimizer(opt_config, [self.model])
             self.scheduler = build_scheduler(self.optimizer, recipe)
         self.loader = loader or build_loader(
             recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.kda.cp_layout,
