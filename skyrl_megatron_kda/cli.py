@@ -230,7 +230,13 @@ def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
     wrong: on a local cluster (whose ranks read this machine's files) ``data.path`` and
     ``run.init_from_hf``; then the output folder (``train.run_folder.prepare``: a used one, the
     checkpoint ``--resume`` continues from and its schedule), last because ``--overwrite`` moves
-    the old run aside. Returns where the run starts."""
+    the old run aside. Settings megatron cannot build are refused first
+    (``train.optimizer_offload_fraction``: ``train.optimizer.OFFLOAD_REFUSED``). Returns where the
+    run starts."""
+    if recipe.train.optimizer_offload_fraction:
+        from .train.optimizer import OFFLOAD_REFUSED
+
+        raise ValueError(OFFLOAD_REFUSED)
     if recipe.run.ray_address is None:
         if recipe.data.path is not None:
             from .train.data import list_jsonl

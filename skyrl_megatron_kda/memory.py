@@ -9,11 +9,15 @@ tensor); nothing is fitted to a measurement.
   them with the megatron model element by element), with each tensor's dtype (the mHC maps and
   KDA's ``A_log``/``dt_bias`` stay fp32 in a bf16 model).
 - **Gradients**: megatron DDP's grad buffer holds every trainable parameter once, in fp32
-  (``grad_reduce_in_fp32=True`` in train/trainer.py). The frozen DSA indexer has none.
+  (``train.grad_reduce_in_fp32``, the default) or else in the parameter's dtype. The frozen DSA
+  indexer has none. With a bf16 buffer the optimizer step casts the rank's shard of it to fp32
+  (its own phase, below).
 - **Optimizer**: megatron's DistributedOptimizer shards Adam's state over the data-parallel
   group of each parameter: dense parameters over DP x CP (``intra_dp_cp``), routed experts over
   the expert data-parallel group (world / (ep * etp)). Per element: fp32 main copy + exp_avg +
   exp_avg_sq = 12 bytes for bf16 parameters; 8 for fp32 ones (the main copy is the parameter).
+  ``train.optimizer_offload_fraction`` f moves f of it to host memory (``optimizer_split``;
+  modelled only: a run refuses it, see ``train/optimizer.py``).
 - **Activations**: the tensors autograd keeps for backward, per layer type, for one packed row
   of ``data.seq_len`` tokens (the trainer runs forward+backward one row at a time, so
   ``micro_batch_size`` does not multiply them). KDA is modeled on the fla (GPU) kernels;
@@ -28,7 +32,9 @@ tensor); nothing is fitted to a measurement.
   logits and the hidden and weight gradients), a KDA layer's kernel backward (fla's ``chunk_kda_bwd``
   allocations; the head, the later layers and that layer's MLP are freed by then; a recomputed
   layer's rebuilt tensors are alive), and a DSA layer's working set (model.dsa.kernel: one
-  block of the torch kernel, or the unfused path's indexer scores and whole-sequence keys).
+  block of the torch kernel, or the unfused path's indexer scores and whole-sequence keys); with
+  a bf16 gradient buffer also the optimizer step, when the distributed optimizer holds fp32 casts
+  of the rank's gradient shard and no activation is alive.
 
 Not counted: allocator fragmentation and caching, NCCL/communication buffers other than the KDA
 exchange's, CUDA context (about 0.5-1 GiB), gradients of activations other than fla's kernel
@@ -51,8 +57,10 @@ GiB = 2**30
 H200_BYTES = 143_771 * 2**20
 """Memory of one H200 as ``nvidia-smi`` reports it (143,771 MiB, "141 GB")."""
 
-GRAD_BYTES = 4
-"""Bytes per gradient element: train/trainer.py builds DDP with ``grad_reduce_in_fp32=True``."""
+HOST_OPTIMIZER_BYTES = 16
+"""Host bytes per offloaded optimizer element (megatron's HybridDeviceOptimizer): the fp32 main
+copy, exp_avg, exp_avg_sq, and the pinned fp32 copy of its gradient, for bf16 and fp32
+parameters alike."""
 
 DSA_TOPK_CHUNK = 1024
 """Keys per step of megatron-core 0.19.2's ``unfused_dsa_fn`` loop (``topk_chunk_size``)."""
@@ -595,6 +603,7 @@ class MemoryEstimate:
     offloaded: bool  # the kept activations live in host memory (train.offload_activations)
     dsa_layer: int = 0  # the largest DSA layer's own tensors + working set (its phase without
     # what the layers before it keep)
+    host_optimizer: int = 0  # optimizer state in host memory (train.optimizer_offload_fraction)
 
     @property
     def states(self) -> int:
@@ -629,19 +638,51 @@ def optimizer_shards(recipe: Recipe) -> tuple[int, int]:
     return world // (p.tp * p.pp), world // (p.ep * p.etp * p.pp)
 
 
+def grad_bytes(recipe: Recipe, group: ParamGroup) -> int:
+    """Bytes per element of ``group``'s gradients in DDP's buffer: fp32, or the parameter's own
+    dtype without ``train.grad_reduce_in_fp32``."""
+    return 4 if recipe.train.grad_reduce_in_fp32 else group.dtype_bytes
+
+
+@dataclass(frozen=True)
+class OptimizerSplit:
+    """Where one rank's optimizer memory lives (bytes)."""
+
+    gpu: int  # fp32 main copies + Adam moments kept on the GPU
+    host: int  # the offloaded share in host memory (HOST_OPTIMIZER_BYTES per element)
+    step_casts: int  # on the GPU during the step: fp32 casts of the GPU share's bf16 gradients
+
+
+def optimizer_split(recipe: Recipe) -> OptimizerSplit:
+    """The distributed optimizer's memory on the GPU and on the host, per rank.
+
+    With ``train.optimizer_offload_fraction`` f, megatron's HybridDeviceOptimizer offloads whole
+    parameter shards in order until f of the shard elements are on the host; this takes exactly
+    f of each term (exact at 0 and 1; in between it differs by less than one parameter shard).
+    Offloaded, an element costs the GPU nothing and the host ``HOST_OPTIMIZER_BYTES``; its
+    gradient is copied to the host as fp32 without a GPU cast."""
+    dense_shard, expert_shard = optimizer_shards(recipe)
+    state = host = casts = 0
+    for g in rank_parameters(recipe):
+        if not g.trainable:
+            continue
+        shard = expert_shard if g.expert else dense_shard
+        state += g.numel * (12 if g.dtype_bytes != 4 else 8) // shard
+        host += g.numel * HOST_OPTIMIZER_BYTES // shard
+        if grad_bytes(recipe, g) != 4:
+            casts += g.numel * 4 // shard
+    f = recipe.train.optimizer_offload_fraction
+    return OptimizerSplit(gpu=state - round(f * state), host=round(f * host),
+                          step_casts=casts - round(f * casts))
+
+
 def estimate_memory(recipe: Recipe) -> MemoryEstimate:
     """The per-GPU memory of ``recipe`` (see the module docstring for what is counted)."""
     groups = rank_parameters(recipe)
     params = {label: sum(g.bytes for g in groups if g.component in kinds)
               for label, kinds in PARAM_GROUPS.items()}
-    dense_shard, expert_shard = optimizer_shards(recipe)
-    grads = optimizer = 0
-    for g in groups:
-        if not g.trainable:
-            continue
-        grads += g.numel * GRAD_BYTES
-        per_element = 12 if g.dtype_bytes != 4 else 8
-        optimizer += g.numel * per_element // (expert_shard if g.expert else dense_shard)
+    grads = sum(g.numel * grad_bytes(recipe, g) for g in groups if g.trainable)
+    split = optimizer_split(recipe)
 
     m = recipe.model
     kinds = m.layer_types()
@@ -677,10 +718,14 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
             phases[label] = max(kept_below[i] + nbytes for i, nbytes in own.items())
             if kind == "dsa":
                 dsa_layer = max(own.values())
+    if split.step_casts:
+        # The distributed optimizer casts the bf16 gradient shard to fp32 before Adam runs, when
+        # every activation is freed; the casts live until the gradients are zeroed.
+        phases["optimizer step: fp32 casts of bf16 grads"] = split.step_casts
     return MemoryEstimate(params=params, buffers=rank_buffers_bytes(recipe), grads=grads,
-                          optimizer=optimizer, activations=activations, exchange=exchange,
+                          optimizer=split.gpu, activations=activations, exchange=exchange,
                           exchange_buffers=per_layer_extra, phases=phases, recompute=recipe.train.recompute,
-                          offloaded=offload, dsa_layer=dsa_layer)
+                          offloaded=offload, dsa_layer=dsa_layer, host_optimizer=split.host)
 
 
 def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
@@ -692,6 +737,9 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
     dense_shard, expert_shard = optimizer_shards(recipe)
     r = rows_of(recipe)
     unit, scale = ("GiB", GiB) if est.total >= GiB else ("MiB", 2**20)
+    t = recipe.train
+    grad_dtype = "fp32" if t.grad_reduce_in_fp32 else recipe.model.params_dtype
+    on_host = f"; {t.optimizer_offload_fraction:.0%} on the host" if t.optimizer_offload_fraction else ""
 
     def rows(items: Iterable[tuple[str, int]], indent: int = 0) -> list[tuple[str, str]]:
         return [(" " * indent + label, f"{nbytes / scale:.2f}") for label, nbytes in items]
@@ -704,8 +752,8 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
     table = rows([("parameters (+ router buffers)", sum(est.params.values()) + est.buffers)])
     table += rows(((label, v) for label, v in est.params.items() if v), 2)
     table += rows([
-        ("gradients (fp32 DDP buffer)", est.grads),
-        (f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard})", est.optimizer),
+        (f"gradients ({grad_dtype} DDP buffer)", est.grads),
+        (f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard}{on_host})", est.optimizer),
         ("activations kept for backward" + (" (in host memory)" if est.offloaded else ""),
          sum(est.activations.values())),
     ])
@@ -728,6 +776,11 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
         verdict = "fits" if est.total <= gpu_bytes else "does NOT fit"
         lines.append(f"vs. {gpu_name} {gpu_bytes / GiB:.1f} GiB: {est.total / gpu_bytes:.1%} "
                      f"-> {verdict}")
+    if est.host_optimizer:
+        lines.append(f"host memory per GPU: optimizer state {est.host_optimizer / GiB:.2f} GiB "
+                     f"(train.optimizer_offload_fraction={t.optimizer_offload_fraction:g}; "
+                     "modelled only: a run refuses it, megatron-core 0.19.2's "
+                     "HybridDeviceOptimizer cannot hold fp32 parameters)")
     return lines
 
 

@@ -173,6 +173,16 @@ class Recipe(MeshRecipe):
             )
         return self
 
+    @model_validator(mode="after")
+    def _optimizer_offload_fits_device(self) -> Recipe:
+        fraction = self.train.optimizer_offload_fraction
+        if fraction and self.run.device == "cpu":
+            raise ValueError(
+                f"train.optimizer_offload_fraction={fraction} needs run.device=gpu: megatron's "
+                "HybridDeviceOptimizer offloads only CUDA parameters (a CPU rank's step fails); "
+                "use 0 on CPU")
+        return self
+
     def with_dsa_kernel_resolved(self) -> Recipe:
         """This recipe with ``model.dsa.kernel=auto`` replaced by the fastest kernel that runs on
         ``run.device`` (fused on GPU, torch on CPU); other kernels stay as written."""

@@ -26,6 +26,14 @@ class TrainConfig(_Config):
     """Decoupled (AdamW) weight decay."""
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value (None: no clipping)."""
+    optimizer_offload_fraction: float = Field(default=0.0, ge=0, le=1)
+    """Share of the distributed optimizer's fp32 main parameters and Adam moments kept and updated
+    in host memory (megatron's ``HybridDeviceOptimizer``; it offloads whole parameter shards, in
+    order, until this share of the elements is on the host). 0: all on the GPU. Needs
+    ``run.device=gpu``."""
+    grad_reduce_in_fp32: bool = Field(default=True, strict=True)
+    """Accumulate and reduce gradients over DP x CP in an fp32 DDP buffer; false: in the
+    parameters' dtype (a bf16 buffer is half the size, but the gradients are rounded to bf16)."""
     seed: int = Field(default=1234, strict=True, ge=0)
     """Seed of parameter init and synthetic data; the same seed gives the same first loss."""
     recompute: Literal["none", "selective", "full"] = "none"

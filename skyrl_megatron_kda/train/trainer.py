@@ -30,12 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -53,6 +49,7 @@ from .data import (
     continue_loader,
     shard_for_rank,
 )
+from .optimizer import ddp_config, optimizer_config
 from .setup import build_glm_model, init_parallel_state, seed_everything
 
 logger = logging.getLogger(__name__)
@@ -104,6 +101,8 @@ class RankTrainer:
             raise RuntimeError("RankTrainer needs torch.distributed initialised (one process per rank)")
         self.recipe = recipe
         self.use_cpu = recipe.run.device == "cpu"
+        # Before anything is built: refuses the settings megatron cannot build (optimizer offload).
+        opt_config = optimizer_config(recipe)
         init_parallel_state(recipe)
         seed_everything(recipe.train.seed, self.use_cpu)
         self.pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -122,19 +121,10 @@ class RankTrainer:
         # The loss below is a per-rank token sum: DDP must sum gradients (not average them) and
         # finalize_model_grads divides by the global token count.
         self.config.calculate_per_token_loss = True
-        bf16 = recipe.model.params_dtype == "bfloat16"
-        self.model = DistributedDataParallel(
-            self.config,
-            DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
-            module)
+        self.model = DistributedDataParallel(self.config, ddp_config(recipe), module)
         t = recipe.train
         with self.cpu_mode():
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr,
-                                weight_decay=t.weight_decay, clip_grad=t.grad_clip or 0.0,
-                                bf16=bf16, params_dtype=self.config.params_dtype,
-                                use_distributed_optimizer=True),
-                [self.model])
+            self.optimizer = get_megatron_optimizer(opt_config, [self.model])
             self.scheduler = build_scheduler(self.optimizer, recipe)
         self.loader = loader or build_loader(
             recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.kda.cp_layout,
