@@ -270,7 +270,7 @@ class DSAShare:
 
 def dsa_share(recipe: Recipe) -> DSAShare:
     p, a, r = recipe.parallel, recipe.model.dsa, rows_of(recipe)
-    if a.tp_split == "sequence" and p.sequence_parallel and p.tp > 1:
+    if a.attends_by_rows(p.tp, p.sequence_parallel):
         return DSAShare(rows=r.sp, heads=a.num_heads, index_rows=r.sp, gathers_weight=True)
     return DSAShare(rows=r.cp, heads=a.num_heads // p.tp, index_rows=r.cp, gathers_weight=False)
 

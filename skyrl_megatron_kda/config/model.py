@@ -123,6 +123,11 @@ class DSAConfig(_Config):
     """Pools scored per step of the torch indexer: the live scores are indexer_query_block x
     index_num_heads x indexer_pool_block fp32 values."""
 
+    def attends_by_rows(self, tp: int, sequence_parallel: bool) -> bool:
+        """Whether a rank attends with every head on its own rows (``tp_split=sequence`` where SP
+        splits the rows over TP > 1); otherwise with its heads/tp heads on all its CP rank's rows."""
+        return self.tp_split == "sequence" and sequence_parallel and tp > 1
+
     @model_validator(mode="before")
     @classmethod
     def _unfused_splits_heads(cls, data):

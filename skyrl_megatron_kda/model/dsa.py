@@ -146,6 +146,10 @@ class DSABatchLayout:
         """Whether this rank's rows are a TP slice of its CP rank's rows (SP with TP > 1)."""
         return self.sequence_parallel and self.tp_group.size() > 1
 
+    def attends_by_rows(self, dsa: DSAConfig) -> bool:
+        """``DSAConfig.attends_by_rows`` on this mesh."""
+        return dsa.attends_by_rows(self.tp_group.size(), self.sequence_parallel)
+
     def own_rows(self, t: torch.Tensor) -> torch.Tensor:
         """The part of a [s, ...] tensor over this CP rank's rows that covers this rank's own
         rows (its SP slice; all of them without SP)."""
@@ -266,8 +270,7 @@ class GlmKPoolIndexer(DSAIndexer):
         keys, gate = layout.whole_sequence(torch.cat([k, gate], -1)).chunk(2, dim=-1)
         if self.dsa.kernel != "unfused":
             return self._blocked_indices(qr, weights, keys, gate, layout)
-        qr, weights = layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
-            [qr.shape[-1], self.index_n_heads], dim=-1)
+        qr, weights = self._cp_rank_queries(qr, weights, layout)
         q, _ = self.linear_wq_b(qr)
         q = q.view(*q.shape[:2], self.index_n_heads, self.index_head_dim)
         return select_pools(q, weights, keys, gate, self.kpool_compress_ape,
@@ -281,11 +284,10 @@ class GlmKPoolIndexer(DSAIndexer):
         ``tp_split=heads``: for every row of this CP rank (the TP ranks' rows gathered);
         ``sequence``: for this rank's own rows only."""
         q_pos, doc_start = layout.query_positions, layout.query_document_starts
-        if self.dsa.tp_split == "heads":
-            qr, weights = layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
-                [qr.shape[-1], self.index_n_heads], dim=-1)
-        else:
+        if layout.attends_by_rows(self.dsa):
             q_pos, doc_start = layout.own_rows(q_pos), layout.own_rows(doc_start)
+        else:
+            qr, weights = self._cp_rank_queries(qr, weights, layout)
         P, (s, b) = self.index_kpool, qr.shape[:2]
         cu = layout.layout.cu_seqlens
         if int(cu[-1]) >= 2**31:
@@ -305,6 +307,11 @@ class GlmKPoolIndexer(DSAIndexer):
                 pools = self._top_pools(q[:, i], weights[q0:q1, i], pool_k[i], starts, pos, first)
                 out[i, q0:q1] = pool_token_indices(pools, starts, pos, first, P)
         return out
+
+    def _cp_rank_queries(self, qr, weights, layout: DSABatchLayout):
+        """This rank's [q latent | head weights] -> those of all its CP rank's rows (one gather)."""
+        return layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
+            [qr.shape[-1], self.index_n_heads], dim=-1)
 
     def _top_pools(self, q, weights, pool_k, starts, pos, first):
         """One query block's selected pool ids: the Triton scores of the whole visible range
@@ -362,7 +369,7 @@ class GlmDSAttention(DSAttention):
         if kv_up_weight is None:
             raise ValueError(f"DSA kernel {self.dsa.kernel!r} needs the kv up-projection weight")
         s, b = query.shape[:2]
-        by_rows = self.dsa.tp_split == "sequence" and layout.splits_sequence
+        by_rows = layout.attends_by_rows(self.dsa)
         if by_rows:
             query = _heads_to_rows(query, layout.tp_group)
             # Every head's weight; backward sums the ranks' head gradients and keeps this rank's.
