@@ -426,11 +426,12 @@ def export_hf_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def save_hf_checkpoint(model, out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None,
-                       max_shard_bytes: int = 4 << 30) -> None:
+                       max_shard_bytes: int = 4 << 30, dtype: torch.dtype | None = None) -> None:
     """Write ``model`` as a glm5_next safetensors checkpoint (global rank 0 writes; every rank
     must call it). With ``source`` (the checkpoint it was loaded from), its config.json and the
     tensors that are not the text trunk (vision tower, MTP layer) are copied through, so the
-    result loads in transformers; without it, config.json is a flat text config from the recipe."""
+    result loads in transformers; without it, config.json is a flat text config from the recipe.
+    ``dtype`` casts the model's tensors (None: as trained)."""
     writer = dist.get_rank() == 0 if dist.is_initialized() else True
     out_dir = os.fspath(out_dir)
     shard: dict[str, torch.Tensor] = {}
@@ -456,7 +457,7 @@ def save_hf_checkpoint(model, out_dir: str | os.PathLike, *, source: str | os.Pa
         os.makedirs(out_dir, exist_ok=True)
     for name, tensor in export_hf_tensors(model):
         if writer:
-            add(name, tensor)
+            add(name, tensor if dtype is None else tensor.to(dtype))
     if not writer:
         return
     if source is not None:

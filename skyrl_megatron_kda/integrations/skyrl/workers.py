@@ -32,19 +32,16 @@ from skyrl.backends.skyrl_train.workers.worker_utils import (
 from skyrl.env_vars import SKYRL_WORKER_NCCL_TIMEOUT_IN_S
 from skyrl.train.utils.utils import ray_noset_visible_devices
 
+from ...distributed.cpu import redirect_cuda_device_queries
 from ...model.hf_io import save_hf_checkpoint
 from ...train.checkpoint import latest_checkpoint
 from ...train.rl import pack_rollout, token_logprobs
 from ...train.trainer import RankTrainer
+from . import weight_sync
 from .config import unsupported_trainer_settings
 from .mesh import megatron_mesh_rank, mesh_rank
 
 NOT_INTEGRATED = {
-    "init_weight_sync_state": "weight sync into the inference engines: vLLM would have to serve "
-                              "glm5_next (KDA + DSA + mHC) and load it from SkyRL's weight-transfer "
-                              "stream; neither exists or can be run on CPU here",
-    "broadcast_to_inference_engines": "weight sync into the inference engines (see "
-                                      "init_weight_sync_state)",
     "offload_to_cpu": "offloading model, grad buffers and optimizer state for "
                       "trainer.placement.colocate_all=true (GPU memory handling, untested)",
     "backload_to_gpu": "the inverse of offload_to_cpu",
@@ -91,8 +88,10 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         # init_model checks that both agree.
         self.recipe = self.cfg.kda.resolve()
         if not dist.is_initialized():
-            # The GPU SkyRL's Worker exports as LOCAL_RANK, computed the same way here.
-            torch.cuda.set_device(int(ray.get_gpu_ids()[0]) if ray_noset_visible_devices() else 0)
+            if self.recipe.run.device == "cpu":  # a CPU recipe (examples/rl_tiny): gloo ranks
+                redirect_cuda_device_queries()
+            else:  # the GPU SkyRL's Worker exports as LOCAL_RANK, computed the same way here
+                torch.cuda.set_device(int(ray.get_gpu_ids()[0]) if ray_noset_visible_devices() else 0)
             dist.init_process_group(backend="cpu:gloo,cuda:nccl",
                                     timeout=timedelta(seconds=SKYRL_WORKER_NCCL_TIMEOUT_IN_S))
         if dist.get_world_size() != self.recipe.run.num_workers:
@@ -255,6 +254,20 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         self.trainer.finalize_grads()
         grad_norm, _ = self.trainer.optimizer_step()
         return grad_norm
+
+    # -- weight sync into the inference engines (integrations/skyrl/weight_sync.py) --------------
+
+    async def init_weight_sync_state(self, inference_engine_client, inference_engine_cfg):
+        await weight_sync.init_weight_sync_state(self, inference_engine_client, inference_engine_cfg,
+                                                 super().init_weight_sync_state)
+
+    def _build_weight_source(self, dtype: torch.dtype, backend: str):
+        return weight_sync.vllm_weight_source(self.trainer.model.module, dtype, backend)
+
+    async def broadcast_to_inference_engines(self, inference_engine_client, inference_engine_cfg,
+                                             model_id: Optional[str] = None):
+        await weight_sync.broadcast_to_inference_engines(self, inference_engine_client,
+                                                         inference_engine_cfg, model_id)
 
     # -- checkpoints and HF export ----------------------------------------------------------------
     # SkyRL saves to and loads from the same ``ckpt_dir`` (``global_step_N/policy``); inside it

@@ -1,0 +1,243 @@
+"""GRPO on the tiny recipe through SkyRL's real trainer, on a laptop's CPU.
+
+What runs is SkyRL 0.4.0's own RL loop (``BasePPOExp`` -> ``RayPPOTrainer.train()``: generation,
+rewards, GRPO advantages, ``forward``, ``forward_backward``, ``optim_step``, weight sync), with
+this project's KDA policy worker as a Ray actor per rank (gloo on CPU) and, where vLLM would
+serve rollouts, ``integrations.skyrl.cpu_inference.CPUInferenceClient``: transformers' glm5_next
+sampling from the weights the worker publishes on disk after every step
+(``integrations.skyrl.weight_sync.DiskPublisher``). It is passed through SkyRL's
+``get_inference_client`` hook.
+
+1. a random glm5_next checkpoint shaped like ``glm53_flash_tiny`` with a 256-word tokenizer (its
+   chat template puts the user's words on one line), and a JSONL dataset of word prompts;
+2. a toy environment (``rl_tiny_words``): the reward is the fraction of response words that are
+   the prompt's target word, so a policy that learns to say it gets more reward;
+3. SkyRL's command line (``KEY=VALUE`` dot paths, as ``skyrl.train.entrypoints.main_base``),
+   built by ``skyrl_args``; extra ``KEY=VALUE`` arguments are appended and win;
+4. Ray with one logical GPU per policy rank (SkyRL places each policy worker on one GPU; the
+   tiny recipe runs them on CPU), then SkyRL's trainer for ``--steps`` steps. Each step's
+   metrics go to ``WORKDIR/metrics.jsonl`` and the console: ``reward/avg_raw_reward``,
+   ``policy/policy_kl``, ``policy/rollout_train_logprobs_abs_diff_max`` (sampler vs trainer
+   log-probs of the same tokens, with the same weights), ...
+
+Usage: ``python examples/rl_tiny/run_cpu.py WORKDIR [--steps 2] [--mesh tp1|tp2cp2] [KEY=VALUE ...]``.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+from typing import List
+
+HERE = Path(__file__).resolve().parent
+RECIPE = "glm53_flash_tiny"
+ENV = "rl_tiny_words"
+WORDS = ("cat dog bird fish tree river stone red green blue small large the a one two three "
+         "sees likes finds follows near under over and then").split()
+SPECIALS = ("[PAD]", "[UNK]", "</s>")  # ids 0, 1, 2
+VOCAB = 256  # the tiny recipe's vocab_size: every id the model can sample decodes to a word
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+MESHES = {
+    # one rank
+    "tp1": ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
+            "run.num_workers=1"],
+    # four ranks: KDA under CP (the recipe's exchange), sequence parallel, experts over EP2
+    "tp2cp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+               "run.num_workers=4"],
+}
+
+
+def make_tokenizer(out: Path) -> None:
+    """A word-level tokenizer with the model's 256 ids: the words above, then ``w<i>`` fillers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = [*SPECIALS, *WORDS]
+    names += [f"w{i}" for i in range(len(names), VOCAB)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(names)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+def make_hf_checkpoint(out: Path) -> None:
+    """The fine-tune example's random glm5_next checkpoint of the tiny recipe (one recipe, one
+    way to make its weights)."""
+    spec = importlib.util.spec_from_file_location(
+        "finetune_1m_run_cpu", HERE.parent / "finetune_1m" / "run_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.make_hf_checkpoint(out)
+
+
+def make_dataset(path: Path, prompts: int, seed: int = 0) -> None:
+    """SkyRL's prompt dataset: chat messages, the env class and its extras (the target word)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(prompts):
+            target = rng.choice(WORDS[:6])
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"say {target} : {words}"}],
+                                "env_class": ENV, "target": target}) + "\n")
+
+
+def register_environment() -> None:
+    """``rl_tiny_words`` in skyrl_gym's registry (every process that makes environments)."""
+    import skyrl_gym
+
+    if ENV not in skyrl_gym.envs.registration.registry:
+        skyrl_gym.register(id=ENV, entry_point="examples.rl_tiny.words_env:WordsEnv")
+
+
+def skyrl_args(work: Path, mesh: str, steps: int, batch: int = 4, samples: int = 2) -> List[str]:
+    """SkyRL's command line for the job: the tiny recipe on ``mesh``, GRPO, fp32 sampling with
+    log-probs, one optimizer step per training step (so sampler and trainer hold the same
+    weights for the log-prob comparison), no reference model, no colocation."""
+    workers = int(next(o for o in MESHES[mesh] if o.startswith("run.num_workers")).split("=")[1])
+    hf = work / "GLM-tiny-hf"
+    return [
+        "trainer.strategy=megatron", "trainer.logger=console",
+        f"trainer.policy.model.path={hf}", f"data.train_data=['{work / 'train.jsonl'}']",
+        "data.val_data=[]", "trainer.eval_interval=-1", "trainer.eval_before_train=false",
+        f"trainer.ckpt_path={work / 'ckpt'}", f"trainer.export_path={work / 'export'}",
+        f"trainer.log_path={work / 'logs'}", "trainer.ckpt_interval=-1", "trainer.hf_save_interval=-1",
+        "trainer.placement.colocate_all=false", f"trainer.placement.policy_num_gpus_per_node={workers}",
+        "trainer.algorithm.advantage_estimator=grpo", "trainer.algorithm.use_kl_loss=false",
+        "trainer.algorithm.temperature=1.0", "trainer.epochs=1", f"trainer.max_training_steps={steps}",
+        f"trainer.train_batch_size={batch}", f"trainer.policy_mini_batch_size={batch}",
+        "trainer.micro_train_batch_size_per_gpu=2", "trainer.micro_forward_batch_size_per_gpu=2",
+        "trainer.max_prompt_length=32", "generator.n_samples_per_prompt=" + str(samples),
+        "generator.sampling_params.max_generate_length=8", "generator.sampling_params.temperature=1.0",
+        "generator.sampling_params.logprobs=0", "generator.inference_engine.model_dtype=float32",
+        "generator.inference_engine.num_engines=1", "generator.batched=true",
+        f"trainer.kda.recipe={RECIPE}", "trainer.kda.overrides.train.warmup_steps=0",
+        *[f"trainer.kda.overrides.{o}" for o in MESHES[mesh]],
+        f"trainer.kda.overrides.run.init_from_hf={hf}",
+    ]
+
+
+def make_experiment_class():
+    """The SkyRL experiment: the KDA one, with the CPU sampler as inference client, the toy
+    environment registered, and a tracker that also writes metrics.jsonl."""
+    from skyrl.train.utils.tracking import Tracking
+
+    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+    from skyrl_megatron_kda.integrations.skyrl.entrypoint import KDAPPOExp
+
+    class JsonlTracking(Tracking):
+        def __init__(self, path: Path, **kwargs):
+            super().__init__(**kwargs)
+            self.path = path
+
+        def log(self, data, step, *args, **kwargs):
+            super().log(data, step, *args, **kwargs)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **{k: v for k, v in data.items()
+                                                     if isinstance(v, (int, float))}}) + "\n")
+
+    class RLTinyExp(KDAPPOExp):
+        def __init__(self, cfg, work: str):
+            register_environment()
+            self.work = Path(work)
+            super().__init__(cfg)
+
+        def get_inference_client(self):
+            return CPUInferenceClient(self.work / "weights", self.tokenizer,
+                                      model_name=self.cfg.trainer.policy.model.path)
+
+        def get_tracker(self):
+            t = self.cfg.trainer
+            return JsonlTracking(self.work / "metrics.jsonl", project_name=t.project_name,
+                                 experiment_name=t.run_name, backend=t.logger, config=self.cfg)
+
+        def _setup_trainer(self):
+            _without_skyrls_megatron_worker()
+            return super()._setup_trainer()
+
+    return RLTinyExp
+
+
+def _without_skyrls_megatron_worker() -> None:
+    """SkyRL's ``_setup_trainer`` imports its own Megatron workers for ``strategy=megatron``;
+    ``KDAPPOTrainer.build_models`` replaces them, but that module needs ``megatron.bridge``,
+    which the KDA install does not bring. Until the entrypoint overrides that import itself
+    (issue 14 item 6), a module without those workers stands in for it when it cannot import."""
+    import importlib
+    import types
+
+    name = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name != "megatron.bridge":
+            raise
+        stand_in = types.ModuleType(name, "SkyRL's Megatron workers, unused by the KDA trainer")
+        stand_in.PolicyWorker = stand_in.CriticWorker = stand_in.RefWorker = None
+        sys.modules[name] = stand_in
+
+
+def run_job(work: Path, args: List[str]) -> None:
+    """SkyRL's job from its command line ``args``, on a local Ray with one logical GPU per
+    policy rank, the experiment in a Ray task as SkyRL's own entrypoint runs it."""
+    import os
+
+    import ray
+    from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
+    from skyrl.train.utils import validate_cfg
+    from skyrl.train.utils.utils import prepare_runtime_environment
+
+    from skyrl_megatron_kda.integrations.skyrl.config import apply_recipe
+    from skyrl_megatron_kda.integrations.skyrl.entrypoint import parse
+
+    cfg = parse(args)
+    recipe = cfg.trainer.kda.resolve()
+    # The recipe runs on CPU ranks; Ray below declares a logical GPU per rank for SkyRL's
+    # placement, so the one refusal that does not apply here is the device's.
+    problems = [p for p in apply_recipe(cfg, recipe) if not p.startswith("run.device=cpu")]
+    if problems:
+        raise SystemExit("the job cannot run:\n  - " + "\n  - ".join(problems))
+    validate_cfg(cfg)
+    root = str(HERE.parents[1])  # Ray's processes import this repository's examples package
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=recipe.run.num_workers + 2, num_gpus=recipe.run.num_workers,
+             runtime_env={"env_vars": prepare_runtime_environment(cfg)}, log_to_driver=True)
+    try:
+        sync_registries()
+        exp_cls = make_experiment_class()
+        ray.get(ray.remote(num_cpus=1)(lambda: exp_cls(cfg, str(work)).run()).remote())
+    finally:
+        ray.shutdown()
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--mesh", choices=sorted(MESHES), default="tp1")
+    parser.add_argument("overrides", nargs="*", help="more SkyRL KEY=VALUE settings (they win)")
+    args = parser.parse_args(argv)
+    work = args.workdir.resolve()
+    if (work / "metrics.jsonl").exists():
+        raise SystemExit(f"{work} holds a finished job: use a fresh WORKDIR")
+    work.mkdir(parents=True, exist_ok=True)
+    sys.modules.setdefault("fla", None)  # transformers' glm5_next on CPU: its torch path
+    make_hf_checkpoint(work / "GLM-tiny-hf")
+    make_tokenizer(work / "GLM-tiny-hf")
+    make_dataset(work / "train.jsonl", prompts=16)
+    skyrl = skyrl_args(work, args.mesh, args.steps) + args.overrides
+    print("$ python -m skyrl.train.entrypoints.main_base " + " ".join(skyrl), flush=True)
+    run_job(work, skyrl)
+    steps = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    print(json.dumps({"workdir": str(work), "steps": len(steps)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

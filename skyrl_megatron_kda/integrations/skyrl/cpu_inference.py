@@ -1,0 +1,211 @@
+"""A small CPU inference client for SkyRL: transformers' glm5_next samples from the weights the
+policy worker publishes on disk (``weight_sync.DiskPublisher``).
+
+It stands where SkyRL's HTTP client over vLLM servers stands (``BasePPOExp.get_inference_client``
+returns it): the generator calls ``generate``; the trainer brackets each weight sync with
+``pause_generation`` / ``resume_generation``, and ``resume_generation`` loads the newest published
+version. Sampling follows vLLM's semantics for what it supports (temperature, ``max_tokens``,
+``min_tokens``, EOS stop, the sampled token's log-prob of the temperature-scaled distribution when
+``logprobs`` is set); other sampling settings are refused by name. One sequence at a time, the
+whole prefix recomputed per token (no KV cache): it is for tiny models on a laptop.
+
+The model lives only in the process that loaded it: a pickled copy (the one SkyRL ships to the
+policy workers, which only read ``weight_sync_dir``) carries no weights.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from skyrl.backends.skyrl_train.inference_servers.base import (
+    InferenceEngineInput,
+    InferenceEngineInterface,
+    InferenceEngineOutput,
+)
+
+from .weight_sync import DiskSyncTarget, latest_version
+
+_NEUTRAL = {"top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0), "stop": (None, [], ()),
+            "n": (None, 1)}
+"""Sampling settings the client supports only at their no-op values (-> the accepted values)."""
+_IGNORED = {"skip_special_tokens", "include_stop_str_in_output", "temperature", "max_tokens",
+            "min_tokens", "logprobs", "seed"}
+"""Settings it honours (or, for the two text flags, that change nothing for token-level use)."""
+
+
+def load_glm5_next(folder: str | Path) -> torch.nn.Module:
+    """transformers' glm5_next from a published folder, fp32, eval, on the CPU."""
+    if not torch.cuda.is_available():
+        # transformers' glm5_next uses fla's Triton KDA kernels when fla imports; they need a GPU.
+        sys.modules.setdefault("fla", None)
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+
+    model = Glm5NextForConditionalGeneration.from_pretrained(folder, attn_implementation="eager")
+    return model.float().eval()
+
+
+def sampled_tokens(model: torch.nn.Module, prompt: List[int], *, temperature: float, max_tokens: int,
+                   min_tokens: int, eos_token_id: Optional[int],
+                   generator: torch.Generator) -> Tuple[List[int], List[float], str]:
+    """(tokens, their log-probs under softmax(logits / temperature), stop reason) of one sample."""
+    ids, logps = list(prompt), []
+    for i in range(max_tokens):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        if temperature == 0:
+            token = int(logits.argmax())
+            logp = torch.log_softmax(logits, dim=-1)
+        else:
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            if eos_token_id is not None and i < min_tokens:
+                masked = logp.clone()
+                masked[eos_token_id] = float("-inf")
+                token = int(torch.multinomial(masked.exp(), 1, generator=generator))
+            else:
+                token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+        ids.append(token)
+        logps.append(float(logp[token]))
+        if token == eos_token_id and i + 1 >= min_tokens:
+            return ids[len(prompt):], logps, "stop"
+    return ids[len(prompt):], logps, "length"
+
+
+class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
+    """SkyRL inference client over one transformers glm5_next model on the CPU, reloaded from
+    ``weight_sync_dir`` (where the policy worker publishes) each time generation resumes."""
+
+    def __init__(self, weight_sync_dir: str | Path, tokenizer, *, model_name: str, seed: int = 0):
+        self.weight_sync_dir = str(weight_sync_dir)
+        self.tokenizer = tokenizer
+        self._model_name = model_name
+        self.seed = seed
+        self.loaded_version: Optional[int] = None
+        self._model: Optional[torch.nn.Module] = None
+        self._generator = torch.Generator().manual_seed(seed)
+        self._weight_version = 0
+        self.paused = False
+        self.sleeping = False
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_model"], state["loaded_version"] = None, None  # weights stay with the sampler
+        return state
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def reload(self) -> int:
+        """Load the newest published version (a no-op if it is loaded); returns its number."""
+        latest = latest_version(self.weight_sync_dir)
+        if latest is None:
+            raise FileNotFoundError(f"{self.weight_sync_dir} holds no published weights yet (the "
+                                    "trainer publishes them in init_weight_sync_state's first sync)")
+        version, folder = latest
+        if version != self.loaded_version:
+            self._model, self.loaded_version = load_glm5_next(folder), version
+        return version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            self.reload()
+        return self._model
+
+    # -- what SkyRL's generator and trainer call -------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def increment_weight_version(self) -> None:
+        self._weight_version += 1
+
+    async def generate(self, input_batch: InferenceEngineInput,
+                       model: Optional[str] = None) -> InferenceEngineOutput:
+        if self.paused:
+            raise RuntimeError("CPUInferenceClient.generate while generation is paused for a "
+                               "weight sync")
+        if input_batch.get("prompt_token_ids") is None:
+            raise ValueError("CPUInferenceClient.generate needs prompt_token_ids (SkyRL's "
+                             "token-in-token-out path); text prompts are not supported")
+        params = dict(input_batch.get("sampling_params") or {})
+        for key, value in params.items():
+            if key in _NEUTRAL and value not in _NEUTRAL[key]:
+                raise ValueError(f"CPUInferenceClient: sampling setting {key}={value!r} is not "
+                                 f"supported (accepted: {_NEUTRAL[key]})")
+            if key not in _NEUTRAL and key not in _IGNORED:
+                raise ValueError(f"CPUInferenceClient: sampling setting {key}={value!r} is not "
+                                 "supported")
+        if params.get("seed") is not None:
+            self._generator.manual_seed(int(params["seed"]))
+        want_logprobs = params.get("logprobs") is not None
+        responses, response_ids, stop_reasons, logprobs = [], [], [], []
+        for prompt in input_batch["prompt_token_ids"]:
+            tokens, logps, reason = sampled_tokens(
+                self.model, list(prompt), temperature=float(params.get("temperature", 1.0)),
+                max_tokens=int(params["max_tokens"]), min_tokens=int(params.get("min_tokens") or 0),
+                eos_token_id=self.tokenizer.eos_token_id, generator=self._generator)
+            response_ids.append(tokens)
+            responses.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+            stop_reasons.append(reason)
+            logprobs.append(logps)
+        return InferenceEngineOutput(
+            responses=responses, response_ids=response_ids, stop_reasons=stop_reasons,
+            response_logprobs=logprobs if want_logprobs else None, prompt_logprobs=None,
+            rollout_expert_indices=None, rollout_sample_support=None)
+
+    async def pause_generation(self, clear_cache: bool = False) -> None:
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        """Generation resumes on the newest published weights (SkyRL resumes after each sync)."""
+        self.reload()
+        self.paused = False
+
+    async def sleep(self, *args: Any, **kwargs: Any) -> None:
+        self.sleeping = True
+
+    async def wake_up(self, *args: Any, **kwargs: Any) -> None:
+        self.sleeping = False
+
+    async def is_sleeping(self) -> bool:
+        return self.sleeping
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """Nothing to reset: every token recomputes its whole prefix."""
+
+    async def finish_session(self, session_id: str) -> None:
+        """Sessions keep no state here."""
+
+    async def get_world_size(self) -> Tuple[int, int]:
+        return 1, 1
+
+    async def teardown(self) -> None:
+        self._model = None
+
+    def get_endpoint_url(self) -> str:
+        raise NotImplementedError("CPUInferenceClient serves no HTTP endpoint: use SkyRL's "
+                                  "token-in-token-out generator (SkyRLGymGenerator)")
+
+    async def chat_completion(self, request_payload: Dict[str, Any]) -> Dict[str, Any]:
+        raise NotImplementedError("CPUInferenceClient serves generate() only (no chat_completion)")
+
+    async def render_chat_completion(self, request_payload: Dict[str, Any]) -> Dict[str, Any]:
+        raise NotImplementedError("CPUInferenceClient serves generate() only "
+                                  "(no render_chat_completion)")
+
+    async def completion(self, request_payload: Dict[str, Any]) -> Dict[str, Any]:
+        raise NotImplementedError("CPUInferenceClient serves generate() only (no completion)")
+
+    async def update_named_weights(self, request) -> None:
+        raise NotImplementedError("CPUInferenceClient loads weights from its disk folder only "
+                                  "(weight_sync.DiskPublisher)")
+
+    async def load_lora_adapter(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("CPUInferenceClient does not serve LoRA adapters")

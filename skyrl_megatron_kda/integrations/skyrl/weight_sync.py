@@ -1,0 +1,190 @@
+"""Weight sync from the KDA policy worker to SkyRL's inference side.
+
+SkyRL 0.4.0's workers (``Worker.init_weight_sync_state``) build a ``WeightSource`` over the live
+model and hand it to vLLM's trainer-side transfer engine (``build_trainer_engine``); each sync is
+then one ``engine.send_weights()`` between the trainer's ``pause_generation`` and
+``resume_generation``. This module gives the KDA worker:
+
+- ``HFWeightSource``: vLLM's ``WeightSource`` contract (``metadata()`` and ``__iter__``, equal
+  element for element and in the same order on every rank) over ``model.hf_io.export_hf_tensors``
+  (full tensors in HF names, collective), cast to the inference dtype. It is what SkyRL's
+  ``nccl`` and ``ipc`` engines send (``vllm_weight_source`` puts vLLM's base class under it).
+- ``DiskPublisher``: an engine with the same ``send_weights()`` that publishes the weights as a
+  versioned Hugging Face folder (``<dir>/v000001``, ...), atomically: the folder is written under
+  a temporary name, renamed into place, and only then named in ``<dir>/LATEST``. An inference
+  client that is a ``DiskSyncTarget`` (``cpu_inference.CPUInferenceClient``) reloads the newest
+  version when SkyRL resumes it. vLLM needs none of this, so it runs on a laptop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ...model.hf_io import export_hf_tensors, save_hf_checkpoint
+
+LATEST = "LATEST"
+"""File in a publish folder naming its newest complete version folder."""
+
+VLLM_BACKENDS = ("nccl", "ipc")
+"""SkyRL transfer strategies this worker's source serves (``get_transfer_strategy``'s names)."""
+
+
+class WeightMeta(NamedTuple):
+    """One tensor of the stream: vLLM's ``ParamMeta`` fields, in its order."""
+
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+
+
+class HFWeightSource:
+    """The model's full tensors in HF names and order, cast to ``dtype``: vLLM's ``WeightSource``
+    contract. Iterating is collective (every rank of the model must iterate to the end) and every
+    rank gets every tensor; ``metadata()`` is one dry iteration, cached (as SkyRL's
+    ``MegatronWeightSource``), so it is collective the first time only."""
+
+    meta_type = WeightMeta
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self._model = model
+        self._dtype = dtype
+        self._meta: Optional[List] = None
+
+    def metadata(self) -> List:
+        if self._meta is None:
+            self._meta = [self.meta_type(name, self._dtype, tuple(t.shape))
+                          for name, t in export_hf_tensors(self._model)]
+        return self._meta
+
+    def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        for name, tensor in export_hf_tensors(self._model):
+            yield name, tensor.to(self._dtype).detach().contiguous()
+
+
+def vllm_weight_source(model: torch.nn.Module, dtype: torch.dtype, backend: str):
+    """``HFWeightSource`` as a subclass of vLLM's ``WeightSource`` with its ``ParamMeta``, for
+    SkyRL's ``build_trainer_engine`` (``backend`` is SkyRL's resolved transfer strategy)."""
+    if backend not in VLLM_BACKENDS:
+        raise ValueError(
+            f"weight sync backend {backend!r} is not served by the KDA policy worker (it serves "
+            f"{', '.join(VLLM_BACKENDS)} and the disk publisher); set "
+            "generator.inference_engine.weight_sync_backend=nccl")
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class VllmHFWeightSource(HFWeightSource, WeightSource):
+        meta_type = ParamMeta
+
+    return VllmHFWeightSource(model, dtype)
+
+
+# -- the disk backend ---------------------------------------------------------------------------
+
+class DiskSyncTarget:
+    """An inference client that loads the weights ``DiskPublisher`` writes to
+    ``weight_sync_dir``; the policy worker picks the disk backend for it."""
+
+    weight_sync_dir: str
+
+
+def version_folder(root: str | os.PathLike, version: int) -> Path:
+    return Path(root) / f"v{version:06d}"
+
+
+def latest_version(root: str | os.PathLike) -> Optional[Tuple[int, Path]]:
+    """(version, folder) named by ``root/LATEST``, or None before the first publish."""
+    marker = Path(root) / LATEST
+    if not marker.exists():
+        return None
+    name = marker.read_text().strip()
+    return int(name.lstrip("v")), Path(root) / name
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader sees the old content or the new, never a partial one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class DiskPublisher:
+    """A trainer-side engine (``send_weights()``, as vLLM's) that publishes the model as the next
+    version folder under ``root``. Collective; global rank 0 writes. ``keep`` older versions stay
+    (a reader may still be loading one); the rest are removed after the new one is named."""
+
+    # The flags SkyRL's worker reads from its engines (weight_senders.SkyrlTrainerCapabilities).
+    skyrl_handles_prefix_cache_reset = False
+    skyrl_force_disable_expandable_segments = False
+    skyrl_empty_cache_after_send = True
+
+    def __init__(self, model: torch.nn.Module, root: str | os.PathLike, dtype: torch.dtype, *,
+                 source: Optional[str] = None, keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"DiskPublisher keep={keep}: keep at least the newest version")
+        self.model, self.root, self.dtype, self.source, self.keep = model, Path(root), dtype, source, keep
+
+    def send_weights(self) -> int:
+        """Publish the next version; returns its number (on every rank)."""
+        writer = dist.get_rank() == 0
+        current = latest_version(self.root) if writer else None
+        box = [0 if current is None else current[0]]
+        dist.broadcast_object_list(box, src=0)  # the writer's disk decides for every rank
+        version = box[0] + 1
+        tmp = self.root / f".incoming-v{version:06d}"
+        if writer:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a publish that was killed
+        save_hf_checkpoint(self.model, tmp, source=self.source, dtype=self.dtype)
+        if writer:
+            final = version_folder(self.root, version)
+            os.rename(tmp, final)  # atomic: readers see no folder or a complete one
+            _replace_file(self.root / LATEST, final.name)
+            for old in range(version - self.keep, 0, -1):
+                folder = version_folder(self.root, old)
+                if not folder.exists():
+                    break
+                shutil.rmtree(folder)
+        return version
+
+
+# -- what the worker's calls do ------------------------------------------------------------------
+
+def inference_dtype(ie_cfg) -> torch.dtype:
+    """SkyRL's ``generator.inference_engine.model_dtype`` as a torch dtype (SkyRL's parser)."""
+    from skyrl.train.utils.utils import str_to_torch_dtype
+
+    return str_to_torch_dtype(ie_cfg.model_dtype)
+
+async def init_weight_sync_state(worker, client, ie_cfg, inherited) -> None:
+    """The worker's ``init_weight_sync_state``: a ``DiskPublisher`` for a ``DiskSyncTarget``
+    client; otherwise SkyRL's own (``inherited``), which builds vLLM's engine over
+    ``worker._build_weight_source``."""
+    if not isinstance(client, DiskSyncTarget):
+        await inherited(client, ie_cfg)
+        return
+    worker._weight_sync_engine = DiskPublisher(
+        worker.trainer.model.module, client.weight_sync_dir, inference_dtype(ie_cfg),
+        source=worker.trainer.recipe.run.init_from_hf)
+    dist.barrier()
+
+
+async def broadcast_to_inference_engines(worker, client, ie_cfg, model_id) -> None:
+    """One sync, inside the trainer's pause / resume: the disk publish, or SkyRL's own bracket
+    around vLLM's ``send_weights`` (``Worker._sync_weights_to_inference_engines``)."""
+    if model_id is not None:
+        raise ValueError(f"broadcast_to_inference_engines(model_id={model_id!r}): per-tenant "
+                         "LoRA adapters are not supported by the KDA policy worker")
+    engine = worker._weight_sync_engine
+    if isinstance(engine, DiskPublisher):
+        await worker._weight_sync_thread(engine.send_weights)
+        dist.barrier()
+        return
+    await worker._sync_weights_to_inference_engines(
+        client if client is not None else worker._weight_sync_inference_client, ie_cfg)
