@@ -117,6 +117,7 @@ def skyrl_args(work: Path, mesh: str, steps: int, batch: int = 4, samples: int =
         "generator.sampling_params.max_generate_length=8", "generator.sampling_params.temperature=1.0",
         "generator.sampling_params.logprobs=0", "generator.inference_engine.model_dtype=float32",
         "generator.inference_engine.num_engines=1", "generator.batched=true",
+        "generator.inference_engine.enable_ray_prometheus_stats=false",  # no vLLM to scrape
         f"trainer.kda.recipe={RECIPE}", "trainer.kda.overrides.train.warmup_steps=0",
         *[f"trainer.kda.overrides.{o}" for o in MESHES[mesh]],
         f"trainer.kda.overrides.run.init_from_hf={hf}",
@@ -206,7 +207,9 @@ def run_job(work: Path, args: List[str]) -> None:
     validate_cfg(cfg)
     root = str(HERE.parents[1])  # Ray's processes import this repository's examples package
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=recipe.run.num_workers + 2, num_gpus=recipe.run.num_workers,
+    # address="local": a Ray of its own, never another job's cluster on the same machine.
+    ray.init(address="local", num_cpus=recipe.run.num_workers + 2,
+             num_gpus=recipe.run.num_workers, include_dashboard=False,
              runtime_env={"env_vars": prepare_runtime_environment(cfg)}, log_to_driver=True)
     try:
         sync_registries()

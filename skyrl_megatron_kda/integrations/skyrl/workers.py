@@ -90,9 +90,11 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         if not dist.is_initialized():
             if self.recipe.run.device == "cpu":  # a CPU recipe (examples/rl_tiny): gloo ranks
                 redirect_cuda_device_queries()
+                backend = "gloo"
             else:  # the GPU SkyRL's Worker exports as LOCAL_RANK, computed the same way here
                 torch.cuda.set_device(int(ray.get_gpu_ids()[0]) if ray_noset_visible_devices() else 0)
-            dist.init_process_group(backend="cpu:gloo,cuda:nccl",
+                backend = "cpu:gloo,cuda:nccl"
+            dist.init_process_group(backend=backend,
                                     timeout=timedelta(seconds=SKYRL_WORKER_NCCL_TIMEOUT_IN_S))
         if dist.get_world_size() != self.recipe.run.num_workers:
             raise ValueError(f"SkyRL started {dist.get_world_size()} policy workers but the recipe "
