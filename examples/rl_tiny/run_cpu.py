@@ -230,7 +230,6 @@ def main(argv: List[str] | None = None) -> int:
     if (work / "metrics.jsonl").exists():
         raise SystemExit(f"{work} holds a finished job: use a fresh WORKDIR")
     work.mkdir(parents=True, exist_ok=True)
-    sys.modules.setdefault("fla", None)  # transformers' glm5_next on CPU: its torch path
     make_hf_checkpoint(work / "GLM-tiny-hf")
     make_tokenizer(work / "GLM-tiny-hf")
     make_dataset(work / "train.jsonl", prompts=16)

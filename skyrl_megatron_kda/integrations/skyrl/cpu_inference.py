@@ -15,6 +15,8 @@ policy workers, which only read ``weight_sync_dir``) carries no weights.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -36,14 +38,34 @@ _IGNORED = {"skip_special_tokens", "include_stop_str_in_output", "temperature", 
 """Settings it honours (or, for the two text flags, that change nothing for token-level use)."""
 
 
-def load_glm5_next(folder: str | Path) -> torch.nn.Module:
-    """transformers' glm5_next from a published folder, fp32, eval, on the CPU."""
-    if not torch.cuda.is_available():
-        # transformers' glm5_next uses fla's Triton KDA kernels when fla imports; they need a GPU.
-        sys.modules.setdefault("fla", None)
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+GLM5_NEXT = "transformers.models.glm5_next.modeling_glm5_next"
 
-    model = Glm5NextForConditionalGeneration.from_pretrained(folder, attn_implementation="eager")
+
+def _glm5_next_class():
+    """transformers' ``Glm5NextForConditionalGeneration`` on its torch path. transformers binds
+    fla's Triton kernels (GPU only) in place of its torch functions when the module is first
+    imported and fla imports (our own package imports fla), so on a CPU machine fla is hidden
+    from that one import."""
+    if torch.cuda.is_available() or GLM5_NEXT in sys.modules:
+        module = importlib.import_module(GLM5_NEXT)
+        kda = inspect.getclosurevars(module.chunk_kimi_delta_attention).nonlocals["implementation"]
+        if not torch.cuda.is_available() and kda.__module__.startswith("fla"):
+            raise RuntimeError(f"{GLM5_NEXT} was imported with fla's GPU kernels before the CPU "
+                               "client loaded it; import the client first")
+        return module.Glm5NextForConditionalGeneration
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules)
+              if name == "fla" or name.startswith("fla.")}
+    sys.modules["fla"] = None  # makes ``import fla`` raise ImportError
+    try:
+        return importlib.import_module(GLM5_NEXT).Glm5NextForConditionalGeneration
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+
+
+def load_glm5_next(folder: str | Path) -> torch.nn.Module:
+    """transformers' glm5_next from a published folder, fp32, eval."""
+    model = _glm5_next_class().from_pretrained(folder, attn_implementation="eager")
     return model.float().eval()
 
 
