@@ -10,8 +10,8 @@ sampling from the weights the worker publishes on disk after every step
 
 1. a random glm5_next checkpoint shaped like ``glm53_flash_tiny`` with a 256-word tokenizer (its
    chat template puts the user's words on one line), and a JSONL dataset of word prompts;
-2. a toy environment (``rl_tiny_words``): the reward is the fraction of response words that are
-   the prompt's target word, so a policy that learns to say it gets more reward;
+2. a toy environment (``rl_tiny_words``, ``words_env.py``): the reward is the fraction of the
+   response's words that are real words of the tokenizer, not its ``w<i>`` fillers;
 3. SkyRL's command line (``KEY=VALUE`` dot paths, as ``skyrl.train.entrypoints.main_base``),
    built by ``skyrl_args``; extra ``KEY=VALUE`` arguments are appended and win;
 4. Ray with one logical GPU per policy rank (SkyRL places each policy worker on one GPU; the
@@ -78,14 +78,13 @@ def make_hf_checkpoint(out: Path) -> None:
 
 
 def make_dataset(path: Path, prompts: int, seed: int = 0) -> None:
-    """SkyRL's prompt dataset: chat messages, the env class and its extras (the target word)."""
+    """SkyRL's prompt dataset: chat messages of a few real words, and the env class."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(prompts):
-            target = rng.choice(WORDS[:6])
             words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"say {target} : {words}"}],
-                                "env_class": ENV, "target": target}) + "\n")
+            f.write(json.dumps({"prompt": [{"role": "user", "content": words}],
+                                "env_class": ENV}) + "\n")
 
 
 def register_environment() -> None:
@@ -234,7 +233,7 @@ def main(argv: List[str] | None = None) -> int:
     make_tokenizer(work / "GLM-tiny-hf")
     make_dataset(work / "train.jsonl", prompts=16)
     skyrl = skyrl_args(work, args.mesh, args.steps) + args.overrides
-    print("$ python -m skyrl.train.entrypoints.main_base " + " ".join(skyrl), flush=True)
+    print("SkyRL settings: " + " ".join(skyrl), flush=True)
     run_job(work, skyrl)
     steps = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
     print(json.dumps({"workdir": str(work), "steps": len(steps)}), flush=True)
