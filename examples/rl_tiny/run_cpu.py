@@ -104,7 +104,8 @@ def skyrl_args(work: Path, mesh: str, steps: int, batch: int = 4, samples: int =
     return [
         "trainer.strategy=megatron", "trainer.logger=console",
         f"trainer.policy.model.path={hf}", f"data.train_data=['{work / 'train.jsonl'}']",
-        "data.val_data=[]", "trainer.eval_interval=-1", "trainer.eval_before_train=false",
+        "data.val_data=[]", "data.dataloader.num_workers=0",  # no loader processes on a laptop
+        "trainer.eval_interval=-1", "trainer.eval_before_train=false",
         f"trainer.ckpt_path={work / 'ckpt'}", f"trainer.export_path={work / 'export'}",
         f"trainer.log_path={work / 'logs'}", "trainer.ckpt_interval=-1", "trainer.hf_save_interval=-1",
         "trainer.placement.colocate_all=false", f"trainer.placement.policy_num_gpus_per_node={workers}",
