@@ -215,8 +215,8 @@ def test_dry_run_lists_only_what_remains():
     blockers = lines[lines.index("launch blocked by:") + 1:]
     assert [b.split(":")[0] for b in blockers] == (
         ["  - run.device=cpu"] + [f"  - worker call {call}" for call in NOT_INTEGRATED])
-    assert set(NOT_INTEGRATED) == {"init_weight_sync_state", "broadcast_to_inference_engines",
-                                   "offload_to_cpu", "backload_to_gpu"}
+    # weight sync is integrated (tests/test_skyrl_weight_sync.py, tests/test_rl_tiny.py)
+    assert set(NOT_INTEGRATED) == {"offload_to_cpu", "backload_to_gpu"}
 
 
 def test_worker_refuses_settings_it_does_not_implement():
