@@ -235,6 +235,32 @@ def test_weight_source_refuses_backends_it_does_not_serve():
             vllm_weight_source(None, torch.float32, backend)
 
 
+@pytest.mark.parametrize("setting, message", [
+    ({"top_p": 0.9}, "top_p=0.9 is not supported"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty=1.1 is not supported"),
+    ({"temperature": -1.0}, "temperature=-1.0 is negative"),
+])
+def test_cpu_client_refuses_sampling_settings_by_name(setting, message):
+    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+
+    client = CPUInferenceClient("/nonexistent", tokenizer=None, model_name="tiny")
+    batch = {"prompt_token_ids": [[1, 2]], "sampling_params": {"max_tokens": 2, **setting}}
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(client.generate(batch))
+
+
+def test_cpu_client_refuses_to_generate_during_a_sync_or_before_weights_exist(tmp_path):
+    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+
+    client = CPUInferenceClient(tmp_path, tokenizer=None, model_name="tiny")
+    batch = {"prompt_token_ids": [[1, 2]], "sampling_params": {"max_tokens": 2}}
+    asyncio.run(client.pause_generation())
+    with pytest.raises(RuntimeError, match="paused for a weight sync"):
+        asyncio.run(client.generate(batch))
+    with pytest.raises(FileNotFoundError, match="holds no published weights"):
+        asyncio.run(client.resume_generation())
+
+
 @pytest.mark.skip(reason="vLLM 0.30 (SkyRL's pinned build, which serves glm5_next) is too large "
                          "to carry to the GPU machine; the nccl / ipc engines need it")
 def test_vllm_nccl_and_ipc_receive_the_weight_source():

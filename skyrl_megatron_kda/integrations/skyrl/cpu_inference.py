@@ -33,7 +33,7 @@ from .weight_sync import DiskSyncTarget, latest_version
 _NEUTRAL = {"top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0), "stop": (None, [], ()),
             "n": (None, 1)}
 """Sampling settings the client supports only at their no-op values (-> the accepted values)."""
-_IGNORED = {"skip_special_tokens", "include_stop_str_in_output", "temperature", "max_tokens",
+_HONOURED = {"skip_special_tokens", "include_stop_str_in_output", "temperature", "max_tokens",
             "min_tokens", "logprobs", "seed"}
 """Settings it honours (or, for the two text flags, that change nothing for token-level use)."""
 
@@ -77,20 +77,16 @@ def sampled_tokens(model: torch.nn.Module, prompt: List[int], *, temperature: fl
     for i in range(max_tokens):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-        if temperature == 0:
-            token = int(logits.argmax())
-            logp = torch.log_softmax(logits, dim=-1)
-        else:
-            logp = torch.log_softmax(logits / temperature, dim=-1)
-            if eos_token_id is not None and i < min_tokens:
-                masked = logp.clone()
-                masked[eos_token_id] = float("-inf")
-                token = int(torch.multinomial(masked.exp(), 1, generator=generator))
-            else:
-                token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+        # vLLM's sampled-token log-prob: of the temperature-scaled distribution (raw at 0, greedy)
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        allowed = logp.clone()
+        if eos_token_id is not None and i < min_tokens:
+            allowed[eos_token_id] = float("-inf")
+        token = (int(allowed.argmax()) if temperature == 0
+                 else int(torch.multinomial(allowed.exp(), 1, generator=generator)))
         ids.append(token)
         logps.append(float(logp[token]))
-        if token == eos_token_id and i + 1 >= min_tokens:
+        if token == eos_token_id:
             return ids[len(prompt):], logps, "stop"
     return ids[len(prompt):], logps, "length"
 
@@ -161,9 +157,11 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
             if key in _NEUTRAL and value not in _NEUTRAL[key]:
                 raise ValueError(f"CPUInferenceClient: sampling setting {key}={value!r} is not "
                                  f"supported (accepted: {_NEUTRAL[key]})")
-            if key not in _NEUTRAL and key not in _IGNORED:
+            if key not in _NEUTRAL and key not in _HONOURED:
                 raise ValueError(f"CPUInferenceClient: sampling setting {key}={value!r} is not "
                                  "supported")
+        if float(params.get("temperature", 1.0)) < 0:
+            raise ValueError(f"CPUInferenceClient: temperature={params['temperature']} is negative")
         if params.get("seed") is not None:
             self._generator.manual_seed(int(params["seed"]))
         want_logprobs = params.get("logprobs") is not None
