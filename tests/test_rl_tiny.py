@@ -1,6 +1,12 @@
 """The RL example (``examples/rl_tiny/run_cpu.py``) end to end on CPU, as a user runs it: SkyRL's
-real ``RayPPOTrainer.train()`` for 2 GRPO steps with the KDA policy worker as a Ray actor (TP1),
-the CPU sampler from the disk-synced weights and the toy environment.
+real ``RayPPOTrainer.train()`` for 2 GRPO steps with the KDA policy worker as Ray actors, at TP1
+and at TP2 x CP2 +SP x EP2 (the recipe's exchange, a2a), the CPU sampler from the disk-synced
+weights and the toy environment.
+
+Both meshes start from the same checkpoint, the sampler draws with the same seed and SkyRL
+shuffles with the same seed, so step 1 trains on the same rollouts: its reward is equal and its
+grad norm agrees to 1e-5 (the meshes' gradients differ by fp32 summation order; a dropped CP
+shard or a wrong TP gather changes it at order 1).
 
 The sampler and the trainer hold the same weights at each step (one optimizer step per training
 step, the sync before the next rollouts), so SkyRL's ``policy/rollout_train_logprobs_abs_diff_max``
@@ -23,16 +29,27 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_tiny" / "run_cp
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("rl_tiny")
+MESHES = ("tp1", "tp2cp2")
+_jobs: dict = {}
+
+
+def _run(mesh: str, tmp_path_factory) -> dict:
+    if mesh in _jobs:
+        return _jobs[mesh]
+    work = tmp_path_factory.mktemp(f"rl_tiny_{mesh}")
     env = dict(os.environ, PYTHONPATH=str(EXAMPLE.parents[2]), TORCHDYNAMO_DISABLE="1")
     env.pop("SKYRL_KDA_CP_EXCHANGE", None)
-    proc = subprocess.run([sys.executable, str(EXAMPLE), str(work), "--steps", str(STEPS)],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run([sys.executable, str(EXAMPLE), str(work), "--steps", str(STEPS),
+                           "--mesh", mesh], env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    return {"work": work, "stdout": proc.stdout, "metrics": metrics}
+    _jobs[mesh] = {"work": work, "stdout": proc.stdout, "metrics": metrics}
+    return _jobs[mesh]
+
+
+@pytest.fixture(scope="module", params=MESHES)
+def job(request, tmp_path_factory) -> dict:
+    return _run(request.param, tmp_path_factory)
 
 
 def _steps(job) -> dict:
@@ -65,3 +82,10 @@ def test_each_step_published_a_new_version(job):
     # v1 = the initial weights, then one per step; the newest two are kept.
     assert sorted(os.listdir(weights)) == ["LATEST", f"v{STEPS:06d}", f"v{STEPS + 1:06d}"]
     assert (weights / "LATEST").read_text().strip() == f"v{STEPS + 1:06d}"
+
+
+def test_step_one_is_the_same_on_both_meshes(tmp_path_factory):
+    one, four = (_steps(_run(mesh, tmp_path_factory))[1] for mesh in MESHES)
+    assert one["reward/avg_raw_reward"] == four["reward/avg_raw_reward"]  # the same rollouts
+    err = abs(four["policy/grad_norm"] - one["policy/grad_norm"]) / one["policy/grad_norm"]
+    assert err < 1e-5, f"grad norm {four['policy/grad_norm']} vs {one['policy/grad_norm']}"

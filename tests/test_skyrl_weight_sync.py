@@ -116,6 +116,51 @@ def _score(model, prompt, response):
     return logp[rows, ids[0, len(prompt):]].tolist()
 
 
+def _through_vllms_contract(model):
+    """``vllm_weight_source`` for SkyRL's nccl engine: (is it a vLLM ``WeightSource``, its
+    metadata as tuples, the type names of those entries). vLLM is not installed here, so its
+    ``weight_transfer.base`` module stands in with its documented contract (an ABC with abstract
+    ``metadata`` / ``__iter__`` and the frozen ``ParamMeta(name, dtype, shape)`` dataclass)."""
+    import abc
+    import dataclasses
+    import importlib.util
+    import sys
+    import types
+
+    from skyrl_megatron_kda.integrations.skyrl.weight_sync import vllm_weight_source
+
+    base = "vllm.distributed.weight_transfer.base"
+    stand_in = importlib.util.find_spec("vllm") is None
+    if stand_in:
+        @dataclasses.dataclass(frozen=True)
+        class ParamMeta:
+            name: str
+            dtype: torch.dtype
+            shape: tuple
+
+        class WeightSource(abc.ABC):
+            @abc.abstractmethod
+            def metadata(self): ...
+
+            @abc.abstractmethod
+            def __iter__(self): ...
+
+        names = ["vllm", "vllm.distributed", "vllm.distributed.weight_transfer", base]
+        for name in names:
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules[base].ParamMeta, sys.modules[base].WeightSource = ParamMeta, WeightSource
+    try:
+        module = importlib.import_module(base)
+        source = vllm_weight_source(model, torch.bfloat16, "nccl")
+        meta = source.metadata()
+        return (isinstance(source, module.WeightSource), [(m.name, m.dtype, tuple(m.shape)) for m in meta],
+                {type(m) is module.ParamMeta for m in meta})
+    finally:
+        if stand_in:
+            for name in names:
+                del sys.modules[name]
+
+
 def _ranks(rank, world, hf_dir, publish_dir):
     import torch.distributed as dist
 
@@ -128,7 +173,8 @@ def _ranks(rank, world, hf_dir, publish_dir):
     source = weight_sync.HFWeightSource(model, torch.bfloat16)
     meta = [tuple(m) for m in source.metadata()]
     stream = [(name, t.dtype, tuple(t.shape), float(t.double().sum())) for name, t in source]
-    out = {"meta": meta, "stream": stream, "expected": sorted(expected_hf_names(worker.recipe))}
+    out = {"meta": meta, "stream": stream, "expected": sorted(expected_hf_names(worker.recipe)),
+           "vllm": _through_vllms_contract(model)}
 
     client = CPUInferenceClient(publish_dir, tokenizer=None, model_name="tiny")
     asyncio.run(worker.init_weight_sync_state(client, ie_cfg))
@@ -199,6 +245,14 @@ def test_weight_source_metadata_equals_its_iteration_on_every_rank(runs):
         # full tensors, the same on every rank
         assert [v for *_, v in out["stream"]] == [v for *_, v in first["stream"]], f"rank {rank}"
     assert {d for _, d, _ in first["meta"]} == {torch.bfloat16}  # cast to the requested dtype
+
+
+def test_the_source_handed_to_skyrls_nccl_engine_keeps_vllms_contract(runs):
+    for rank, out in enumerate(runs):
+        is_source, meta, types = out["vllm"]
+        assert is_source, f"rank {rank}: not a vLLM WeightSource"
+        assert types == {True}, f"rank {rank}: metadata entries are not vLLM's ParamMeta"
+        assert meta == out["meta"], f"rank {rank}"
 
 
 def test_sampler_logprobs_equal_the_trainers_before_and_after_a_step(runs):

@@ -192,7 +192,6 @@ def run_job(work: Path, args: List[str]) -> None:
     import ray
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
     from skyrl.train.utils import validate_cfg
-    from skyrl.train.utils.utils import prepare_runtime_environment
 
     from skyrl_megatron_kda.integrations.skyrl.config import apply_recipe
     from skyrl_megatron_kda.integrations.skyrl.entrypoint import parse
@@ -207,10 +206,11 @@ def run_job(work: Path, args: List[str]) -> None:
     validate_cfg(cfg)
     root = str(HERE.parents[1])  # Ray's processes import this repository's examples package
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    # address="local": a Ray of its own, never another job's cluster on the same machine.
+    # address="local": a Ray of its own, never another job's cluster on the same machine. SkyRL's
+    # runtime environment (prepare_runtime_environment) is left out: it holds NCCL, CUDA and vLLM
+    # settings, and on a driver without GPUs it probes peer access on a node with 2 GPUs.
     ray.init(address="local", num_cpus=recipe.run.num_workers + 2,
-             num_gpus=recipe.run.num_workers, include_dashboard=False,
-             runtime_env={"env_vars": prepare_runtime_environment(cfg)}, log_to_driver=True)
+             num_gpus=recipe.run.num_workers, include_dashboard=False, log_to_driver=True)
     try:
         sync_registries()
         exp_cls = make_experiment_class()
