@@ -315,6 +315,31 @@ def test_cpu_client_refuses_to_generate_during_a_sync_or_before_weights_exist(tm
         asyncio.run(client.resume_generation())
 
 
+def test_a_vllm_client_goes_through_skyrls_own_engine_and_bracket():
+    """A client that is not a DiskSyncTarget (SkyRL's HTTP client over vLLM): init is SkyRL's
+    inherited ``init_weight_sync_state`` (vLLM's engine over ``_build_weight_source``) and each
+    sync SkyRL's ``_sync_weights_to_inference_engines`` with the client cached at init."""
+    from skyrl_megatron_kda.integrations.skyrl import weight_sync
+    from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorkerBase
+
+    calls = []
+
+    class Recording(KDAPolicyWorkerBase):
+        async def _sync_weights_to_inference_engines(self, client, ie_cfg):
+            calls.append(("sync", client, ie_cfg))
+
+    async def inherited(client, ie_cfg):
+        calls.append(("init", client, ie_cfg))
+
+    worker = object.__new__(Recording)
+    asyncio.run(weight_sync.init_weight_sync_state(worker, "http client", "ie cfg", inherited))
+    worker._weight_sync_engine, worker._weight_sync_inference_client = object(), "cached client"
+    asyncio.run(worker.broadcast_to_inference_engines(None, "ie cfg"))
+    assert calls == [("init", "http client", "ie cfg"), ("sync", "cached client", "ie cfg")]
+    with pytest.raises(ValueError, match="per-tenant LoRA adapters are not supported"):
+        asyncio.run(worker.broadcast_to_inference_engines(None, "ie cfg", model_id="tenant"))
+
+
 @pytest.mark.skip(reason="vLLM 0.30 (SkyRL's pinned build, which serves glm5_next) is too large "
                          "to carry to the GPU machine; the nccl / ipc engines need it")
 def test_vllm_nccl_and_ipc_receive_the_weight_source():

@@ -162,6 +162,7 @@ def inference_dtype(ie_cfg) -> torch.dtype:
 
     return str_to_torch_dtype(ie_cfg.model_dtype)
 
+
 async def init_weight_sync_state(worker, client, ie_cfg, inherited) -> None:
     """The worker's ``init_weight_sync_state``: a ``DiskPublisher`` for a ``DiskSyncTarget``
     client; otherwise SkyRL's own (``inherited``), which builds vLLM's engine over
