@@ -200,16 +200,15 @@ def _act_bytes(recipe: Recipe) -> int:
 def mhc_activation_bytes(recipe: Recipe) -> int:
     """One layer's two hyper-connections (model/hyper_connections.py, glm.py's expand), per rank.
 
-    Per row and sub-block: the input streams [N, D]; the fp32 copy of the flattened streams
-    (absent when they are fp32 already) and its RMS-normalised copy [N*D]; the map projection
-    [(2+N)N], sigmoids, softmax and every Sinkhorn division (numerator [N, N] and denominator
-    [N], 2 * iterations - 1 of them); pre weights; then in expand the block output [D] and the
-    post [N] and comb [N, N] maps in the stream dtype."""
+    Per row and sub-block: the input streams [N, D] (the normalised map projection keeps only
+    them, ``NormalizedProjection``); the map projection [(2+N)N], sigmoids, softmax and every
+    Sinkhorn division (numerator [N, N] and denominator [N], 2 * iterations - 1 of them); pre
+    weights; then in expand the block output [D] and the post [N] and comb [N, N] maps in the
+    stream dtype."""
     m, w = recipe.model, _act_bytes(recipe)
     D, N = m.hidden_size, m.hyper_connections.num_streams
     divs = 2 * m.hyper_connections.sinkhorn_iterations - 1
-    fp32_copy = 4 * N * D if w != 4 else 0
-    sub = fp32_copy + 4 + 4 * N * D + 4 * (2 + N) * N + 4 * 2 * N + 4 * N * N
+    sub = 4 * (2 + N) * N + 4 * 2 * N + 4 * N * N
     sub += divs * 4 * (N * N + N) + 4 * N
     sub += w * (N * D + N + D + N * N)
     return 2 * rows_of(recipe).sp * sub

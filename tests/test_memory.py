@@ -312,9 +312,9 @@ def test_cp_halves_sequence_sharded_terms():
 def test_full_recompute_reduces_kept_activations():
     none = memory.estimate_memory(_full("train.recompute=none"))
     full = memory.estimate_memory(_full("train.recompute=full"))
-    # Full recompute keeps each layer's input streams and the head only: about 21x less at 1M
-    # tokens (the mHC, MoE and KDA tensors dominate what recompute=none keeps).
-    assert sum(full.activations.values()) < sum(none.activations.values()) / 20
+    # Full recompute keeps each layer's input streams and the head only: about 15x less at 1M
+    # tokens (the MoE, KDA and mHC tensors dominate what recompute=none keeps).
+    assert sum(full.activations.values()) < sum(none.activations.values()) / 15
     recipe = _full("train.recompute=full")
     assert full.activations["layer inputs (checkpoints)"] == (
         recipe.model.num_layers * memory.checkpoint_input_bytes(recipe, "full"))
