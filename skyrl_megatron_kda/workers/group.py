@@ -31,8 +31,11 @@ RAY_START_CONFIG = {"worker_register_timeout_seconds": 600, "raylet_start_wait_t
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """``ray.init`` as the package starts or joins Ray: no dashboard, no worker logs on the
-    driver; a cluster started here gets ``RAY_START_CONFIG`` (joining one keeps its own)."""
-    ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+    driver; a cluster started here gets ``RAY_START_CONFIG`` (joining one keeps its own).
+    ``address=None`` starts a new local cluster: Ray's own ``None`` would join the cluster named
+    by ``RAY_ADDRESS`` or the one ``ray start`` last started on this machine."""
+    ray.init(address=address or "local", num_cpus=num_cpus, include_dashboard=False,
+             log_to_driver=False,
              _system_config=RAY_START_CONFIG if address is None else None,
              runtime_env={"worker_process_setup_hook": "skyrl_megatron_kda.console.quiet_warnings"})
 
