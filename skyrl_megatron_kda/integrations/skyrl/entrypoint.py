@@ -19,7 +19,9 @@ from skyrl.train.utils import validate_cfg
 from skyrl.train.utils.utils import initialize_ray
 
 from . import ENTRYPOINT
-from .config import KDASkyRLConfig, apply_recipe
+from .config import KDASkyRLConfig, apply_recipe, uses_reference
+from .reference import KDARefWorker
+from .settings import cp_exchange_source, decided_settings
 from .workers import NOT_INTEGRATED, KDAPolicyWorker
 
 _FLAG = "trainer.override_entrypoint="
@@ -29,8 +31,9 @@ class KDAPPOTrainer(RayPPOTrainer):
     """SkyRL's trainer with the KDA policy worker in place of the workers SkyRL picked."""
 
     def build_models(self, PolicyWorker, CriticWorker, RefWorker):
-        # apply_recipe refused critic and reference models, so SkyRL never starts those groups.
-        return super().build_models(KDAPolicyWorker, None, None)
+        # apply_recipe refused a critic, so SkyRL never starts that group; it starts the
+        # reference group only for its KL terms (use_kl_loss / use_kl_in_reward).
+        return super().build_models(KDAPolicyWorker, None, KDARefWorker)
 
 
 class KDAPPOExp(BasePPOExp):
@@ -55,6 +58,23 @@ def parse(argv: List[str]):
     return KDASkyRLConfig.from_cli_overrides([a for a in argv if not a.startswith(_FLAG)])
 
 
+def provenance(cfg, recipe) -> List[str]:
+    """The dry run's "what came from where": the recipe keys SkyRL's settings decide (the
+    recipe file's value in brackets where it differs), the exchange's source, the roles."""
+    t = cfg.trainer
+    lines = [f"from {cfg.trainer.kda.recipe!r}: the model, parallel.*, kda.*, data.*, run.*",
+             f"  kda.cp_exchange={recipe.kda.cp_exchange} <- {cp_exchange_source(t.kda).text}"]
+    for d in decided_settings(t, recipe, model_path=t.policy.model.path):
+        section, name = d.key.split(".")
+        before = getattr(getattr(recipe, section), name)
+        was = "" if before == d.value else f" (recipe: {before})"
+        lines.append(f"  {d.key}={d.value} <- {d.source}{was}")
+    lines.append("  train.steps <- num_training_steps, which SkyRL's trainer passes at init_model")
+    roles = "policy + reference (KL)" if uses_reference(t) else "policy"
+    lines.append(f"workers: {roles}; colocate_all={t.placement.colocate_all}")
+    return ["what comes from where:"] + lines
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point SkyRL's ``main_base`` dispatches to; ``argv`` defaults to ``sys.argv[1:]``."""
     cfg = parse(sys.argv[1:] if argv is None else argv)
@@ -68,6 +88,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"recipe: {cfg.trainer.kda.recipe} -> kda.cp_exchange={recipe.kda.cp_exchange} "
               f"tp={p.tp} cp={p.cp} ep={p.ep} etp={p.etp} num_workers={recipe.run.num_workers}")
         print("recipe json: " + recipe.model_dump_json())
+        for line in provenance(cfg, recipe):
+            print(line)
         print("launch blocked by:" if blockers else "launch: ready")
         for line in blockers:
             print(f"  - {line}")
