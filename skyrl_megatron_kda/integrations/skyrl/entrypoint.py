@@ -9,7 +9,10 @@ resolved; a job that needs something the workers do not implement yet is refused
 starts, with the list.
 """
 
+import contextlib
 import sys
+import types
+from collections.abc import Iterator
 from typing import List, Optional
 
 import ray
@@ -36,8 +39,40 @@ class KDAPPOTrainer(RayPPOTrainer):
         return super().build_models(KDAPolicyWorker, None, KDARefWorker)
 
 
+SKYRL_MEGATRON_WORKERS = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
+"""The module ``BasePPOExp._setup_trainer`` imports its workers from under
+``trainer.strategy=megatron``. It imports Megatron-Bridge (``megatron.bridge``) at the top, which
+our workers do not use and this package does not install."""
+
+
+@contextlib.contextmanager
+def kda_workers_for_skyrl_import() -> Iterator[None]:
+    """While active, ``from <SKYRL_MEGATRON_WORKERS> import PolicyWorker, CriticWorker,
+    RefWorker`` gives the KDA workers (no critic) instead of importing SkyRL's Megatron workers;
+    the module table is restored after (a real import of SkyRL's module, if one happened before,
+    comes back)."""
+    stand_in = types.ModuleType(SKYRL_MEGATRON_WORKERS, "The KDA workers, for SkyRL's import.")
+    stand_in.PolicyWorker, stand_in.CriticWorker, stand_in.RefWorker = (
+        KDAPolicyWorker, None, KDARefWorker)
+    before = sys.modules.get(SKYRL_MEGATRON_WORKERS)
+    sys.modules[SKYRL_MEGATRON_WORKERS] = stand_in
+    try:
+        yield
+    finally:
+        if before is None:
+            sys.modules.pop(SKYRL_MEGATRON_WORKERS, None)
+        else:
+            sys.modules[SKYRL_MEGATRON_WORKERS] = before
+
+
 class KDAPPOExp(BasePPOExp):
     """SkyRL's experiment (tokenizer, datasets, inference engines, generator) with our trainer."""
+
+    def _setup_trainer(self):
+        # SkyRL picks its worker classes by trainer.strategy with a hard-coded import of its own
+        # Megatron workers (which need megatron.bridge); ours stand in for that import.
+        with kda_workers_for_skyrl_import():
+            return super()._setup_trainer()
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset,
                     inference_engine_client, generator, colocate_pg) -> RayPPOTrainer:
