@@ -428,3 +428,27 @@ def test_skyrl_extra_declares_what_a_launch_imports():
     names = {req.split("=")[0].split("<")[0].split(">")[0].strip() for req in extra}
     assert "cloudpickle" in names
     assert not any("bridge" in n for n in names)
+
+
+def test_reference_weights_follow_skyrls_paths(tmp_path):
+    """The reference's init_model path: the policy's path (SkyRL's default ref path) means the
+    policy's initial weights (the recipe's run.init_from_hf wins, as for the policy); another
+    path (an explicit reference, the policy's export) is loaded as given; never a resume."""
+    from skyrl_megatron_kda.integrations.skyrl.settings import reference_settings
+
+    cfg = KDASkyRLConfig.from_cli_overrides(ALLGATHER + [f"trainer.policy.model.path={tmp_path}"])
+    t = cfg.trainer
+    assert t.ref.model.path == str(tmp_path)  # SkyRL's default
+
+    def weights(recipe, path):
+        recipe, decided = reference_settings(t, recipe, path)
+        assert recipe.run.resume is False
+        return {(d.value, d.source) for d in decided if d.key == "run.init_from_hf"}
+
+    plain = load_recipe("glm53_flash_tiny")
+    named = load_recipe("glm53_flash_tiny", ["run.init_from_hf=/recipe/hf", "run.resume=true"])
+    assert weights(plain, str(tmp_path)) == {(str(tmp_path), "trainer.policy.model.path")}
+    assert {v for v, _ in weights(named, str(tmp_path))} == {"/recipe/hf"}
+    assert weights(named, "/export/global_step_3/policy") == {
+        ("/export/global_step_3/policy", "trainer.ref.model.path")}
+    assert weights(plain, None) == set()  # the recipe's weights (none: a seeded random init)

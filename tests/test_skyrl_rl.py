@@ -421,12 +421,15 @@ def _kl_rank(rank, world, hf_dir):
     ref.offload_to_cpu()  # SkyRL offloads the reference after init_model under colocation
     ref.backload_to_gpu()
     base = torch.tensor([s["logprobs"] for s in ref.forward(_batch()).loss_fn_outputs])
+    ref.init_model(hf_dir)  # update_ref_every_epoch: init_model again, on the same process
+    again = torch.tensor([s["logprobs"] for s in ref.forward(_batch()).loss_fn_outputs])
     ref.trainer.close()
     plain = _kl_steps(_worker(CP1, KL_JOB + ("trainer.placement.colocate_all=false",), hf_dir),
                       base, colocate=False)
     colocated = _kl_steps(_worker(CP1, KL_JOB + ("trainer.placement.colocate_all=true",), hf_dir),
                           base, colocate=True)
-    return {"base": base, "ref_is_bare": ref_is_bare, "plain": plain, "colocated": colocated}
+    return {"base": base, "again": again, "ref_is_bare": ref_is_bare, "plain": plain,
+            "colocated": colocated}
 
 
 @pytest.fixture(scope="module")
@@ -458,8 +461,9 @@ def _skyrl_kl(logprobs: torch.Tensor, base: torch.Tensor) -> float:
 
 def test_reference_worker_is_the_policys_model_without_training_state(kl_runs):
     """The reference (RankModel: no DDP, no optimizer) loaded from the same folder gives the
-    policy's log-probs bit for bit."""
+    policy's log-probs bit for bit, also after SkyRL re-initialises it."""
     assert kl_runs["ref_is_bare"]
+    assert torch.equal(kl_runs["again"], kl_runs["base"])  # re-initialised from the same folder
     step1 = kl_runs["plain"]["steps"][0]["logprobs"]
     real = _response_columns()
     assert torch.equal(kl_runs["base"], step1)

@@ -3,10 +3,11 @@
 SkyRL's ``main_base.main`` sees ``trainer.override_entrypoint=<this module>`` before it parses
 anything and calls ``main()`` here, which parses the same command line with ``KDASkyRLConfig``,
 resolves the recipe, mirrors its mesh into SkyRL's Megatron sizes, runs SkyRL's own validation,
-and launches SkyRL's experiment with ``KDAPolicyWorker`` injected through
-``RayPPOTrainer.build_models``. ``trainer.kda.dry_run=true`` stops before Ray and prints what it
-resolved; a job that needs something the workers do not implement yet is refused before Ray
-starts, with the list.
+and launches SkyRL's experiment with ``KDAPolicyWorker`` and ``KDARefWorker`` injected through
+``RayPPOTrainer.build_models`` (they also stand in for SkyRL's import of its own Megatron
+workers). ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved and where
+each setting came from; a job that needs something the workers do not implement yet is refused
+before Ray starts, with the list.
 """
 
 import contextlib

@@ -16,10 +16,11 @@ same code on the same mesh and, with the same weights, give bitwise the same log
 from typing import Optional
 
 import ray
+import torch
 from skyrl.backends.skyrl_train.workers.worker import RefWorkerBase
 
 from ...train.trainer import RankModel
-from .settings import apply_decided, check_weights_folder, decided_settings
+from .settings import apply_decided, check_weights_folder, reference_settings
 from .workers import KDAPolicyWorkerBase
 
 
@@ -36,18 +37,15 @@ class KDARefWorkerBase(RefWorkerBase):
 
     def init_model(self, model_path: Optional[str] = None, num_training_steps: Optional[int] = None):
         """Build the recipe's model (no DDP, no optimizer) with the weights of ``model_path``
-        (see the module docstring); None: the recipe's weights, else a seeded random init (the
-        policy's, for the same recipe and ``trainer.seed``)."""
-        recipe = self.recipe.model_copy(update={"run": self.recipe.run.model_copy(
-            update={"resume": False})})  # a reference has no checkpoint: its weights are loaded
-        policy_path = self.cfg.policy.model.path
-        own = model_path is not None and model_path != policy_path
-        if own:  # an explicit reference model, or the policy's export: not the recipe's weights
-            recipe = recipe.model_copy(update={"run": recipe.run.model_copy(
-                update={"init_from_hf": None})})
-        self.decided = decided_settings(
-            self.cfg, recipe, model_path=model_path,
-            path_setting="trainer.ref.model.path" if own else "trainer.policy.model.path")
+        (``settings.reference_settings``); None: the recipe's weights, else a seeded random
+        init (the policy's, for the same recipe and ``trainer.seed``). Called again (SkyRL's
+        ``update_ref_every_epoch``), it replaces the model it holds."""
+        if getattr(self, "trainer", None) is not None:
+            self.trainer.close()  # megatron's groups are rebuilt with the new model
+            self.trainer = self.model = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        recipe, self.decided = reference_settings(self.cfg, self.recipe, model_path)
         check_weights_folder(self.decided)
         self.trainer = RankModel(apply_decided(recipe, self.decided))
         self.model = self.trainer.model

@@ -87,6 +87,21 @@ def decided_settings(t, recipe: Recipe, *, model_path: str | None = None,
     return out
 
 
+def reference_settings(t, recipe: Recipe, model_path: str | None) -> tuple[Recipe, list[Decided]]:
+    """(recipe, decided) of the reference worker for SkyRL's ``init_model(model_path)``. The
+    policy's path (SkyRL's default ``trainer.ref.model.path``) means the policy's initial weights,
+    so the recipe's ``run.init_from_hf`` wins as for the policy; any other path (an explicit
+    reference model, or the policy's export for ``update_ref_every_epoch``) is loaded as given.
+    A reference never resumes a checkpoint (``run.resume`` off)."""
+    own = model_path is not None and model_path != t.policy.model.path
+    run = {"resume": False, **({"init_from_hf": None} if own else {})}
+    recipe = recipe.model_copy(update={"run": recipe.run.model_copy(update=run)})
+    decided = decided_settings(
+        t, recipe, model_path=model_path,
+        path_setting="trainer.ref.model.path" if own else "trainer.policy.model.path")
+    return recipe, decided
+
+
 def check_weights_folder(decided: list[Decided]) -> None:
     """Refuse a model path that is not a folder on this node, naming the SkyRL setting: the KDA
     workers load a glm5_next HF folder (``model.hf_io``) and download nothing."""
