@@ -424,12 +424,17 @@ def _kl_rank(rank, world, hf_dir):
     ref.init_model(hf_dir)  # update_ref_every_epoch: init_model again, on the same process
     again = torch.tensor([s["logprobs"] for s in ref.forward(_batch()).loss_fn_outputs])
     ref.trainer.close()
-    plain = _kl_steps(_worker(CP1, KL_JOB + ("trainer.placement.colocate_all=false",), hf_dir),
-                      base, colocate=False)
+    worker = _worker(CP1, KL_JOB + ("trainer.placement.colocate_all=false",), hf_dir)
+    r = worker.trainer.recipe
+    built = {"lr": r.train.lr, "min_lr": r.train.min_lr, "seed": r.train.seed,
+             "dtype": r.model.params_dtype, "weights": r.run.init_from_hf,
+             "optimizer_lr": worker.get_lr(),
+             "param_dtypes": {str(p.dtype) for p in worker.trainer.model.module.parameters()}}
+    plain = _kl_steps(worker, base, colocate=False)
     colocated = _kl_steps(_worker(CP1, KL_JOB + ("trainer.placement.colocate_all=true",), hf_dir),
                           base, colocate=True)
     return {"base": base, "again": again, "ref_is_bare": ref_is_bare, "plain": plain,
-            "colocated": colocated}
+            "colocated": colocated, "built": built, "hf_dir": hf_dir}
 
 
 @pytest.fixture(scope="module")
@@ -468,6 +473,17 @@ def test_reference_worker_is_the_policys_model_without_training_state(kl_runs):
     real = _response_columns()
     assert torch.equal(kl_runs["base"], step1)
     assert float(step1[real].max()) < 0
+
+
+def test_worker_is_built_with_skyrls_settings(kl_runs):
+    """The policy worker's model and optimizer follow SkyRL's config (_cfg: trainer.bf16=false,
+    optimizer_config.lr=3e-3, SkyRL's default seed 42), not the tiny recipe's (lr 3e-3 too, but
+    seed 1234), and its weights come from the model path init_model was given."""
+    b = kl_runs["built"]
+    assert (b["lr"], b["min_lr"], b["seed"], b["dtype"]) == (3e-3, 3e-3, 42, "float32")
+    assert b["optimizer_lr"] == 3e-3  # no warm-up (SkyRL's num_warmup_steps=0): lr from step 1
+    assert b["param_dtypes"] == {"torch.float32"}
+    assert b["weights"] == kl_runs["hf_dir"]
 
 
 def test_kl_is_zero_at_step_one_and_skyrls_kl_at_step_two(kl_runs):
