@@ -342,13 +342,21 @@ def test_colocation_and_kl_are_accepted_and_build_a_reference():
     mirrored into the reference's megatron_config too, whose placement must match."""
     from skyrl_megatron_kda.integrations.skyrl.config import uses_reference
 
+    from skyrl.train.utils import validate_cfg
+
+    from skyrl_megatron_kda.integrations.skyrl.config import unsupported_settings
+
     job = [a for a in ALLGATHER if "colocate_all" not in a and "use_kl_loss" not in a]
-    cfg = KDASkyRLConfig.from_cli_overrides(job + ["trainer.placement.ref_num_gpus_per_node=4"])
+    cfg = KDASkyRLConfig.from_cli_overrides(job + ["trainer.placement.ref_num_gpus_per_node=4",
+                                                   "generator.inference_engine.num_engines=4"])
     assert cfg.trainer.placement.colocate_all and cfg.trainer.algorithm.use_kl_loss
     assert uses_reference(cfg.trainer)
     problems = apply_recipe(cfg, cfg.trainer.kda.resolve())
     assert [p.split(":")[0] for p in problems] == ["run.device=cpu"]
     assert cfg.trainer.ref.megatron_config.context_parallel_size == 2
+    # SkyRL's own validation (as the entrypoint runs it) leaves nothing the workers refuse.
+    validate_cfg(cfg)
+    assert unsupported_settings(cfg) == []
     cfg = KDASkyRLConfig.from_cli_overrides(job)  # ref_num_gpus_per_node stays 1
     with pytest.raises(ValueError, match="1 ref workers.*ref_num_gpus_per_node=1.*num_workers=4"):
         apply_recipe(cfg, cfg.trainer.kda.resolve())
