@@ -27,12 +27,20 @@ def log(msg: str) -> None:
     print(f"[{time.time() - _T0:6.1f}s] {msg}", flush=True)
 
 
+LEVERS = {
+    "offload": "train.offload_activations=true",
+    "loss": "train.loss_chunk_tokens=8192",
+    "bf16grads": "train.grad_reduce_in_fp32=false",
+}
+"""The memory levers a run spec can turn on, by name."""
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="4:256,3:16384,3:32768",
-                   help="comma-separated LAYERS:SEQ_LEN[:RECOMPUTE[:offload]] (4 = KDA x3 + DSA, "
-                        "3 = KDA only; RECOMPUTE full (the recipe's), selective or none; offload: "
-                        "train.offload_activations)")
+                   help="comma-separated LAYERS:SEQ_LEN[:RECOMPUTE[:LEVER...]] (4 = KDA x3 + DSA, "
+                        "3 = KDA only; RECOMPUTE full (the recipe's), selective or none; LEVER: "
+                        + ", ".join(f"{k} ({v})" for k, v in LEVERS.items()) + ")")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (= GPUs used)")
     p.add_argument("--exchanges", default="a2a", help="KDA CP exchanges to run (comma-separated)")
     p.add_argument("--steps", type=int, default=4)
@@ -41,14 +49,14 @@ def parse_args():
 
 
 def slice_recipe(layers: int, seq_len: int, cp: int, exchange: str, steps: int, output_dir: str,
-                 recompute: str = "full", offload: bool = False):
+                 recompute: str = "full", levers: tuple[str, ...] = ()):
     from skyrl_megatron_kda.recipes import load_recipe
 
     return load_recipe("glm53_flash_slice", [
         f"model.num_layers={layers}", f"data.seq_len={seq_len}", f"parallel.cp={cp}",
         f"run.num_workers={cp}", f"kda.cp_exchange={exchange}", f"train.steps={steps}",
         "train.save_at_end=false", f"run.output_dir={output_dir}", f"train.recompute={recompute}",
-        f"train.offload_activations={str(offload).lower()}",
+        *(LEVERS[name] for name in levers),
     ])
 
 
@@ -77,17 +85,18 @@ def main() -> None:
     results = []
     for spec in args.runs.split(","):
         layers, seq_len, *rest = spec.split(":")
-        recompute, flags = (rest[0], rest[1:]) if rest else ("full", [])
-        if flags not in ([], ["offload"]):
-            raise SystemExit(f"--runs {spec}: after RECOMPUTE only 'offload' may follow")
-        layers, seq_len, offload = int(layers), int(seq_len), flags == ["offload"]
+        recompute, levers = (rest[0], tuple(rest[1:])) if rest else ("full", ())
+        unknown = set(levers) - set(LEVERS)
+        if unknown:
+            raise SystemExit(f"--runs {spec}: unknown lever(s) {sorted(unknown)}; known: {sorted(LEVERS)}")
+        layers, seq_len = int(layers), int(seq_len)
         for exchange in args.exchanges.split(","):
             with tempfile.TemporaryDirectory() as out:
-                recipe = slice_recipe(layers, seq_len, args.cp, exchange, args.steps, out, recompute, offload)
+                recipe = slice_recipe(layers, seq_len, args.cp, exchange, args.steps, out, recompute, levers)
                 log(f"{layers} layers, T={seq_len}, CP{args.cp} {exchange}, recompute {recompute}"
-                    f"{', offload' if offload else ''}: training {args.steps} steps")
+                    f"{''.join('+' + name for name in levers)}: training {args.steps} steps")
                 row = {"layers": layers, "seq_len": seq_len, "cp": args.cp, "exchange": exchange,
-                       "recompute": recompute, "offload": offload, **measure(recipe)}
+                       "recompute": recompute, "levers": list(levers), **measure(recipe)}
             log(json.dumps(row))
             results.append(row)
             if args.json:
@@ -98,11 +107,11 @@ def main() -> None:
 
 def report(results: list[dict]) -> None:
     print("\nGLM-5.3-Flash slice, bf16, fwd+bwd+optimizer step; peak = torch allocator, busiest rank")
-    print(f"{'layers':>6}{'T':>9}{'CP':>4}{'exchange':>11}{'recompute':>10}{'tok/s':>10}{'s/step':>8}{'peak GiB':>10}"
+    print(f"{'layers':>6}{'T':>9}{'CP':>4}{'exchange':>11}{'recompute + levers':>28}{'tok/s':>10}{'s/step':>8}{'peak GiB':>10}"
           f"{'plan GiB':>10}{'plan/peak':>10}")
     for r in results:
-        mode = r.get("recompute", "full") + ("+off" if r.get("offload") else "")
-        head = f"{r['layers']:>6}{r['seq_len']:>9}{r['cp']:>4}{r['exchange']:>11}{mode:>10}"
+        mode = r.get("recompute", "full") + "".join("+" + name for name in r.get("levers", ()))
+        head = f"{r['layers']:>6}{r['seq_len']:>9}{r['cp']:>4}{r['exchange']:>11}{mode:>28}"
         if "error" in r:
             print(f"{head}  failed: {r['error']}  (plan {r['estimate_gib']:.1f} GiB)")
             continue

@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: glm53_flash_1m)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override the recipe, e.g. "
-                           "--set cluster.inter_node_kind=efa --set kda.allow_inexact=false")
+                           "--set cluster.inter_node_kind=efa --set kda.allow_inexact=false; "
+                           "with --set run.ray_address=auto (or ray://HEAD:10001) also a "
+                           "placement dry run on that cluster: where each rank would run")
     plan.add_argument("--state-prepass", type=float, default=None, metavar="FACTOR",
                       help="extra kernel time of the state exchange relative to the same kernel "
                            "on its shard alone: the state kernel takes the shard's time x "
@@ -205,6 +207,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         gpu = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB)
         print("\n".join(["", *memory_lines(recipe, gpu)]))
+        if recipe.run.ray_address is not None:
+            print("\n".join(["", *placement_lines(recipe)]))
         return 0
 
     from .demo import byte_table, run_demo
@@ -214,6 +218,27 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     ok = run_demo(args.overrides, args.exchanges.split(","))
     return 0 if ok else 1
+
+
+def placement_lines(recipe: Recipe) -> list[str]:
+    """A placement dry run on the cluster at ``run.ray_address``: the run's placement group and
+    rank actors are made, where each rank would run is read back (the rank map ``run`` prints),
+    and all is released; no model, no torch.distributed."""
+    from .workers.group import ActorGroup
+    from .workers.lifetime import StartedRay
+    from .workers.rank_map import build_rank_map, rank_map_lines
+
+    ray_here = StartedRay(recipe.run)
+    try:
+        group = ActorGroup.for_recipe(recipe, connect=False)
+        try:
+            rank_map = build_rank_map(group.ranks, recipe)
+        finally:
+            group.shutdown()
+    finally:
+        ray_here.shutdown()
+    return [f"placement dry run on {recipe.run.ray_address}: {recipe.run.num_workers} "
+            f"{recipe.run.device.upper()} ranks", *rank_map_lines(rank_map)]
 
 
 def load_recipe(name: str, overrides: list[str]) -> Recipe:

@@ -96,7 +96,7 @@ def run_demo(overrides: Sequence[str], exchanges: Sequence[str]) -> bool:
     ok = True
     rows = []
     try:
-        group = ActorGroup(world, device)
+        group = ActorGroup.for_recipe(base)
         for name, recipe in recipes.items():
             t0 = time.time()
             results = group.run(check_on_mesh, recipe, TINY_LENGTHS)

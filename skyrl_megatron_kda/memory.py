@@ -200,16 +200,15 @@ def _act_bytes(recipe: Recipe) -> int:
 def mhc_activation_bytes(recipe: Recipe) -> int:
     """One layer's two hyper-connections (model/hyper_connections.py, glm.py's expand), per rank.
 
-    Per row and sub-block: the input streams [N, D]; the fp32 copy of the flattened streams
-    (absent when they are fp32 already) and its RMS-normalised copy [N*D]; the map projection
-    [(2+N)N], sigmoids, softmax and every Sinkhorn division (numerator [N, N] and denominator
-    [N], 2 * iterations - 1 of them); pre weights; then in expand the block output [D] and the
-    post [N] and comb [N, N] maps in the stream dtype."""
+    Per row and sub-block: the input streams [N, D] (the normalised map projection keeps only
+    them, ``NormalizedProjection``); the map projection [(2+N)N], sigmoids, softmax and every
+    Sinkhorn division (numerator [N, N] and denominator [N], 2 * iterations - 1 of them); pre
+    weights; then in expand the block output [D] and the post [N] and comb [N, N] maps in the
+    stream dtype."""
     m, w = recipe.model, _act_bytes(recipe)
     D, N = m.hidden_size, m.hyper_connections.num_streams
     divs = 2 * m.hyper_connections.sinkhorn_iterations - 1
-    fp32_copy = 4 * N * D if w != 4 else 0
-    sub = fp32_copy + 4 + 4 * N * D + 4 * (2 + N) * N + 4 * 2 * N + 4 * N * N
+    sub = 4 * (2 + N) * N + 4 * 2 * N + 4 * N * N
     sub += divs * 4 * (N * N + N) + 4 * N
     sub += w * (N * D + N + D + N * N)
     return 2 * rows_of(recipe).sp * sub
@@ -467,23 +466,60 @@ def moe_activation_bytes(recipe: Recipe) -> int:
     return total
 
 
-def head_activation_bytes(recipe: Recipe) -> int:
-    """Embedding, final norm, output layer and loss: the token ids, the final norm, the output
-    layer's input [s, D], and the loss's per-token tensors (``loss_kept_bytes_per_token``)."""
+def head_tensor_bytes(recipe: Recipe) -> list[int]:
+    """Embedding, final norm, output layer and loss, one entry per tensor kept: the token ids
+    (int64), the final norm (fp32 input copy, rsqrt, normalised rows), the output layer's input
+    [s, D], and the loss's per-token tensors (``loss_kept_bytes_per_token``)."""
     m, w, r = recipe.model, _act_bytes(recipe), rows_of(recipe)
-    total = r.cp * 8 + norm_activation_bytes(recipe, m.hidden_size, r.sp)
-    total += r.sp * m.hidden_size * w
-    return total + r.cp * loss_kept_bytes_per_token(recipe)
+    D = m.hidden_size
+    norm = [r.sp * D * 4, r.sp * 4, r.sp * D * w]
+    return [r.cp * 8, *norm, r.sp * D * w, *(r.cp * n for n in loss_kept_bytes_per_token(recipe))]
 
 
-def loss_kept_bytes_per_token(recipe: Recipe) -> int:
-    """What the loss keeps per token of the CP rank. Unfused (megatron's vocab-parallel cross
-    entropy): the fp32 softmax over the vocabulary shard [V/tp], the target mask (bool) and the
-    masked target (int64). ``train.loss_chunk_tokens`` (model/fused_loss.py): the labels (int64)
-    and the all-reduced fp32 row max and sum of exp."""
+def head_activation_bytes(recipe: Recipe) -> int:
+    """What the embedding, final norm, output layer and loss keep (``head_tensor_bytes``)."""
+    return sum(head_tensor_bytes(recipe))
+
+
+def loss_kept_bytes_per_token(recipe: Recipe) -> list[int]:
+    """What the loss keeps per token of the CP rank, one entry per tensor. Unfused (megatron's
+    vocab-parallel cross entropy): the fp32 softmax over the vocabulary shard [V/tp], the target
+    mask (bool) and the masked target (int64). ``train.loss_chunk_tokens``
+    (model/fused_loss.py): the labels (int64) and the all-reduced fp32 row max and sum of exp."""
     if recipe.train.loss_chunk_tokens is not None:
-        return 8 + 4 + 4
-    return recipe.model.vocab_size // recipe.parallel.tp * 4 + 1 + 8
+        return [8, 4, 4]
+    return [recipe.model.vocab_size // recipe.parallel.tp * 4, 1, 8]
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """Host bytes torch's caching host allocator takes for a pinned tensor of ``nbytes``: the
+    next power of two (its rounding under the default config)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def offloaded_tensor_bytes(recipe: Recipe) -> list[int] | None:
+    """Sizes of the tensors ``train.offload_activations`` copies to the host per forward, one
+    entry per tensor (model/host_offload.py copies each once), when every layer is under full
+    recompute: each layer's input streams and the head's tensors. None otherwise: layers that
+    keep their own tensors are modelled in bytes per block, not tensor by tensor."""
+    m, t = recipe.model, recipe.train
+    if any(t.recompute_of(kind) != "full" for kind in m.layer_types()):
+        return None
+    return [checkpoint_input_bytes(recipe, "full")] * m.num_layers + head_tensor_bytes(recipe)
+
+
+def host_activation_bytes(recipe: Recipe) -> tuple[int, bool]:
+    """(host bytes of the offloaded activations per rank, whether exact). Exact under full
+    recompute: each tensor in its own pinned block on a GPU (``pinned_block_bytes``), as it is on
+    CPU; otherwise the kept bytes, a lower bound (the pinned blocks round each tensor up)."""
+    if not recipe.train.offload_activations:
+        return 0, True
+    sizes = offloaded_tensor_bytes(recipe)
+    if sizes is None:
+        kept = sum(sum(layer_kept_bytes(recipe, i).values()) for i in range(recipe.model.num_layers))
+        return kept + head_activation_bytes(recipe), False
+    pinned = recipe.run.device == "gpu"
+    return sum(pinned_block_bytes(n) if pinned else n for n in sizes), True
 
 
 def loss_working_bytes(recipe: Recipe) -> tuple[str, int]:
@@ -776,12 +812,30 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
         verdict = "fits" if est.total <= gpu_bytes else "does NOT fit"
         lines.append(f"vs. {gpu_name} {gpu_bytes / GiB:.1f} GiB: {est.total / gpu_bytes:.1%} "
                      f"-> {verdict}")
+    return lines + host_memory_lines(recipe, est)
+
+
+def host_memory_lines(recipe: Recipe, est: MemoryEstimate) -> list[str]:
+    """What each GPU's rank keeps in host memory, and a node's worth (``cluster.gpus_per_node``)."""
+    t = recipe.train
+    activations, exact = host_activation_bytes(recipe)
+    if not activations and not est.host_optimizer:
+        return ["host memory per GPU: none beyond the process (nothing offloaded)"]
+    parts = []
+    if activations:
+        how = "pinned blocks" if recipe.run.device == "gpu" else "as saved"
+        parts.append(f"activations {activations / GiB:.2f} GiB (train.offload_activations, {how}"
+                     + ("" if exact else "; at least: layers not under full recompute") + ")")
     if est.host_optimizer:
-        lines.append(f"host memory per GPU: optimizer state {est.host_optimizer / GiB:.2f} GiB "
+        parts.append(f"optimizer state {est.host_optimizer / GiB:.2f} GiB "
                      f"(train.optimizer_offload_fraction={t.optimizer_offload_fraction:g}; "
                      "modelled only: a run refuses it, megatron-core 0.19.2's "
                      "HybridDeviceOptimizer cannot hold fp32 parameters)")
-    return lines
+    per_gpu = activations + est.host_optimizer
+    node = recipe.cluster.gpus_per_node
+    return [f"host memory per GPU: {' + '.join(parts)}",
+            f"host memory per node: {per_gpu * node / GiB:.2f} GiB "
+            f"({node} GPUs, cluster.gpus_per_node)"]
 
 
 def param_counts(groups: Iterable[ParamGroup]) -> dict[tuple[str, int, bool], int]:

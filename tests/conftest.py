@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from skyrl_megatron_kda.console import HARMLESS_WARNINGS
@@ -41,9 +43,58 @@ def ray_cluster(_ray_module):
     """The module's Ray; placement groups (and their actors) a test leaves behind are removed
     after it, so that one test's failure does not starve the next of CPUs."""
     import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     yield ray.cluster_resources()
+    _remove_placement_groups()
+
+
+def _remove_placement_groups() -> None:
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
     for pg_id, info in ray.util.placement_group_table().items():
         if info["state"] != "REMOVED":
             remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+
+
+# The local multi-node cluster: a head node with 4 CPUs (and a "head" resource, so that a test
+# can reserve CPUs there) and a second raylet with 2, on this one host.
+HEAD_CPUS, WORKER_CPUS = 4, 2
+
+
+@pytest.fixture(scope="module")
+def _two_node_module():
+    """Ray's local multi-node cluster (``ray.cluster_utils.Cluster``: two raylets on this host,
+    each with its own resources), joined by this process as a driver the way a driver joins a
+    cluster started by ``ray start``; shut down with the module, raylets and all."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from skyrl_megatron_kda.workers.group import RAY_START_CONFIG, init_ray
+
+    if ray.is_initialized():
+        raise RuntimeError("Ray was already initialised before the two-node cluster fixture")
+    # The cluster records its address as "the cluster ray start last started" under Ray's temp
+    # folder, where any process on this host calling ray.init() without an address would join
+    # it: a private temp folder keeps other test runs on this host off it.
+    with (tempfile.TemporaryDirectory(prefix="ray_", ignore_cleanup_errors=True) as temp,
+          pytest.MonkeyPatch.context() as env):
+        env.setenv("RAY_TMPDIR", temp)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": HEAD_CPUS, "resources": {"head": 1}, "include_dashboard": False,
+            "_system_config": RAY_START_CONFIG})
+        try:
+            cluster.add_node(num_cpus=WORKER_CPUS)
+            cluster.wait_for_nodes()
+            init_ray(cluster.address)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+@pytest.fixture
+def two_node_cluster(_two_node_module):
+    """The module's two-node cluster; placement groups a test leaves behind are removed after it."""
+    yield _two_node_module
+    _remove_placement_groups()

@@ -237,3 +237,23 @@ def test_export_refuses_a_non_run_folder_and_a_non_empty_target(example, tmp_pat
         export(tmp_path, tmp_path / "out")
     with pytest.raises(FileExistsError, match="not empty"):
         export(example["run_dir"], example["hf_out"])
+
+
+def test_ray_up_config_fits_rays_schema_and_the_recipe():
+    """examples/finetune_1m/cluster.yaml is a valid `ray up` config, and its nodes x GPUs are the
+    1M recipe's ranks and cluster.gpus_per_node."""
+    import yaml
+    from ray.autoscaler._private.commands import prepare_config
+    from ray.autoscaler._private.util import validate_config
+
+    from skyrl_megatron_kda.recipes import get_recipe
+
+    config = yaml.safe_load((EXAMPLE.parent / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))  # as `ray up` does before it starts anything
+    recipe = get_recipe("glm53_flash_1m", [], environ={})
+    nodes = 1 + len(config["provider"]["worker_ips"])
+    assert config["max_workers"] == nodes - 1
+    gpus = recipe.cluster.gpus_per_node
+    for start in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert f"--num-gpus={gpus}" in config[start][-1]
+    assert nodes * gpus == recipe.run.num_workers

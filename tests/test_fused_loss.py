@@ -127,7 +127,8 @@ def test_keeps_no_tokens_by_vocabulary_tensor(world, sp):
     from skyrl_megatron_kda import memory
     from skyrl_megatron_kda.recipes import load_recipe
 
-    per_token = memory.loss_kept_bytes_per_token(load_recipe("glm53_flash_tiny", ["train.loss_chunk_tokens=5"]))
+    per_token = sum(memory.loss_kept_bytes_per_token(
+        load_recipe("glm53_flash_tiny", ["train.loss_chunk_tokens=5"])))
     for rank, census in enumerate(run_ranks(world, _census, sp)):
         print(rank, census)
         shapes, _ = census["unfused"]

@@ -8,7 +8,9 @@ import torch
 
 from skyrl_megatron_kda.model.hyper_connections import (
     HyperConnection,
+    NormalizedProjection,
     expand_to_streams,
+    normalized_projection,
     reduce_streams,
     sinkhorn_knopp,
 )
@@ -179,3 +181,50 @@ def test_module_dtypes_grads_and_tp_tags():
     assert (m.sum(-2) - 1).abs().max() < 1e-5
     row_err = [float((sinkhorn_knopp(logits, it, 1e-6).sum(-1) - 1).abs().max()) for it in (1, 20, 200)]
     assert row_err[0] > row_err[1] > row_err[2] and row_err[2] < 1e-3, row_err
+
+
+def _projection_grads(project, flat, weight, grad, eps=1e-5):
+    flat = flat.detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    out = project(flat, weight, eps)
+    out.backward(grad)
+    return out, flat.grad, weight.grad
+
+
+def test_normalized_projection_grads_are_autograds_bitwise():
+    """The projection that keeps only its input and weight gives the plain autograd graph's
+    output and gradients bit for bit (it rebuilds the same ops), for fp32 and bf16 streams."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        flat = (torch.randn(7, 5, STREAMS * HIDDEN, generator=gen) * 3).to(dtype)
+        weight = torch.randn(24, STREAMS * HIDDEN, generator=gen) * 0.02
+        grad = torch.randn(7, 5, 24, generator=gen)
+        plain = _projection_grads(normalized_projection, flat, weight, grad)
+        kept = _projection_grads(NormalizedProjection.apply, flat, weight, grad)
+        for a, b in zip(plain, kept):
+            assert a.dtype == b.dtype and torch.equal(a, b), dtype
+        # Control: a different eps in the rebuilt graph shows up in the input gradient.
+        other = _projection_grads(NormalizedProjection.apply, flat, weight, grad, eps=1e-1)
+        assert not torch.equal(other[1], plain[1])
+
+
+def test_normalized_projection_keeps_no_fp32_upcast():
+    """What autograd holds for backward: the bf16 input and the weight, nothing of [N*D] in
+    fp32 (the plain graph keeps the upcast and its normalised copy, 4x the input's bytes)."""
+    flat = torch.randn(64, STREAMS * HIDDEN).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(24, STREAMS * HIDDEN, requires_grad=True)
+
+    def kept_bytes(project) -> int:
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            project(flat, weight, 1e-5)
+        storages.pop(weight.untyped_storage().data_ptr())
+        return sum(storages.values())
+
+    assert kept_bytes(NormalizedProjection.apply) == flat.numel() * 2
+    assert kept_bytes(normalized_projection) >= flat.numel() * 8  # the control: today's graph

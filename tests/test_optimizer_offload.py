@@ -170,7 +170,7 @@ def _shard_bytes(recipe, per_element: int, predicate) -> int:
 
 
 def test_bf16_grad_buffer_halves_the_bf16_gradients():
-    fp32, bf16 = memory.estimate_memory(_full()), memory.estimate_memory(
+    fp32, bf16 = memory.estimate_memory(_full("train.grad_reduce_in_fp32=true")), memory.estimate_memory(
         _full("train.grad_reduce_in_fp32=false"))
     groups = [g for g in memory.rank_parameters(_full()) if g.trainable]
     half = sum(g.numel for g in groups if g.dtype_bytes == 2)
@@ -211,7 +211,7 @@ def test_plan_shows_host_memory_and_the_lower_total(capsys):
     out = capsys.readouterr().out
     est = memory.estimate_memory(_full("train.optimizer_offload_fraction=1.0",
                                        "train.grad_reduce_in_fp32=false"))
-    assert f"host memory per GPU: optimizer state {est.host_optimizer / memory.GiB:.2f} GiB" in out
+    assert f"+ optimizer state {est.host_optimizer / memory.GiB:.2f} GiB" in out
     assert "gradients (bfloat16 DDP buffer)" in out and "100% on the host" in out
     assert f"{est.total / memory.GiB:.2f}" in out
 

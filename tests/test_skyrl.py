@@ -57,15 +57,43 @@ def test_skyrl_config_selects_tiny_recipe_with_allgather():
 
 def test_overrides_are_dot_paths_into_the_recipe():
     cfg = KDASkyRLConfig.from_cli_overrides(
-        JOB + ["trainer.kda.overrides.train.steps=3", "trainer.kda.overrides.kda.chunk_size=32",
+        JOB + ["trainer.kda.overrides.train.recompute=full", "trainer.kda.overrides.kda.chunk_size=32",
                "trainer.kda.overrides.run.device=gpu"])
     recipe = cfg.trainer.kda.resolve()
-    assert (recipe.train.steps, recipe.kda.chunk_size, recipe.run.device) == (3, 32, "gpu")
+    assert (recipe.train.recompute, recipe.kda.chunk_size, recipe.run.device) == ("full", 32, "gpu")
 
 
-def test_environment_variable_wins_over_the_command_line(monkeypatch):
+@pytest.mark.parametrize("key", ["train.lr", "train.steps", "train.seed", "model.params_dtype"])
+def test_overrides_of_what_skyrl_decides_are_refused(key):
+    """A recipe key SkyRL's own config decides cannot be set a second time under trainer.kda."""
+    from skyrl_megatron_kda.integrations.skyrl.settings import SKYRL_DECIDES
+
+    assert key in SKYRL_DECIDES
+    cfg = KDASkyRLConfig.from_cli_overrides(JOB)
+    cfg.trainer.kda.overrides = {key.split(".")[0]: {key.split(".")[1]: 1}}
+    with pytest.raises(ValueError, match=f"trainer.kda.overrides.{key} is decided by SkyRL"):
+        cfg.trainer.kda.resolve()
+
+
+def test_command_line_wins_over_the_environment_variable(monkeypatch, caplog):
+    """Command line > SKYRL_KDA_CP_EXCHANGE (logged) > recipe file; the dry run says which."""
+    from skyrl_megatron_kda.integrations.skyrl.settings import cp_exchange_source
+
     monkeypatch.setenv(CP_EXCHANGE_ENV, "state")
-    assert KDASkyRLConfig.from_cli_overrides(ALLGATHER).trainer.kda.resolve().kda.cp_exchange == "state"
+    for given in (ALLGATHER, JOB + ["trainer.kda.overrides.kda.cp_exchange=allgather"]):
+        cfg = KDASkyRLConfig.from_cli_overrides(given)
+        with caplog.at_level("WARNING"):
+            assert cfg.trainer.kda.resolve().kda.cp_exchange == "allgather"
+        assert "command line (allgather; SKYRL_KDA_CP_EXCHANGE=state ignored)" in caplog.text
+        caplog.clear()
+    # Without a command-line value the environment beats the file, which says a2a.
+    assert get_recipe("glm53_flash_tiny", environ={}).kda.cp_exchange == "a2a"
+    cfg = KDASkyRLConfig.from_cli_overrides(JOB)
+    assert cfg.trainer.kda.resolve().kda.cp_exchange == "state"
+    assert cp_exchange_source(cfg.trainer.kda).text == f"{CP_EXCHANGE_ENV}=state"
+    monkeypatch.delenv(CP_EXCHANGE_ENV)
+    assert cfg.trainer.kda.resolve().kda.cp_exchange == "a2a"
+    assert cp_exchange_source(cfg.trainer.kda).text == "the recipe file"
 
 
 @pytest.mark.parametrize("bad, error, words", [
@@ -169,38 +197,41 @@ def test_skyrl_main_dispatches_to_our_entrypoint():
     # load_recipe, as the integration: the recipe as it runs (model.dsa.kernel=auto decided).
     assert recipe == load_recipe("glm53_flash_tiny", ["kda.cp_exchange=allgather"])
     assert "launch blocked by:" in lines
+    # What came from where: SkyRL's settings, each naming its source and the recipe's value.
+    assert "  kda.cp_exchange=allgather <- command line (allgather)" in lines
+    assert "  train.lr=1e-06 <- trainer.policy.optimizer_config.lr (recipe: 0.003)" in lines
+    assert "  model.params_dtype=bfloat16 <- trainer.bf16 (recipe: float32)" in lines
+    assert "  train.seed=42 <- trainer.seed (recipe: 1234)" in lines
 
 
 _LAUNCH = """
 import sys
 from skyrl.train.trainer import RayPPOTrainer
 from skyrl_megatron_kda.integrations.skyrl import entrypoint
+from skyrl_megatron_kda.integrations.skyrl.reference import KDARefWorker
 from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorker
 
 seen = []
 RayPPOTrainer.build_models = lambda self, *workers: seen.extend(workers)
 entrypoint.KDAPPOTrainer.build_models(object.__new__(entrypoint.KDAPPOTrainer), "skyrl's", None, None)
-assert seen == [KDAPolicyWorker, None, None], seen
-print("build_models injects KDAPolicyWorker")
+assert seen == [KDAPolicyWorker, None, KDARefWorker], seen
+print("build_models injects KDAPolicyWorker and KDARefWorker")
+entrypoint.initialize_ray = lambda cfg: sys.exit("the launch reached initialize_ray")
 entrypoint.main(sys.argv[1:])
 """
 
 
-def test_launch_is_refused_until_the_workers_serve_the_rl_loop():
-    """Without dry_run, main refuses before Ray starts and names what is missing; the trainer
-    SkyRL's experiment builds hands SkyRL our worker class."""
+def test_a_launch_is_no_longer_refused():
+    """Without dry_run, main checks the job and goes on to start Ray (the test stops it there):
+    no worker call blocks it; the trainer SkyRL's experiment builds hands SkyRL our worker
+    classes."""
     from skyrl_megatron_kda.integrations.skyrl.workers import NOT_INTEGRATED
 
     done = _run(["-c", _LAUNCH, *ALLGATHER, "trainer.kda.overrides.run.device=gpu"])
-    assert "build_models injects KDAPolicyWorker" in done.stdout, done.stderr[-3000:]
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "cannot run yet" in done.stderr
-    for call in NOT_INTEGRATED:
-        assert f"worker call {call}:" in done.stderr
-    # The RL calls are integrated (tests/test_skyrl_rl.py runs them), so they are not listed.
-    assert "forward" not in NOT_INTEGRATED and "optim_step" not in NOT_INTEGRATED
-    for call in ("forward", "forward_backward", "optim_step"):
-        assert f"worker call {call}:" not in done.stderr
+    assert "build_models injects KDAPolicyWorker and KDARefWorker" in done.stdout, done.stderr[-3000:]
+    assert "the launch reached initialize_ray" in done.stderr, done.stderr[-3000:]
+    assert "cannot run yet" not in done.stderr
+    assert not NOT_INTEGRATED
 
 
 def test_dry_run_lists_only_what_remains():
@@ -215,8 +246,7 @@ def test_dry_run_lists_only_what_remains():
     blockers = lines[lines.index("launch blocked by:") + 1:]
     assert [b.split(":")[0] for b in blockers] == (
         ["  - run.device=cpu"] + [f"  - worker call {call}" for call in NOT_INTEGRATED])
-    # weight sync is integrated (tests/test_skyrl_weight_sync.py, tests/test_rl_tiny.py)
-    assert set(NOT_INTEGRATED) == {"offload_to_cpu", "backload_to_gpu"}
+    assert not NOT_INTEGRATED  # every call of SkyRL's RL loop is served
 
 
 def test_worker_refuses_settings_it_does_not_implement():
@@ -247,3 +277,183 @@ def test_missing_skyrl_names_the_extra():
                        "import skyrl_megatron_kda.integrations.skyrl"])
     assert done.returncode != 0
     assert "ImportError" in done.stderr and "skyrl_megatron_kda[skyrl]" in done.stderr
+
+
+# One bad value per refused SkyRL setting (set after parsing: some of SkyRL's own checks of these
+# need other parts of a job, the rollout side's, which these tests do not configure).
+REFUSED_VALUES = {
+    "trainer.policy.model.lora.rank": 8,
+    "trainer.policy.megatron_config.moe_enable_routing_replay": True,
+    "trainer.mtp.enabled": True,
+    "trainer.policy.megatron_config.mtp_num_layers": 1,
+    "trainer.policy.optimizer_config.scheduler": "cosine",
+    "trainer.policy.optimizer_config.adam_betas": [0.9, 0.95],
+    "trainer.policy.model.fake_int4_qat.enabled": True,
+    "trainer.policy.inference_only_init": True,
+    "trainer.policy.sequence_parallel_size": 2,
+    "trainer.ref.sequence_parallel_size": 2,
+    "trainer.policy.megatron_config.freeze_moe_router": True,
+    "trainer.policy.megatron_config.fp8": "e4m3",
+    "trainer.policy.megatron_config.fp8_param": True,
+    "trainer.policy.megatron_config.ddp_config.overlap_grad_reduce": True,
+    "trainer.policy.megatron_config.ddp_config.overlap_param_gather": True,
+    "trainer.policy.megatron_config.optimizer_config_kwargs": {"optimizer_cpu_offload": True},
+    "trainer.policy.megatron_config.transformer_config_kwargs": {"recompute_granularity": None},
+}
+
+
+def _set(cfg, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part)
+    setattr(node, leaf, value)
+
+
+def test_every_refused_setting_has_a_case():
+    from skyrl_megatron_kda.integrations.skyrl.settings import REFUSALS
+
+    assert set(REFUSED_VALUES) == {r.setting for r in REFUSALS}
+
+
+@pytest.mark.parametrize("setting", sorted(REFUSED_VALUES))
+def test_refused_skyrl_setting_is_named(setting):
+    """Each SkyRL setting the workers do not implement is an error naming it (the entrypoint's
+    list and the worker's check), and the default job refuses none of them."""
+    from skyrl_megatron_kda.integrations.skyrl.config import unsupported_settings
+    from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorkerBase
+
+    cfg = KDASkyRLConfig.from_cli_overrides(ALLGATHER)
+    assert unsupported_settings(cfg) == []
+    _set(cfg, setting, REFUSED_VALUES[setting])
+    problems = unsupported_settings(cfg)
+    assert len(problems) >= 1 and problems[0].startswith(f"{setting}="), problems
+    worker = object.__new__(KDAPolicyWorkerBase)
+    worker.cfg = cfg.trainer
+    with pytest.raises(ValueError, match=f"KDAPolicyWorker: {setting}="):
+        worker.forward(None)
+
+
+def test_colocation_and_kl_are_accepted_and_build_a_reference():
+    """SkyRL's defaults (colocate_all, use_kl_loss) are no longer refused; the recipe's mesh is
+    mirrored into the reference's megatron_config too, whose placement must match."""
+    from skyrl_megatron_kda.integrations.skyrl.config import uses_reference
+
+    from skyrl.train.utils import validate_cfg
+
+    from skyrl_megatron_kda.integrations.skyrl.config import unsupported_settings
+
+    job = [a for a in ALLGATHER if "colocate_all" not in a and "use_kl_loss" not in a]
+    cfg = KDASkyRLConfig.from_cli_overrides(job + ["trainer.placement.ref_num_gpus_per_node=4",
+                                                   "generator.inference_engine.num_engines=4"])
+    assert cfg.trainer.placement.colocate_all and cfg.trainer.algorithm.use_kl_loss
+    assert uses_reference(cfg.trainer)
+    problems = apply_recipe(cfg, cfg.trainer.kda.resolve())
+    assert [p.split(":")[0] for p in problems] == ["run.device=cpu"]
+    assert cfg.trainer.ref.megatron_config.context_parallel_size == 2
+    # SkyRL's own validation (as the entrypoint runs it) leaves nothing the workers refuse.
+    validate_cfg(cfg)
+    assert unsupported_settings(cfg) == []
+    cfg = KDASkyRLConfig.from_cli_overrides(job)  # ref_num_gpus_per_node stays 1
+    with pytest.raises(ValueError, match="1 ref workers.*ref_num_gpus_per_node=1.*num_workers=4"):
+        apply_recipe(cfg, cfg.trainer.kda.resolve())
+
+
+def test_skyrl_config_decides_the_training_settings(tmp_path):
+    """lr, schedule (constant after the warm-up), warm-up, weight decay, grad clip,
+    num_training_steps, seed, dtype and the weights' folder come from SkyRL's config."""
+    from skyrl_megatron_kda.integrations.skyrl.settings import (
+        SKYRL_DECIDES,
+        apply_decided,
+        check_weights_folder,
+        decided_settings,
+    )
+
+    cfg = KDASkyRLConfig.from_cli_overrides(ALLGATHER + [
+        "trainer.policy.optimizer_config.lr=2e-5", "trainer.policy.optimizer_config.num_warmup_steps=3",
+        "trainer.policy.optimizer_config.weight_decay=0.05",
+        "trainer.policy.optimizer_config.max_grad_norm=0.5", "trainer.seed=7", "trainer.bf16=false",
+        f"trainer.policy.model.path={tmp_path}"])
+    t, recipe = cfg.trainer, cfg.trainer.kda.resolve()
+    decided = decided_settings(t, recipe, model_path=t.policy.model.path, num_training_steps=40)
+    assert {d.key for d in decided} - {"run.init_from_hf"} <= set(SKYRL_DECIDES)
+    check_weights_folder(decided)
+    r = apply_decided(recipe, decided)
+    assert (r.train.lr, r.train.min_lr, r.train.warmup_steps, r.train.weight_decay,
+            r.train.grad_clip, r.train.steps, r.train.seed, r.model.params_dtype,
+            r.run.init_from_hf) == (2e-5, 2e-5, 3, 0.05, 0.5, 40, 7, "float32", str(tmp_path))
+    # The recipe (file or trainer.kda.overrides) naming its weights wins over SkyRL's path.
+    recipe = load_recipe("glm53_flash_tiny", [f"run.init_from_hf={tmp_path / 'x'}"])
+    (weights,) = [d for d in decided_settings(t, recipe, model_path="elsewhere")
+                  if d.key == "run.init_from_hf"]
+    assert weights.value == str(tmp_path / "x") and "the recipe" in weights.source
+    # A model path that is not a folder (a hub id) is refused, naming the SkyRL setting.
+    with pytest.raises(FileNotFoundError, match="trainer.policy.model.path='Qwen/x' is not a folder"):
+        check_weights_folder(decided_settings(t, load_recipe("glm53_flash_tiny"), model_path="Qwen/x"))
+    # max_grad_norm=0: no clipping, as in megatron.
+    t.policy.optimizer_config.max_grad_norm = 0.0
+    assert apply_decided(recipe, decided_settings(t, recipe)).train.grad_clip is None
+
+
+def test_skyrls_megatron_worker_import_gets_the_kda_workers():
+    """trainer.strategy=megatron makes SkyRL's _setup_trainer import its own Megatron workers,
+    which need megatron.bridge (not installed: the import fails without the stand-in); inside
+    the entrypoint's context the same import statement gives the KDA workers, and the module
+    table is restored after."""
+    import importlib.util
+
+    from skyrl_megatron_kda.integrations.skyrl.entrypoint import (
+        SKYRL_MEGATRON_WORKERS,
+        kda_workers_for_skyrl_import,
+    )
+    from skyrl_megatron_kda.integrations.skyrl.reference import KDARefWorker
+    from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorker
+
+    assert importlib.util.find_spec("megatron.bridge") is None
+    with kda_workers_for_skyrl_import():
+        from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import (
+            CriticWorker,
+            PolicyWorker,
+            RefWorker,
+        )
+    assert (PolicyWorker, CriticWorker, RefWorker) == (KDAPolicyWorker, None, KDARefWorker)
+    assert SKYRL_MEGATRON_WORKERS not in sys.modules
+    with pytest.raises(ModuleNotFoundError, match="megatron.bridge|megatron_bridge"):
+        importlib.import_module(SKYRL_MEGATRON_WORKERS)
+
+
+def test_skyrl_extra_declares_what_a_launch_imports():
+    """The skyrl extra lists the standalone cloudpickle (SkyRL's registry sync) and no
+    Megatron-Bridge (the test above shows it is not needed)."""
+    import tomllib
+    from pathlib import Path
+
+    extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]["skyrl"]
+    names = {req.split("=")[0].split("<")[0].split(">")[0].strip() for req in extra}
+    assert "cloudpickle" in names
+    assert not any("bridge" in n for n in names)
+
+
+def test_reference_weights_follow_skyrls_paths(tmp_path):
+    """The reference's init_model path: the policy's path (SkyRL's default ref path) means the
+    policy's initial weights (the recipe's run.init_from_hf wins, as for the policy); another
+    path (an explicit reference, the policy's export) is loaded as given; never a resume."""
+    from skyrl_megatron_kda.integrations.skyrl.settings import reference_settings
+
+    cfg = KDASkyRLConfig.from_cli_overrides(ALLGATHER + [f"trainer.policy.model.path={tmp_path}"])
+    t = cfg.trainer
+    assert t.ref.model.path == str(tmp_path)  # SkyRL's default
+
+    def weights(recipe, path):
+        recipe, decided = reference_settings(t, recipe, path)
+        assert recipe.run.resume is False
+        return {(d.value, d.source) for d in decided if d.key == "run.init_from_hf"}
+
+    plain = load_recipe("glm53_flash_tiny")
+    named = load_recipe("glm53_flash_tiny", ["run.init_from_hf=/recipe/hf", "run.resume=true"])
+    assert weights(plain, str(tmp_path)) == {(str(tmp_path), "trainer.policy.model.path")}
+    assert {v for v, _ in weights(named, str(tmp_path))} == {"/recipe/hf"}
+    assert weights(named, "/export/global_step_3/policy") == {
+        ("/export/global_step_3/policy", "trainer.ref.model.path")}
+    assert weights(plain, None) == set()  # the recipe's weights (none: a seeded random init)

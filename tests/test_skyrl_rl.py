@@ -40,17 +40,23 @@ CP2 = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2", "parallel.sequence_par
        "run.num_workers=4"]
 
 
-def _cfg(overrides: list[str], workers: int):
+def _cfg(overrides: list[str], workers: int, skyrl: tuple[str, ...] = (
+        "trainer.placement.colocate_all=false", "trainer.algorithm.use_kl_loss=false")):
+    """SkyRL's config of the tests' job: the tiny recipe with ``overrides`` (recipe keys), the
+    SkyRL settings ``skyrl`` (default: no colocation, no KL); fp32 and the tiny recipe's LR,
+    set through SkyRL's own fields (they decide them under SkyRL)."""
     from skyrl_megatron_kda.integrations.skyrl.config import KDASkyRLConfig
 
     return KDASkyRLConfig.from_cli_overrides([
-        "trainer.strategy=megatron", "trainer.logger=console",
-        "trainer.placement.colocate_all=false", "trainer.algorithm.use_kl_loss=false",
+        "trainer.strategy=megatron", "trainer.logger=console", *skyrl,
         f"trainer.placement.policy_num_gpus_per_node={workers}",
+        f"trainer.placement.ref_num_gpus_per_node={workers}",
+        f"generator.inference_engine.num_engines={workers}",
         f"trainer.algorithm.temperature={TEMPERATURE}",
+        "trainer.bf16=false", "trainer.policy.optimizer_config.lr=3e-3",
         # 3 rows in micro-batches of 2: two packed rows per call, the second with one sequence.
         "trainer.micro_train_batch_size_per_gpu=2", "trainer.micro_forward_batch_size_per_gpu=2",
-        "trainer.kda.recipe=glm53_flash_tiny", "trainer.kda.overrides.train.warmup_steps=0",
+        "trainer.kda.recipe=glm53_flash_tiny",
         *[f"trainer.kda.overrides.{o}" for o in overrides]])
 
 
@@ -79,14 +85,18 @@ def _batch():
     return batch
 
 
-def _worker(overrides: list[str]):
+def _workers_of(overrides: list[str]) -> int:
+    return int(next(o for o in overrides if o.startswith("run.num_workers")).split("=")[1])
+
+
+def _worker(overrides: list[str], skyrl: tuple[str, ...] | None = None, model_path=None):
     from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorkerBase
 
     worker = object.__new__(KDAPolicyWorkerBase)
-    worker.cfg = _cfg(overrides, int(next(o for o in overrides if o.startswith("run.num_workers"))
-                                     .split("=")[1])).trainer
+    cfg = _cfg(overrides, _workers_of(overrides), *([skyrl] if skyrl is not None else []))
+    worker.cfg = cfg.trainer
     worker.init_worker_process_group()
-    worker.init_model()
+    worker.init_model(model_path)
     # Adam's first step moves each weight by lr * g / (|g| + eps): with the default eps (1e-8)
     # that is lr * sign(g) for all but the tiniest gradients, which would hide a wrong gradient
     # and amplify rounding in the tiny ones by lr / eps; with eps above the (clipped) gradients
@@ -336,3 +346,240 @@ def test_set_lr_is_refused_not_ignored():
     worker = object.__new__(KDAPolicyWorkerBase)
     with pytest.raises(NotImplementedError, match="recipe's train schedule"):
         worker.set_lr(1e-5)
+
+
+# -- reference model, KL and colocation (one rank, TP1) ------------------------------------------
+# The initial weights are written as an HF folder, loaded by a reference worker (forward only) and
+# by two policy workers with SkyRL's KL loss: one offloaded and backloaded around every call in
+# the order SkyRL's WorkerDispatch uses under colocate_all=true, one never offloaded.
+
+KL_COEF = 0.5
+KL_JOB = ("trainer.algorithm.use_kl_loss=true", f"trainer.algorithm.kl_loss_coef={KL_COEF}",
+          "trainer.algorithm.kl_estimator_type=k3")
+
+
+def _ref(overrides: list[str], skyrl: tuple[str, ...], model_path: str):
+    from skyrl_megatron_kda.integrations.skyrl.reference import KDARefWorkerBase
+
+    ref = object.__new__(KDARefWorkerBase)
+    ref.cfg = _cfg(overrides, _workers_of(overrides), skyrl).trainer
+    ref.init_worker_process_group()
+    ref.init_model(model_path)
+    return ref
+
+
+def _buffer_storage(worker) -> dict:
+    """Storage sizes of DDP's parameter and gradient buffers (dense and expert)."""
+    ddp = worker.trainer.model
+    buffers = ddp.buffers + ddp.expert_parallel_buffers
+    return {"params": [b.param_data.untyped_storage().size() for b in buffers],
+            "grads": [b.grad_data.untyped_storage().size() for b in buffers]}
+
+
+def _kl_steps(worker, base: torch.Tensor, colocate: bool) -> dict:
+    """Two RL steps with ``base`` as the reference's log-probs. With ``colocate``, SkyRL's
+    dispatch order: everything offloaded after init_model; forward backloads the model only,
+    forward_backward the optimizer too; after the step (the weight sync) both are offloaded."""
+    out = {"steps": [], "offloaded": [], "backloaded": []}
+    if colocate:
+        worker.offload_to_cpu()
+        out["offloaded"].append(_buffer_storage(worker))
+    for _ in range(2):
+        batch = _batch()
+        if colocate:
+            worker.backload_to_gpu(backload_optimizer=False, backload_model=True)
+        logprobs = torch.tensor([s["logprobs"] for s in worker.forward(batch).loss_fn_outputs])
+        if colocate:
+            worker.backload_to_gpu(backload_optimizer=True, backload_model=False)
+            out["backloaded"].append(_buffer_storage(worker))
+        batch["action_log_probs"] = logprobs
+        batch["base_action_log_probs"] = base
+        metrics = worker.forward_backward(batch).metrics
+        grad_norm = worker.optim_step()
+        if colocate:
+            worker.offload_to_cpu(offload_optimizer=True, offload_model=True)
+            out["offloaded"].append(_buffer_storage(worker))
+        out["steps"].append({"logprobs": logprobs, "metrics": metrics, "grad_norm": grad_norm})
+    if colocate:
+        worker.backload_to_gpu()
+    out["after"] = _weights(worker)
+    worker.trainer.close()
+    return out
+
+
+def _kl_rank(rank, world, hf_dir):
+    from megatron.core.distributed import DistributedDataParallel
+
+    from skyrl_megatron_kda.model.hf_io import save_hf_checkpoint
+
+    seeded = _worker(CP1)
+    save_hf_checkpoint(seeded.trainer.model.module, hf_dir)
+    seeded.trainer.close()
+    ref = _ref(CP1, KL_JOB, hf_dir)
+    ref_is_bare = (not isinstance(ref.trainer.model, DistributedDataParallel)
+                   and not hasattr(ref.trainer, "optimizer"))
+    ref.offload_to_cpu()  # SkyRL offloads the reference after init_model under colocation
+    ref.backload_to_gpu()
+    base = torch.tensor([s["logprobs"] for s in ref.forward(_batch()).loss_fn_outputs])
+    ref.init_model(hf_dir)  # update_ref_every_epoch: init_model again, on the same process
+    again = torch.tensor([s["logprobs"] for s in ref.forward(_batch()).loss_fn_outputs])
+    ref.trainer.close()
+    worker = _worker(CP1, KL_JOB + ("trainer.placement.colocate_all=false",), hf_dir)
+    r = worker.trainer.recipe
+    built = {"lr": r.train.lr, "min_lr": r.train.min_lr, "seed": r.train.seed,
+             "dtype": r.model.params_dtype, "weights": r.run.init_from_hf,
+             "optimizer_lr": worker.get_lr(),
+             "param_dtypes": {str(p.dtype) for p in worker.trainer.model.module.parameters()}}
+    plain = _kl_steps(worker, base, colocate=False)
+    colocated = _kl_steps(_worker(CP1, KL_JOB + ("trainer.placement.colocate_all=true",), hf_dir),
+                          base, colocate=True)
+    return {"base": base, "again": again, "ref_is_bare": ref_is_bare, "plain": plain,
+            "colocated": colocated, "built": built, "hf_dir": hf_dir}
+
+
+@pytest.fixture(scope="module")
+def kl_runs():
+    mp = pytest.MonkeyPatch()
+    mp.delenv(CP_EXCHANGE_ENV, raising=False)
+    try:
+        with tempfile.TemporaryDirectory() as hf_dir:
+            return run_ranks(1, _kl_rank, hf_dir)[0]
+    finally:
+        mp.undo()
+
+
+def _skyrl_kl(logprobs: torch.Tensor, base: torch.Tensor) -> float:
+    """policy_kl as SkyRL's workers compute it, with SkyRL's own functions: per micro-batch
+    (rows 0-1, then 2) the masked mean per sequence of compute_approx_kl, then the mean; the
+    micro-batches averaged as reduce_metrics does."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
+    from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
+
+    mask = _batch()["loss_mask"]
+    per_micro = []
+    for rows in (slice(0, 2), slice(2, 3)):
+        kl = compute_approx_kl(logprobs[rows], base[rows], loss_mask=mask[rows],
+                               kl_estimator_type="k3")
+        per_micro.append(float(masked_mean(kl, mask[rows], dim=-1).mean()))
+    return sum(per_micro) / len(per_micro)
+
+
+def test_reference_worker_is_the_policys_model_without_training_state(kl_runs):
+    """The reference (RankModel: no DDP, no optimizer) loaded from the same folder gives the
+    policy's log-probs bit for bit, also after SkyRL re-initialises it."""
+    assert kl_runs["ref_is_bare"]
+    assert torch.equal(kl_runs["again"], kl_runs["base"])  # re-initialised from the same folder
+    step1 = kl_runs["plain"]["steps"][0]["logprobs"]
+    real = _response_columns()
+    assert torch.equal(kl_runs["base"], step1)
+    assert float(step1[real].max()) < 0
+
+
+def test_worker_is_built_with_skyrls_settings(kl_runs):
+    """The policy worker's model and optimizer follow SkyRL's config (_cfg: trainer.bf16=false,
+    optimizer_config.lr=3e-3, SkyRL's default seed 42), not the tiny recipe's (lr 3e-3 too, but
+    seed 1234), and its weights come from the model path init_model was given."""
+    b = kl_runs["built"]
+    assert (b["lr"], b["min_lr"], b["seed"], b["dtype"]) == (3e-3, 3e-3, 42, "float32")
+    assert b["optimizer_lr"] == 3e-3  # no warm-up (SkyRL's num_warmup_steps=0): lr from step 1
+    assert b["param_dtypes"] == {"torch.float32"}
+    assert b["weights"] == kl_runs["hf_dir"]
+
+
+def test_kl_is_zero_at_step_one_and_skyrls_kl_at_step_two(kl_runs):
+    steps, base = kl_runs["plain"]["steps"], kl_runs["base"]
+    assert steps[0]["metrics"]["policy_kl"] == 0.0  # reference weights = policy weights
+    kl = steps[1]["metrics"]["policy_kl"]
+    expected = _skyrl_kl(steps[1]["logprobs"], base)
+    assert expected > 1e-6, "the first step did not move the policy away from the reference"
+    assert abs(kl - expected) <= 1e-5 * expected, (kl, expected)
+    for step in steps:  # the KL term is in the loss: final = policy + coef * kl (DP1)
+        m = step["metrics"]
+        assert m["final_loss"] == pytest.approx(m["policy_loss"] + KL_COEF * m["policy_kl"],
+                                                rel=1e-6, abs=1e-9)
+
+
+def test_colocated_run_offloads_and_continues_bit_identically(kl_runs):
+    """colocate_all=true: after each offload the DDP parameter and gradient buffers hold no
+    storage (so the offload did happen); after backload they are back; the two steps give the
+    same log-probs, losses, grad norms and weights, bit for bit, as the run without offload."""
+    plain, colocated = kl_runs["plain"], kl_runs["colocated"]
+    assert len(colocated["offloaded"]) == 3 and len(colocated["backloaded"]) == 2
+    for sizes in colocated["offloaded"]:
+        assert sizes["params"], "DDP has no buffers"
+        assert set(sizes["params"]) == {0} and set(sizes["grads"]) == {0}, sizes
+    for sizes in colocated["backloaded"]:
+        assert min(sizes["params"]) > 0 and min(sizes["grads"]) > 0, sizes
+    for a, b in zip(plain["steps"], colocated["steps"]):
+        assert torch.equal(a["logprobs"], b["logprobs"])
+        assert a["grad_norm"] == b["grad_norm"]
+        assert a["metrics"] == b["metrics"]
+    assert set(plain["after"]) == set(colocated["after"])
+    for name, w in plain["after"].items():
+        assert torch.equal(colocated["after"][name], w), name
+
+
+def test_kl_in_reward_goes_through_skyrls_penalty(kl_runs):
+    """use_kl_in_reward: SkyRL's own apply_reward_kl_penalty on the reference's and the policy's
+    log-probs (step 2) lowers the rewards by kl_loss_coef x compute_approx_kl."""
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+    from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl, get_kl_controller
+    from skyrl.train.trainer import RayPPOTrainer
+
+    cfg = _cfg(CP1, 1, ("trainer.algorithm.use_kl_loss=false", "trainer.algorithm.use_kl_in_reward=true",
+                        f"trainer.algorithm.kl_loss_coef={KL_COEF}"))
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.cfg, trainer.all_metrics = cfg, {}
+    trainer.reward_kl_controller = get_kl_controller(cfg.trainer.algorithm)  # as RayPPOTrainer
+    policy, base = kl_runs["plain"]["steps"][1]["logprobs"], kl_runs["base"]
+    mask = _batch()["loss_mask"]
+    rewards = torch.zeros_like(mask)
+    data = TrainingInputBatch({"loss_mask": mask, "rewards": rewards.clone(),
+                               "action_log_probs": policy, "base_action_log_probs": base})
+    data.metadata = {}
+    out = trainer.apply_reward_kl_penalty(data)
+    kl = compute_approx_kl(policy, base, loss_mask=mask, kl_estimator_type="k3")
+    assert torch.allclose(out["rewards"], rewards - KL_COEF * kl)
+    assert float((rewards - out["rewards"]).abs().max()) > 0
+
+
+def _gpu_offload_rank(rank, world):
+    """On one GPU: how much offload_to_cpu frees, the frozen parameters' storage while offloaded,
+    and the step after backload against a run without offload (bf16, NCCL)."""
+    gpu = ["run.device=gpu", "model.dsa.kernel=torch"]
+    skyrl = ("trainer.placement.colocate_all=true", "trainer.algorithm.use_kl_loss=false",
+             "trainer.bf16=true")
+    out = {}
+    for colocate in (False, True):
+        worker = _worker(CP1 + gpu, skyrl)
+        batch = _batch()
+        batch["action_log_probs"] = torch.tensor(
+            [s["logprobs"] for s in worker.forward(batch).loss_fn_outputs])
+        worker.forward_backward(batch)
+        worker.optim_step()
+        if colocate:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            worker.offload_to_cpu()
+            frozen = [p for p in worker.trainer.model.parameters() if not p.requires_grad]
+            out["frozen_offloaded"] = [p.untyped_storage().size() for p in frozen]
+            out["freed"] = before - torch.cuda.memory_allocated()
+            out["state_bytes"] = sum(p.numel() * p.element_size()
+                                     for p in worker.trainer.model.module.parameters())
+            worker.backload_to_gpu()
+        worker.forward_backward(batch)
+        out[colocate] = {"grad_norm": worker.optim_step(), "after": _weights(worker)}
+        worker.trainer.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves GPU memory: needs CUDA")
+def test_gpu_offload_frees_memory_and_continues_bit_identically():
+    out = run_ranks(1, _gpu_offload_rank, backend="nccl")[0]
+    # Freed at least the bf16 weights (plus fp32 grads, main params and Adam moments on top).
+    assert out["freed"] >= out["state_bytes"], (out["freed"], out["state_bytes"])
+    assert out["frozen_offloaded"] and set(out["frozen_offloaded"]) == {0}
+    assert out[True]["grad_norm"] == out[False]["grad_norm"]
+    for name, w in out[False]["after"].items():
+        assert torch.equal(out[True]["after"][name], w), name

@@ -53,7 +53,8 @@ def _worker(hf_dir: str):
         f"trainer.algorithm.temperature={TEMPERATURE}",
         "trainer.micro_train_batch_size_per_gpu=2", "trainer.micro_forward_batch_size_per_gpu=2",
         "generator.inference_engine.model_dtype=float32",
-        "trainer.kda.recipe=glm53_flash_tiny", "trainer.kda.overrides.train.warmup_steps=0",
+        "trainer.bf16=false", "trainer.policy.optimizer_config.lr=3e-3",
+        "trainer.kda.recipe=glm53_flash_tiny",
         f"trainer.kda.overrides.run.init_from_hf={hf_dir}",
         *[f"trainer.kda.overrides.{o}" for o in CP2]])
     worker = object.__new__(KDAPolicyWorkerBase)

@@ -118,7 +118,10 @@ def skyrl_args(work: Path, mesh: str, steps: int, batch: int = 4, samples: int =
         "generator.sampling_params.logprobs=0", "generator.inference_engine.model_dtype=float32",
         "generator.inference_engine.num_engines=1", "generator.batched=true",
         "generator.inference_engine.enable_ray_prometheus_stats=false",  # no vLLM to scrape
-        f"trainer.kda.recipe={RECIPE}", "trainer.kda.overrides.train.warmup_steps=0",
+        # fp32 training (the recipe's dtype, SkyRL's trainer.bf16 decides it) and the recipe's
+        # learning rate (SkyRL's optimizer_config decides it; its default 1e-6 barely moves)
+        "trainer.bf16=false", "trainer.policy.optimizer_config.lr=3e-3",
+        f"trainer.kda.recipe={RECIPE}",
         *[f"trainer.kda.overrides.{o}" for o in MESHES[mesh]],
         f"trainer.kda.overrides.run.init_from_hf={hf}",
     ]
@@ -158,30 +161,7 @@ def make_experiment_class():
             return JsonlTracking(self.work / "metrics.jsonl", project_name=t.project_name,
                                  experiment_name=t.run_name, backend=t.logger, config=self.cfg)
 
-        def _setup_trainer(self):
-            _without_skyrls_megatron_worker()
-            return super()._setup_trainer()
-
     return RLTinyExp
-
-
-def _without_skyrls_megatron_worker() -> None:
-    """SkyRL's ``_setup_trainer`` imports its own Megatron workers for ``strategy=megatron``;
-    ``KDAPPOTrainer.build_models`` replaces them, but that module needs ``megatron.bridge``,
-    which the KDA install does not bring. Until the entrypoint overrides that import itself
-    (issue 14 item 6), a module without those workers stands in for it when it cannot import."""
-    import importlib
-    import types
-
-    name = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name != "megatron.bridge":
-            raise
-        stand_in = types.ModuleType(name, "SkyRL's Megatron workers, unused by the KDA trainer")
-        stand_in.PolicyWorker = stand_in.CriticWorker = stand_in.RefWorker = None
-        sys.modules[name] = stand_in
 
 
 def run_job(work: Path, args: List[str]) -> None:

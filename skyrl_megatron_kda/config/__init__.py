@@ -5,7 +5,7 @@ Every invalid combination is refused here, at config time, with a message that n
 and the fix; nothing downstream falls back. ``kda.cp_exchange`` is checked against the live
 exchange registry (``kda.exchanges``), and whether an exchange can run on the mesh against that
 exchange's own rule; the registry and the CP layout kinds are the only torch-importing
-dependencies. Environment variables are read only by ``loading.apply_env_overrides``.
+dependencies. Environment variables are read only by ``loading.env_cp_exchange``.
 """
 
 from .base import NonNegativeInt, PositiveInt
@@ -13,7 +13,13 @@ from .cluster import ClusterConfig, InterNodeKind, LinkConfig
 from .data import DataConfig
 from .dotpath import merge, parse_overrides
 from .kda import KDAConfig, cp_exchange_choices
-from .loading import CP_EXCHANGE_ENV, apply_env_overrides, load_mesh_recipe, load_recipe_dict
+from .loading import (
+    CP_EXCHANGE_ENV,
+    apply_env_overrides,
+    env_cp_exchange,
+    load_mesh_recipe,
+    load_recipe_dict,
+)
 from .model import DSAConfig, HyperConnectionConfig, LayerType, MLPType, ModelConfig, MoEConfig
 from .parallel import ParallelConfig
 from .recipe import MeshRecipe, Recipe
@@ -26,5 +32,6 @@ __all__ = [
     "HyperConnectionConfig", "InterNodeKind", "KDAConfig", "LayerType", "LinkConfig", "MLPType",
     "MeshRecipe", "ModelConfig", "MoEConfig", "NonNegativeInt", "ParallelConfig", "PositiveInt",
     "Recipe", "RunConfig", "TrainConfig", "apply_env_overrides", "cp_exchange_choices",
+    "env_cp_exchange",
     "load_mesh_recipe", "load_recipe_dict", "merge", "parse_overrides",
 ]

@@ -1,7 +1,8 @@
 """From raw mappings to validated recipes, with the environment override applied first.
 
 This is the only module of the package that reads environment variables
-(``SKYRL_KDA_CP_EXCHANGE``), and it does so only inside ``apply_env_overrides``, never at import.
+(``SKYRL_KDA_CP_EXCHANGE``), and it does so only inside ``env_cp_exchange`` (which
+``apply_env_overrides`` calls), never at import.
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ CP_EXCHANGE_ENV = "SKYRL_KDA_CP_EXCHANGE"
 plugin's first release, which read only this)."""
 
 
+def env_cp_exchange(environ: Mapping[str, str] | None = None) -> str | None:
+    """The exchange ``SKYRL_KDA_CP_EXCHANGE`` names (checked against the registry), or None when
+    it is unset or empty. ``environ`` defaults to ``os.environ``."""
+    env = os.environ if environ is None else environ
+    value = env.get(CP_EXCHANGE_ENV)
+    if not value:
+        return None
+    allowed = cp_exchange_choices()
+    if value not in allowed:
+        raise ValueError(
+            f"{CP_EXCHANGE_ENV}={value!r} is not a KDA CP exchange; "
+            f"allowed values: {', '.join(allowed)}"
+        )
+    return value
+
+
 def apply_env_overrides(raw: dict, environ: Mapping[str, str] | None = None) -> dict:
     """Return a copy of ``raw`` with ``SKYRL_KDA_CP_EXCHANGE`` applied to ``kda.cp_exchange``.
 
@@ -28,17 +45,10 @@ def apply_env_overrides(raw: dict, environ: Mapping[str, str] | None = None) -> 
     read here only, explicitly, and logged, so the config stays the single source of truth.
     An empty value counts as unset. ``environ`` defaults to ``os.environ``.
     """
-    env = os.environ if environ is None else environ
     out = copy.deepcopy(raw)
-    value = env.get(CP_EXCHANGE_ENV)
-    if not value:
+    value = env_cp_exchange(environ)
+    if value is None:
         return out
-    allowed = cp_exchange_choices()
-    if value not in allowed:
-        raise ValueError(
-            f"{CP_EXCHANGE_ENV}={value!r} is not a KDA CP exchange; "
-            f"allowed values: {', '.join(allowed)}"
-        )
     kda = out.get("kda")
     if kda is None:
         kda = out["kda"] = {}

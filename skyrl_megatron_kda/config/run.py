@@ -19,7 +19,9 @@ class RunConfig(_Config):
     num_workers: PositiveInt = 1
     """Total ranks (world size) = tp * cp * pp * dp; Ray starts one actor per rank."""
     ray_address: str | None = None
-    """Ray cluster to join, e.g. "auto" or "ray://head:10001" (None: start a local cluster)."""
+    """Ray cluster to join: "auto" (the one ``ray start`` started on this machine, or
+    RAY_ADDRESS), "HOST:PORT" or "ray://HEAD:10001" (Ray Client). None: start a new local
+    cluster for this command, never joining a running one."""
     resume: bool = Field(default=False, strict=True)
     """Continue from the latest checkpoint under output_dir/checkpoints (error if there is none)."""
     init_from_hf: str | None = None

@@ -6,7 +6,8 @@ megatron-core hard-codes CUDA in three places we reach:
   ``redirect_cuda_device_queries`` points that query at the CPU for the whole process;
 - its optimizer stack: ``torch.tensor(..., device='cuda')`` for flags and norms,
   ``param.type() == 'torch.cuda.FloatTensor'`` to pick the main-parameter path, the current CUDA
-  stream and ``synchronize`` in the DDP gradient sync and checkpoint writes. A CPU rank wraps each
+  stream and ``synchronize`` in the DDP gradient sync and checkpoint writes, ``pin_memory`` for
+  the host copy of an offloaded buffer. A CPU rank wraps each
   call into them in ``cuda_names_cpu()``: a torch function mode that, while active, places tensors
   asked for on ``cuda`` on the CPU and reports CPU tensor types under their CUDA names. It is
   scoped to those calls (the model's forward and backward run without it);
@@ -44,6 +45,10 @@ class _CudaNamesCPU(TorchFunctionMode):
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.pin_memory:
+            # A host copy (megatron's buffer offload, SkyRL's colocation offload): its callers
+            # free the source's storage next, so a CPU rank must get a copy, not the same tensor.
+            return args[0].clone()
         return func(*args, **kwargs)
 
 
@@ -58,6 +63,8 @@ def cuda_names_cpu(enabled: bool = True) -> Iterator[None]:
     # one in-order stream, so there is nothing to wait for.
     saved = {name: getattr(torch.cuda, name) for name in _STREAM_CALLS}
     torch.cuda.current_stream, torch.cuda.synchronize = _CPUStream, _no_wait
+    # Where code moves tensors back "to the GPU" (SkyRL's backload), the device is the CPU.
+    torch.cuda.current_device = _cpu_device
     try:
         with _CudaNamesCPU():
             yield
@@ -66,7 +73,11 @@ def cuda_names_cpu(enabled: bool = True) -> Iterator[None]:
             setattr(torch.cuda, name, fn)
 
 
-_STREAM_CALLS = ("current_stream", "synchronize")
+_STREAM_CALLS = ("current_stream", "synchronize", "current_device")
+
+
+def _cpu_device() -> str:
+    return "cpu"
 
 
 def _no_wait(device=None) -> None:

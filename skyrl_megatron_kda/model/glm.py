@@ -18,7 +18,8 @@ megatron-core 0.19.2 has no hook for that; every block inside is megatron's own 
 
 ``train.recompute`` rebuilds whole layers (``full``) or attention blocks (``selective``) of the
 types in ``train.recompute_layers`` in backward (reentrant checkpoints, as megatron's);
-``train.offload_activations`` keeps every tensor saved for backward in host memory;
+``train.offload_activations`` keeps the tensors saved for backward in host memory (parameters
+excepted, model/host_offload.py);
 ``train.loss_chunk_tokens`` computes the loss in token chunks without forming the logits
 (model/fused_loss.py).
 
@@ -52,6 +53,7 @@ from ..kda.layer import kda_layer_spec
 from ..megatron_config import mesh_config_kwargs
 from .dsa import glm_dsa_layer_spec
 from .fused_loss import chunked_linear_cross_entropy
+from .host_offload import HostOffload
 from .hyper_connections import HyperConnection, expand_to_streams, reduce_streams
 from .moe import build_moe_layer, check_glm_moe_config, moe_transformer_config_kwargs
 
@@ -207,6 +209,7 @@ class GLMModel(MegatronModule):
         self._cp_bytes_base = 0
         # train.loss_chunk_tokens: the loss in token chunks without the logits (model/fused_loss.py).
         self.loss_chunk_tokens = recipe.train.loss_chunk_tokens
+        self.host_offload = HostOffload() if recipe.train.offload_activations else None
 
     # --- communication accounting -------------------------------------------------------------
 
@@ -280,10 +283,10 @@ class GLMModel(MegatronModule):
 
     def _saved_tensors_home(self):
         """Where autograd keeps the tensors saved for backward: host memory under
-        ``train.offload_activations`` (pinned when the model is on a GPU), else where they are."""
-        if not self.recipe.train.offload_activations:
+        ``train.offload_activations`` (model/host_offload.py), else where they are."""
+        if self.host_offload is None:
             return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=self.embedding.weight.is_cuda)
+        return self.host_offload.hooks(self)
 
 
 def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCollection | None = None

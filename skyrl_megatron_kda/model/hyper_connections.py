@@ -65,6 +65,42 @@ def reduce_streams(streams: torch.Tensor) -> torch.Tensor:
     return streams.mean(dim=-2)
 
 
+def normalized_projection(flat: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms(flat) @ weight.T`` in fp32: the maps' projection, computed as the reference does."""
+    x = flat.float()
+    x = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    return F.linear(x, weight.float())
+
+
+class NormalizedProjection(torch.autograd.Function):
+    """``normalized_projection`` that keeps only its input and weight for backward.
+
+    Autograd would keep the fp32 upcast of the flattened streams and its normalised copy, two
+    fp32 tensors of N*D per row (4x the bf16 streams it reads), while the streams themselves are
+    kept anyway by ``collapse`` and ``expand``. Backward rebuilds the same ops from the input and
+    differentiates them, so the gradients are bitwise those of the plain autograd graph. The
+    input goes through ``save_for_backward``, so ``save_on_cpu`` moves it like any saved tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(flat, weight)
+        ctx.eps = eps
+        return normalized_projection(flat, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, weight = ctx.saved_tensors
+        flat = flat.detach().requires_grad_(ctx.needs_input_grad[0])
+        weight = weight.detach().requires_grad_(ctx.needs_input_grad[1])
+        with torch.enable_grad():
+            proj = normalized_projection(flat, weight, ctx.eps)
+        wanted = [t for t in (flat, weight) if t.requires_grad]
+        grads = iter(torch.autograd.grad(proj, wanted, grad) if wanted else ())
+        return (next(grads) if flat.requires_grad else None,
+                next(grads) if weight.requires_grad else None, None)
+
+
 class HyperConnection(nn.Module):
     """mHC around one sub-block (attention or MLP) of a decoder layer; a layer owns two.
 
@@ -109,9 +145,8 @@ class HyperConnection(nn.Module):
     def mixing_maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [..., N], post [..., N], comb [..., N, N]), fp32, from ``streams`` [..., N, D]."""
         n = self.num_streams
-        flat = streams.flatten(-2).float()  # [..., N*D], stream-major like the reference's view
-        flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + self.norm_eps)
-        proj = F.linear(flat, self.fn.float())  # [..., (2+N)*N]
+        # [..., N*D] stream-major like the reference's view -> [..., (2+N)*N]
+        proj = NormalizedProjection.apply(streams.flatten(-2), self.fn, self.norm_eps)
         pre_w, post_w, comb_w = proj.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)

@@ -112,10 +112,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str]
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
     step = int(manifest.read(ckpt)["step"])  # an unfinished save is refused before Ray starts
-    world = recipe.run.num_workers
     started_here = ensure_ray(recipe.run)
     try:
-        group = ActorGroup(world, recipe.run.device)
+        group = ActorGroup.for_recipe(recipe)
         try:
             group.run(_export_rank, recipe, str(ckpt.resolve()), str(out.resolve()),
                       None if source is None else str(Path(source).resolve()))

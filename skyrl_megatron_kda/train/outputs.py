@@ -13,6 +13,10 @@ METRICS = "metrics.jsonl"
 RECIPE = "recipe.yaml"
 """The recipe as the ranks ran it (``kda.cp_exchange=auto`` resolved)."""
 
+RANK_MAP = "rank_map.json"
+"""Each rank's node, GPU and mesh coordinates, as this invocation placed them
+(``workers.rank_map``)."""
+
 
 def read_metrics_lines(path: Path) -> list[dict]:
     """The JSON lines of a metrics file in file order (blank lines skipped); a line that is not

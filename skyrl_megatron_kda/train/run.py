@@ -25,8 +25,9 @@ import yaml
 from ..config import Recipe
 from ..workers.group import ActorGroup
 from ..workers.lifetime import StartedRay
+from ..workers.rank_map import build_rank_map, rank_map_lines, write_rank_map
 from . import checkpoint
-from .outputs import METRICS, RECIPE, read_metrics_lines
+from .outputs import METRICS, RANK_MAP, RECIPE, read_metrics_lines
 from .run_folder import RunStart, prepare
 from .stop import Interrupted, StopSignals
 from .trainer import RankTrainer
@@ -109,13 +110,13 @@ def run(recipe: Recipe, *, start: RunStart | None = None,
         logger.info(finished)
         return []
     out.mkdir(parents=True, exist_ok=True)
-    world = recipe.run.num_workers
     # Installed before Ray starts: a signal at any moment of start-up ends it cleanly.
     with StopSignals() as stop:
         ray_here = group = None
         try:
             ray_here = _start_ray(recipe, stop)
-            group = ActorGroup(world, recipe.run.device)
+            group = ActorGroup.for_recipe(recipe)
+            _record_rank_map(recipe, group, out, progress)
             group.hold(_make_trainer, recipe)
             # The recipe as the ranks run it: recipes.load_recipe resolved kda.cp_exchange=auto
             # and kept the reason in kda.exchange_reason.
@@ -141,6 +142,19 @@ def run(recipe: Recipe, *, start: RunStart | None = None,
                 group.shutdown()
             if ray_here is not None:
                 ray_here.shutdown()
+
+
+def _record_rank_map(recipe: Recipe, group: ActorGroup, out: Path,
+                     console: TextIO | None) -> None:
+    """Where the ranks landed: written to the run folder, shown on the console once, and a
+    warning when ``cluster.gpus_per_node`` is not what Ray placed."""
+    rank_map = build_rank_map(group.ranks, recipe)
+    write_rank_map(out / RANK_MAP, rank_map)
+    for note in rank_map["notes"]:
+        logger.warning(note)
+    if console is not None:
+        console.write("\n".join(rank_map_lines(rank_map)) + "\n")
+        console.flush()
 
 
 def _start_ray(recipe: Recipe, stop: StopSignals) -> StartedRay:

@@ -1,7 +1,8 @@
 """One rank of a training job: megatron parallel state, the model wrapped in megatron-core's DDP
 and distributed optimizer, the LR schedule, and one optimizer step on packed THD rows.
 
-``RankTrainer`` is the per-rank API the Ray driver (``train.run``) and SkyRL's worker classes call:
+``RankTrainer`` is the per-rank API the Ray driver (``train.run``) and SkyRL's worker classes call
+(``RankModel``, its base, is the model alone: what SkyRL's reference worker serves forward with):
 torch.distributed must already be initialised (one process per rank), then::
 
     trainer = RankTrainer(recipe)
@@ -86,23 +87,20 @@ def load_initial_weights(module: torch.nn.Module, recipe: Recipe) -> bool:
     return True
 
 
-class RankTrainer:
-    """Model, optimizer, schedule and data of one rank; ``train_step`` runs one optimizer step.
+class RankModel:
+    """The recipe's model on one rank, without DDP or optimizer: megatron parallel state, seeds,
+    the GLM model (``run.init_from_hf`` loaded) and the per-rank inputs of a packed row.
 
-    ``build_model`` defaults to ``model.glm.build_model``; ``loader`` to the recipe's data.
-    The pieces of a step are public for ``train.rl`` (SkyRL's RL calls, whose batches and loss
-    come from outside): ``shard`` / ``model_inputs`` for a packed row, ``finalize_grads`` and
-    ``optimizer_step`` once the gradients of a step are accumulated.
-    """
+    What a forward-only role needs (SkyRL's reference worker) and the base ``RankTrainer`` adds
+    training to; ``train.rl.token_logprobs`` runs on either (``model``, ``shard``,
+    ``model_inputs``, ``pgs``, ``recipe``)."""
 
-    def __init__(self, recipe: Recipe, *, build_model: BuildModel | None = None,
-                 loader: PackedLoader | None = None):
+    def __init__(self, recipe: Recipe, *, build_model: BuildModel | None = None):
         if not dist.is_initialized():
-            raise RuntimeError("RankTrainer needs torch.distributed initialised (one process per rank)")
+            raise RuntimeError(f"{type(self).__name__} needs torch.distributed initialised (one "
+                               "process per rank)")
         self.recipe = recipe
         self.use_cpu = recipe.run.device == "cpu"
-        # Before anything is built: refuses the settings megatron cannot build (optimizer offload).
-        opt_config = optimizer_config(recipe)
         init_parallel_state(recipe)
         seed_everything(recipe.train.seed, self.use_cpu)
         self.pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -117,26 +115,7 @@ class RankTrainer:
             # indexer) and module-made ones must be on the GPU too, as in megatron's get_model.
             module.cuda(torch.cuda.current_device())
         load_initial_weights(module, recipe)
-        self.config = get_model_config(module)
-        # The loss below is a per-rank token sum: DDP must sum gradients (not average them) and
-        # finalize_model_grads divides by the global token count.
-        self.config.calculate_per_token_loss = True
-        self.model = DistributedDataParallel(self.config, ddp_config(recipe), module)
-        t = recipe.train
-        with self.cpu_mode():
-            self.optimizer = get_megatron_optimizer(opt_config, [self.model])
-            self.scheduler = build_scheduler(self.optimizer, recipe)
-        self.loader = loader or build_loader(
-            recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.kda.cp_layout,
-            vocab_size=recipe.model.vocab_size)
-        self.step = 0
-
-    # -- one step ---------------------------------------------------------------------------
-
-    def _my_rows(self) -> list:
-        mbs = self.recipe.data.micro_batch_size
-        rows = [self.loader.next_row() for _ in range(self.dp_size * mbs)]
-        return rows[self.dp_rank * mbs:(self.dp_rank + 1) * mbs]
+        self.model = module
 
     def shard(self, row: PackedRow) -> RankShard:
         """This rank's part of a packed row (CP, and SP inside the layers) in the recipe's layout."""
@@ -155,6 +134,53 @@ class RankTrainer:
                                  cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
         return shard.tokens[None].to(device), shard.position_ids[None].to(device), packed
+
+    def cpu_mode(self):
+        """Context for calls into megatron's CUDA-only optimizer code (``distributed.cpu``)."""
+        return cuda_names_cpu(self.use_cpu)
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu") if self.use_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    def close(self) -> None:
+        """Tear down megatron's process groups (the torch.distributed world stays)."""
+        parallel_state.destroy_model_parallel()
+
+
+class RankTrainer(RankModel):
+    """Model, optimizer, schedule and data of one rank; ``train_step`` runs one optimizer step.
+
+    ``build_model`` defaults to ``model.glm.build_model``; ``loader`` to the recipe's data.
+    The pieces of a step are public for ``train.rl`` (SkyRL's RL calls, whose batches and loss
+    come from outside): ``shard`` / ``model_inputs`` for a packed row, ``finalize_grads`` and
+    ``optimizer_step`` once the gradients of a step are accumulated.
+    """
+
+    def __init__(self, recipe: Recipe, *, build_model: BuildModel | None = None,
+                 loader: PackedLoader | None = None):
+        # Before anything is built: refuses the settings megatron cannot build (optimizer offload).
+        opt_config = optimizer_config(recipe)
+        super().__init__(recipe, build_model=build_model)
+        self.config = get_model_config(self.model)
+        # The loss below is a per-rank token sum: DDP must sum gradients (not average them) and
+        # finalize_model_grads divides by the global token count.
+        self.config.calculate_per_token_loss = True
+        self.model = DistributedDataParallel(self.config, ddp_config(recipe), self.model)
+        t = recipe.train
+        with self.cpu_mode():
+            self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+            self.scheduler = build_scheduler(self.optimizer, recipe)
+        self.loader = loader or build_loader(
+            recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.kda.cp_layout,
+            vocab_size=recipe.model.vocab_size)
+        self.step = 0
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _my_rows(self) -> list:
+        mbs = self.recipe.data.micro_batch_size
+        rows = [self.loader.next_row() for _ in range(self.dp_size * mbs)]
+        return rows[self.dp_rank * mbs:(self.dp_rank + 1) * mbs]
 
     def _forward_backward(self, row) -> tuple[torch.Tensor, torch.Tensor]:
         """Local (loss sum, loss-token count) of one row, with its gradients accumulated."""
@@ -193,13 +219,6 @@ class RankTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         return float(grad_norm), lr
-
-    def cpu_mode(self):
-        """Context for calls into megatron's CUDA-only optimizer code (``distributed.cpu``)."""
-        return cuda_names_cpu(self.use_cpu)
-
-    def _device(self) -> torch.device:
-        return torch.device("cpu") if self.use_cpu else torch.device("cuda", torch.cuda.current_device())
 
     def train_step(self) -> dict:
         """One optimizer step; returns this rank's metrics (loss and counts are global)."""
@@ -260,10 +279,6 @@ class RankTrainer:
         self.loader = continue_loader(self.loader, restored.loader_state)
         self.step = restored.step
         return self.step
-
-    def close(self) -> None:
-        """Tear down megatron's process groups (the torch.distributed world stays)."""
-        parallel_state.destroy_model_parallel()
 
 
 def build_scheduler(optimizer, recipe: Recipe):

@@ -14,9 +14,10 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..config import RunConfig
+from ..config import Recipe, RunConfig
 from ..distributed.cpu import redirect_cuda_device_queries
 from .errors import RankError, WorkerError
+from .placement import BundleLocation, assign_ranks, node_block, with_cpu_slots
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,11 @@ RAY_START_CONFIG = {"worker_register_timeout_seconds": 600, "raylet_start_wait_t
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """``ray.init`` as the package starts or joins Ray: no dashboard, no worker logs on the
-    driver; a cluster started here gets ``RAY_START_CONFIG`` (joining one keeps its own)."""
-    ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+    driver; a cluster started here gets ``RAY_START_CONFIG`` (joining one keeps its own).
+    ``address=None`` starts a new local cluster: Ray's own ``None`` would join the cluster named
+    by ``RAY_ADDRESS`` or the one ``ray start`` last started on this machine."""
+    ray.init(address=address or "local", num_cpus=num_cpus, include_dashboard=False,
+             log_to_driver=False,
              _system_config=RAY_START_CONFIG if address is None else None,
              runtime_env={"worker_process_setup_hook": "skyrl_megatron_kda.console.quiet_warnings"})
 
@@ -67,13 +71,28 @@ def _on_rank(method: Callable) -> Callable:
 
 @ray.remote
 class RankActor:
-    """One process, one rank: initialises torch.distributed and runs functions sent to it."""
+    """One process, one rank: reports where it runs, then initialises torch.distributed as the
+    rank the group gives it and runs functions sent to it."""
 
-    def __init__(self, rank: int, world: int, device: str):
-        self.rank, self.world, self.device = rank, world, device
+    def __init__(self, world: int, device: str):
+        self.rank, self.world, self.device = None, world, device
 
     def pid(self) -> int:
         return os.getpid()
+
+    def location(self, bundle: int) -> BundleLocation:
+        """Where this actor (in placement-group bundle ``bundle``) runs; the GPU id is the one
+        Ray gave it on its node (None on CPU: ``placement.with_cpu_slots`` numbers the slots)."""
+        node = ray.get_runtime_context().get_node_id()
+        ip = ray.util.get_node_ip_address()
+        gpu = None
+        if self.device == "gpu":
+            ids = ray.get_gpu_ids()
+            if len(ids) != 1 or not str(ids[0]).isdigit():
+                raise RuntimeError(f"bundle {bundle} on node {ip}/{node[:8]} has GPU ids {ids}; "
+                                   "expected one numeric id (CUDA_VISIBLE_DEVICES with UUIDs?)")
+            gpu = int(ids[0])
+        return BundleLocation(bundle, node, ip, gpu)
 
     def free_address(self) -> tuple[str, int]:
         with socket.socket() as s:
@@ -82,7 +101,15 @@ class RankActor:
         return ray.util.get_node_ip_address(), port
 
     @_on_rank
-    def init_distributed(self, address: str, port: int) -> None:
+    def init_distributed(self, rank: int, address: str, port: int, cwd: str) -> None:
+        self.rank = rank
+        # A worker starts in the directory its raylet was started in (``ray start``), not the
+        # driver's: run there, so the recipe's relative paths mean what they mean to the driver.
+        if not os.path.isdir(cwd):
+            raise FileNotFoundError(
+                f"the driver's working directory {cwd} does not exist on node "
+                f"{ray.util.get_node_ip_address()}: every node needs the same paths")
+        os.chdir(cwd)
         if self.device == "cpu":
             redirect_cuda_device_queries()
             backend = "gloo"
@@ -107,11 +134,16 @@ class RankActor:
 
 
 class ActorGroup:
-    """``world`` rank actors packed into one placement group (one CPU or GPU slot each)."""
+    """``world`` rank actors in one placement group (one CPU or GPU slot each), with ranks dealt
+    out node after node (``workers.placement``) so that every ``block`` consecutive ranks share a
+    node; ``ranks`` says where each rank is. ``connect=False`` stops there (a placement dry run:
+    no torch.distributed world)."""
 
-    def __init__(self, world: int, device: str = "cpu", ready_timeout_s: float = 120):
+    def __init__(self, world: int, device: str = "cpu", ready_timeout_s: float = 120, *,
+                 block: int = 1, connect: bool = True):
         self.actors: list = []
         self.placement = None
+        self.ranks: list[BundleLocation] = []
         bundle = {"CPU": 1} if device == "cpu" else {"CPU": 1, "GPU": 1}
         try:
             self.placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
@@ -120,21 +152,36 @@ class ActorGroup:
                 raise RuntimeError(
                     f"Ray could not place {world} workers with {bundle} each within "
                     f"{ready_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")
+            # In bundle order until the ranks are dealt out (shutdown ends them either way).
             self.actors = [
                 RankActor.options(
                     num_cpus=1, num_gpus=0 if device == "cpu" else 1,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self.placement, placement_group_bundle_index=r),
-                ).remote(r, world, device)
-                for r in range(world)
+                        self.placement, placement_group_bundle_index=b),
+                ).remote(world, device)
+                for b in range(world)
             ]
-            address, port = ray.get(self.actors[0].free_address.remote())
-            self._gather([a.init_distributed.remote(address, port) for a in self.actors])
+            located = ray.get([a.location.remote(b) for b, a in enumerate(self.actors)])
+            if device == "cpu":
+                located = with_cpu_slots(located)
+            self.ranks = assign_ranks(located, block)
+            self.actors = [self.actors[loc.bundle] for loc in self.ranks]
+            if connect:
+                address, port = ray.get(self.actors[0].free_address.remote())
+                self._gather([a.init_distributed.remote(r, address, port, os.getcwd())
+                              for r, a in enumerate(self.actors)])
         except BaseException:
             # Also on Ctrl-C or a stop signal in the middle of start-up: the caller never gets
             # this group, so it cannot end the actors that already exist.
             self.shutdown()
             raise
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe, *, connect: bool = True) -> ActorGroup:
+        """The group of ``recipe``'s ranks, each TP and expert-TP group inside one node."""
+        p = recipe.parallel
+        return cls(recipe.run.num_workers, recipe.run.device, block=node_block(p.tp, p.etp),
+                   connect=connect)
 
     def run(self, fn: Callable, *args) -> list:
         """``fn(rank, world, *args)`` on every rank; results in rank order."""

@@ -3,7 +3,9 @@
 ``trainer.override_entrypoint=skyrl_megatron_kda.integrations.skyrl.entrypoint`` makes SkyRL's
 ``main_base`` hand the command line to ``entrypoint.main``, which parses it with
 ``config.KDASkyRLConfig`` (SkyRL's config plus a ``trainer.kda`` section naming the recipe) and
-injects ``workers.KDAPolicyWorker`` through ``RayPPOTrainer.build_models``.
+injects ``workers.KDAPolicyWorker`` and ``reference.KDARefWorker`` through
+``RayPPOTrainer.build_models``. ``settings`` maps SkyRL's own settings onto the recipe (or refuses
+them by name); ``offload`` serves colocation with SkyRL's Megatron offload helpers.
 
 skyrl is optional: importing this package without it raises an ImportError naming the extra.
 """

@@ -10,13 +10,17 @@ The section lives under ``trainer`` because SkyRL hands each worker ``cfg.traine
 SkyRL dataclass (SkyRL's strict parser refuses unknown ``trainer.kda.*`` keys) whose values are
 validated by our pydantic ``Recipe`` (unknown keys under ``overrides`` and bad values are errors
 there), when the config is built. Precedence, lowest first: the recipe file,
-``trainer.kda.overrides``, the ``trainer.kda.<field>`` values, ``SKYRL_KDA_CP_EXCHANGE``.
+``SKYRL_KDA_CP_EXCHANGE`` (``kda.cp_exchange`` only), ``trainer.kda.overrides``, the
+``trainer.kda.<field>`` values (a value given on the command line beats the environment, with
+a log line). The keys SkyRL's own config decides (``settings.SKYRL_DECIDES``) cannot be
+overridden here.
 
 No ``from __future__ import annotations`` here: SkyRL reads the field types at run time.
 """
 
 import dataclasses
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -25,6 +29,9 @@ from skyrl.train.config.config import BaseConfig, MegatronConfig, TrainerConfig,
 
 from ...config import KDAConfig, Recipe
 from ...recipes import list_recipes, load_recipe
+from .settings import cp_exchange_source, overridden_skyrl_keys, refused_settings
+
+logger = logging.getLogger(__name__)
 
 
 def dot_overrides(tree: Mapping, prefix: str = "") -> List[str]:
@@ -71,12 +78,20 @@ class _RecipeSelection(BaseConfig):
         return dot_overrides(self.overrides) + dot_overrides({"kda": self.kda_values()})
 
     def resolve(self) -> Recipe:
-        """The validated recipe this section selects (the environment is applied by config.py)."""
+        """The validated recipe this section selects. ``kda.cp_exchange``: the command line beats
+        ``SKYRL_KDA_CP_EXCHANGE`` (read by config.py), which beats the recipe file."""
         if not self.recipe:
             raise ValueError(
                 "trainer.kda.recipe is required: a recipe YAML path or one of "
                 f"{', '.join(list_recipes())}")
-        return load_recipe(self.recipe, self.recipe_overrides())
+        clashes = overridden_skyrl_keys(self.overrides) if isinstance(self.overrides, Mapping) else []
+        if clashes:
+            raise ValueError("; ".join(clashes))
+        source = cp_exchange_source(self)
+        if source.env_ignored:
+            logger.warning("kda.cp_exchange from the %s", source.text)
+        # An empty environment for the loader: the command line's value stands.
+        return load_recipe(self.recipe, self.recipe_overrides(), {} if source.command_line else None)
 
     def __post_init__(self) -> None:
         # Fail while parsing the command line, not on the cluster; a section with no recipe
@@ -140,12 +155,6 @@ def unsupported_trainer_settings(t) -> List[str]:
     if t.critic.model.path:
         problems.append("trainer.critic.model.path is set: the KDA workers train a policy only "
                         "(GRPO-style, as SkyRL's Megatron backend)")
-    if t.placement.colocate_all:
-        problems.append("trainer.placement.colocate_all=true needs the workers to offload to the "
-                        "CPU between rollouts; set trainer.placement.colocate_all=false")
-    if t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward:
-        problems.append("trainer.algorithm.use_kl_loss / use_kl_in_reward need a reference "
-                        "model, which the KDA integration does not build yet")
     if t.algorithm.enable_sample_support_replay:
         problems.append("trainer.algorithm.enable_sample_support_replay=true is not implemented by "
                         "the KDA policy worker")
@@ -156,30 +165,42 @@ def unsupported_trainer_settings(t) -> List[str]:
         problems.append("trainer.max_tokens_per_microbatch > 0 (token-based micro-batches) is not "
                         "implemented by the KDA policy worker; set micro_train_batch_size_per_gpu "
                         "and micro_forward_batch_size_per_gpu")
-    return problems
+    return problems + refused_settings(t)
 
 
-def apply_recipe(cfg, recipe: Recipe) -> List[str]:
-    """Mirror ``recipe``'s mesh into ``cfg.trainer.policy.megatron_config`` and check it against
-    SkyRL's placement; returns the job's unsupported settings. Conflicts raise ValueError."""
-    megatron = cfg.trainer.policy.megatron_config
+def uses_reference(t) -> bool:
+    """Whether SkyRL builds a reference model (``RayPPOTrainer.build_models``' rule)."""
+    return bool(t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward)
+
+
+def _mirror_mesh(megatron, where: str, recipe: Recipe) -> None:
     defaults = MegatronConfig()
     for skyrl_name, ours in MESH_FIELDS:
         current, wanted = getattr(megatron, skyrl_name), getattr(recipe.parallel, ours)
         if current not in (wanted, getattr(defaults, skyrl_name)):
             raise ValueError(
-                f"trainer.policy.megatron_config.{skyrl_name}={current} disagrees with the recipe's "
+                f"{where}.megatron_config.{skyrl_name}={current} disagrees with the recipe's "
                 f"parallel.{ours}={wanted}; the recipe decides: drop the former or set "
                 f"trainer.kda.overrides.parallel.{ours}={current}")
         setattr(megatron, skyrl_name, wanted)
-    placement = cfg.trainer.placement
-    gpus = placement.policy_num_nodes * placement.policy_num_gpus_per_node
-    if gpus != recipe.run.num_workers:
-        raise ValueError(
-            f"SkyRL places {gpus} policy workers (trainer.placement.policy_num_nodes="
-            f"{placement.policy_num_nodes} x policy_num_gpus_per_node="
-            f"{placement.policy_num_gpus_per_node}) but the recipe has run.num_workers="
-            f"{recipe.run.num_workers}; make them equal")
+
+
+def apply_recipe(cfg, recipe: Recipe) -> List[str]:
+    """Mirror ``recipe``'s mesh into ``cfg.trainer.policy.megatron_config`` (and the reference's,
+    when SkyRL builds one) and check it against SkyRL's placement; returns the job's unsupported
+    settings. Conflicts raise ValueError."""
+    roles = ["policy"] + (["ref"] if uses_reference(cfg.trainer) else [])
+    for role in roles:
+        _mirror_mesh(getattr(cfg.trainer, role).megatron_config, f"trainer.{role}", recipe)
+        placement = cfg.trainer.placement
+        nodes, per_node = (getattr(placement, f"{role}_num_nodes"),
+                           getattr(placement, f"{role}_num_gpus_per_node"))
+        if nodes * per_node != recipe.run.num_workers:
+            raise ValueError(
+                f"SkyRL places {nodes * per_node} {role} workers (trainer.placement.{role}_num_nodes="
+                f"{nodes} x {role}_num_gpus_per_node={per_node}) but the recipe has "
+                f"run.num_workers={recipe.run.num_workers}; make them equal (the reference "
+                "worker runs the recipe's mesh too)")
     problems = unsupported_settings(cfg)
     if recipe.run.device != "gpu":
         problems.append(f"run.device={recipe.run.device}: SkyRL gives every worker one GPU; set "

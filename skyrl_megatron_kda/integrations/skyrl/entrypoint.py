@@ -3,13 +3,17 @@
 SkyRL's ``main_base.main`` sees ``trainer.override_entrypoint=<this module>`` before it parses
 anything and calls ``main()`` here, which parses the same command line with ``KDASkyRLConfig``,
 resolves the recipe, mirrors its mesh into SkyRL's Megatron sizes, runs SkyRL's own validation,
-and launches SkyRL's experiment with ``KDAPolicyWorker`` injected through
-``RayPPOTrainer.build_models``. ``trainer.kda.dry_run=true`` stops before Ray and prints what it
-resolved; a job that needs something the workers do not implement yet is refused before Ray
-starts, with the list.
+and launches SkyRL's experiment with ``KDAPolicyWorker`` and ``KDARefWorker`` injected through
+``RayPPOTrainer.build_models`` (they also stand in for SkyRL's import of its own Megatron
+workers). ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved and where
+each setting came from; a job that needs something the workers do not implement yet is refused
+before Ray starts, with the list.
 """
 
+import contextlib
 import sys
+import types
+from collections.abc import Iterator
 from typing import List, Optional
 
 import ray
@@ -19,7 +23,9 @@ from skyrl.train.utils import validate_cfg
 from skyrl.train.utils.utils import initialize_ray
 
 from . import ENTRYPOINT
-from .config import KDASkyRLConfig, apply_recipe
+from .config import KDASkyRLConfig, apply_recipe, uses_reference
+from .reference import KDARefWorker
+from .settings import cp_exchange_source, decided_settings
 from .workers import NOT_INTEGRATED, KDAPolicyWorker
 
 _FLAG = "trainer.override_entrypoint="
@@ -29,12 +35,45 @@ class KDAPPOTrainer(RayPPOTrainer):
     """SkyRL's trainer with the KDA policy worker in place of the workers SkyRL picked."""
 
     def build_models(self, PolicyWorker, CriticWorker, RefWorker):
-        # apply_recipe refused critic and reference models, so SkyRL never starts those groups.
-        return super().build_models(KDAPolicyWorker, None, None)
+        # apply_recipe refused a critic, so SkyRL never starts that group; it starts the
+        # reference group only for its KL terms (use_kl_loss / use_kl_in_reward).
+        return super().build_models(KDAPolicyWorker, None, KDARefWorker)
+
+
+SKYRL_MEGATRON_WORKERS = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
+"""The module ``BasePPOExp._setup_trainer`` imports its workers from under
+``trainer.strategy=megatron``. It imports Megatron-Bridge (``megatron.bridge``) at the top, which
+our workers do not use and this package does not install."""
+
+
+@contextlib.contextmanager
+def kda_workers_for_skyrl_import() -> Iterator[None]:
+    """While active, ``from <SKYRL_MEGATRON_WORKERS> import PolicyWorker, CriticWorker,
+    RefWorker`` gives the KDA workers (no critic) instead of importing SkyRL's Megatron workers;
+    the module table is restored after (a real import of SkyRL's module, if one happened before,
+    comes back)."""
+    stand_in = types.ModuleType(SKYRL_MEGATRON_WORKERS, "The KDA workers, for SkyRL's import.")
+    stand_in.PolicyWorker, stand_in.CriticWorker, stand_in.RefWorker = (
+        KDAPolicyWorker, None, KDARefWorker)
+    before = sys.modules.get(SKYRL_MEGATRON_WORKERS)
+    sys.modules[SKYRL_MEGATRON_WORKERS] = stand_in
+    try:
+        yield
+    finally:
+        if before is None:
+            sys.modules.pop(SKYRL_MEGATRON_WORKERS, None)
+        else:
+            sys.modules[SKYRL_MEGATRON_WORKERS] = before
 
 
 class KDAPPOExp(BasePPOExp):
     """SkyRL's experiment (tokenizer, datasets, inference engines, generator) with our trainer."""
+
+    def _setup_trainer(self):
+        # SkyRL picks its worker classes by trainer.strategy with a hard-coded import of its own
+        # Megatron workers (which need megatron.bridge); ours stand in for that import.
+        with kda_workers_for_skyrl_import():
+            return super()._setup_trainer()
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset,
                     inference_engine_client, generator, colocate_pg) -> RayPPOTrainer:
@@ -55,6 +94,23 @@ def parse(argv: List[str]):
     return KDASkyRLConfig.from_cli_overrides([a for a in argv if not a.startswith(_FLAG)])
 
 
+def provenance(cfg, recipe) -> List[str]:
+    """The dry run's "what came from where": the recipe keys SkyRL's settings decide (the
+    recipe file's value in brackets where it differs), the exchange's source, the roles."""
+    t = cfg.trainer
+    lines = [f"from {cfg.trainer.kda.recipe!r}: the model, parallel.*, kda.*, data.*, run.*",
+             f"  kda.cp_exchange={recipe.kda.cp_exchange} <- {cp_exchange_source(t.kda).text}"]
+    for d in decided_settings(t, recipe, model_path=t.policy.model.path):
+        section, name = d.key.split(".")
+        before = getattr(getattr(recipe, section), name)
+        was = "" if before == d.value else f" (recipe: {before})"
+        lines.append(f"  {d.key}={d.value} <- {d.source}{was}")
+    lines.append("  train.steps <- num_training_steps, which SkyRL's trainer passes at init_model")
+    roles = "policy + reference (KL)" if uses_reference(t) else "policy"
+    lines.append(f"workers: {roles}; colocate_all={t.placement.colocate_all}")
+    return ["what comes from where:"] + lines
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point SkyRL's ``main_base`` dispatches to; ``argv`` defaults to ``sys.argv[1:]``."""
     cfg = parse(sys.argv[1:] if argv is None else argv)
@@ -68,6 +124,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"recipe: {cfg.trainer.kda.recipe} -> kda.cp_exchange={recipe.kda.cp_exchange} "
               f"tp={p.tp} cp={p.cp} ep={p.ep} etp={p.etp} num_workers={recipe.run.num_workers}")
         print("recipe json: " + recipe.model_dump_json())
+        for line in provenance(cfg, recipe):
+            print(line)
         print("launch blocked by:" if blockers else "launch: ready")
         for line in blockers:
             print(f"  - {line}")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from omegaconf import OmegaConf
 from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
-from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, compute_approx_kl
 from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
 from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
 from skyrl.backends.skyrl_train.workers.worker_utils import (
@@ -37,16 +37,14 @@ from ...model.hf_io import save_hf_checkpoint
 from ...train.checkpoint import latest_checkpoint
 from ...train.rl import pack_rollout, token_logprobs
 from ...train.trainer import RankTrainer
-from . import weight_sync
+from . import offload, weight_sync
 from .config import unsupported_trainer_settings
 from .mesh import megatron_mesh_rank, mesh_rank
+from .settings import apply_decided, check_weights_folder, decided_settings
 
-NOT_INTEGRATED = {
-    "offload_to_cpu": "offloading model, grad buffers and optimizer state for "
-                      "trainer.placement.colocate_all=true (GPU memory handling, untested)",
-    "backload_to_gpu": "the inverse of offload_to_cpu",
-}
-"""SkyRL worker calls the KDA policy worker cannot serve yet -> what is missing."""
+NOT_INTEGRATED: Dict[str, str] = {}
+"""SkyRL worker calls the KDA policy worker cannot serve yet -> what is missing (none now: every
+call of SkyRL's RL loop is served; a call added here raises and blocks launches)."""
 
 
 class _GroupReducer:
@@ -97,14 +95,18 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
             dist.init_process_group(backend=backend,
                                     timeout=timedelta(seconds=SKYRL_WORKER_NCCL_TIMEOUT_IN_S))
         if dist.get_world_size() != self.recipe.run.num_workers:
-            raise ValueError(f"SkyRL started {dist.get_world_size()} policy workers but the recipe "
+            raise ValueError(f"SkyRL started {dist.get_world_size()} workers but the recipe "
                              f"has run.num_workers={self.recipe.run.num_workers}")
         self.mesh_rank = mesh_rank(self.recipe, dist.get_rank())
 
     def init_model(self, model_path: Optional[str] = None, num_training_steps: Optional[int] = None):
-        """Build the recipe's model; SkyRL's ``model_path`` is the tokenizer's and the rollout
-        engines' (the recipe's ``model`` section decides the trained model)."""
-        self.trainer = RankTrainer(self.recipe)
+        """Build the recipe's model with SkyRL's settings (``settings.decided_settings``): the
+        weights from ``model_path`` (SkyRL's ``trainer.policy.model.path``, an HF folder) unless
+        the recipe names ``run.init_from_hf``; None: the recipe's, else a seeded random init."""
+        self.decided = decided_settings(self.cfg, self.recipe, model_path=model_path,
+                                        num_training_steps=num_training_steps)
+        check_weights_folder(self.decided)
+        self.trainer = RankTrainer(apply_decided(self.recipe, self.decided))
         actual = megatron_mesh_rank(self.recipe)
         if actual != self.mesh_rank:
             raise RuntimeError(f"rank {dist.get_rank()}: SkyRL was given {self.mesh_rank} but "
@@ -223,8 +225,12 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
             loss = policy_loss
             if config.use_entropy_loss:
                 loss = loss - entropy * config.entropy_loss_coef / spread
+            kl = self._kl_loss(logp, exp, config)
+            if kl is not None:  # a mean like the entropy term, so spread the same way
+                loss = loss + kl * config.kl_loss_coef / spread
             metrics = {"final_loss": loss.item(), "policy_loss": policy_loss.item(),
-                       "policy_entropy": entropy.item(), "policy_kl": 0.0,
+                       "policy_entropy": entropy.item(),
+                       "policy_kl": 0.0 if kl is None else kl.item(),
                        **{f"loss_metrics/{k}": v for k, v in loss_metrics.items()},
                        **compute_minibatch_rollout_logprob_diff_metrics(
                            logp, exp.rollout_logprobs, exp.loss_mask)}
@@ -232,6 +238,20 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         metrics["loss_fn_outputs"] = self._per_sample_outputs(
             logp.detach(), exp, sft) if return_per_token_outputs else [{} for _ in range(len(logp))]
         return metrics
+
+    @staticmethod
+    def _kl_loss(logp: torch.Tensor, exp, config) -> Optional[torch.Tensor]:
+        """SkyRL's KL loss (``use_kl_loss``) of the policy's log-probs against the reference's
+        (``base_action_log_probs``), as SkyRL's workers compute it: ``compute_approx_kl`` with
+        ``kl_estimator_type``, the masked mean per sequence, then the mean; None when off."""
+        if not config.use_kl_loss:
+            return None
+        if exp.base_action_log_probs is None:
+            raise ValueError("trainer.algorithm.use_kl_loss=true but the batch has no "
+                             "base_action_log_probs (the reference model's log-probs)")
+        kl = compute_approx_kl(logp, exp.base_action_log_probs, loss_mask=exp.loss_mask,
+                               kl_estimator_type=config.kl_estimator_type)
+        return masked_mean(kl, exp.loss_mask, dim=-1).mean()
 
     @staticmethod
     def _per_sample_outputs(logp: torch.Tensor, exp, sft: bool) -> List[Dict[str, list]]:
@@ -270,6 +290,18 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
                                              model_id: Optional[str] = None):
         await weight_sync.broadcast_to_inference_engines(self, inference_engine_client,
                                                          inference_engine_cfg, model_id)
+
+    # -- colocation (trainer.placement.colocate_all) ---------------------------------------------
+
+    def offload_to_cpu(self, offload_optimizer: bool = True, offload_model: bool = True) -> None:
+        """Model and/or gradient buffers + optimizer state off the GPU (``offload.py``)."""
+        offload.offload_to_cpu(self.trainer, offload_optimizer=offload_optimizer,
+                               offload_model=offload_model)
+
+    def backload_to_gpu(self, backload_optimizer: bool = True, backload_model: bool = True) -> None:
+        """The inverse of ``offload_to_cpu``."""
+        offload.backload_to_gpu(self.trainer, backload_optimizer=backload_optimizer,
+                                backload_model=backload_model)
 
     # -- checkpoints and HF export ----------------------------------------------------------------
     # SkyRL saves to and loads from the same ``ckpt_dir`` (``global_step_N/policy``); inside it

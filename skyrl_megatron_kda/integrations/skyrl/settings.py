@@ -1,0 +1,261 @@
+"""Which of SkyRL's settings decide the recipe a KDA worker builds, and which are refused.
+
+Under SkyRL the recipe decides the model and the mesh; SkyRL's own fields decide what a SkyRL
+user sets for any backend: the weights (``trainer.policy.model.path``, an HF folder, unless the
+recipe names ``run.init_from_hf``), the optimizer and its schedule
+(``trainer.policy.optimizer_config``: SkyRL's Megatron backend only has ``constant_with_warmup``,
+so the LR is constant after the warm-up), ``num_training_steps``, the seed and the dtype
+(``trainer.bf16``). ``decided_settings`` lists each of those as recipe key <- SkyRL setting;
+``apply_decided`` writes them into the recipe. A ``trainer.kda.overrides`` key that SkyRL decides
+is an error, so nothing is set in two places.
+
+SkyRL settings the KDA workers do not implement are refused by name (``refused_settings``), never
+dropped. ``cp_exchange_source`` says where ``kda.cp_exchange`` came from: the command line
+(``trainer.kda.cp_exchange`` / ``trainer.kda.overrides.kda.cp_exchange``) beats
+``SKYRL_KDA_CP_EXCHANGE``, which beats the recipe file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from skyrl.train.config.config import (
+    DEFAULT_MEGATRON_OPTIMIZER_KWARGS,
+    DEFAULT_TRANSFORMER_CONFIG_KWARGS,
+)
+
+from ...config import CP_EXCHANGE_ENV, Recipe, env_cp_exchange, merge
+
+logger = logging.getLogger(__name__)
+
+SKYRL_SCHEDULER = "constant_with_warmup"
+"""The one LR schedule SkyRL's Megatron backend builds (``get_megatron_optimizer_param_scheduler``
+refuses others): linear warm-up, then constant."""
+ADAM_BETAS = [0.9, 0.999]
+"""The betas our recipe's optimizer uses (megatron's defaults; the recipe has no field for them)."""
+
+
+@dataclass(frozen=True)
+class Decided:
+    """One recipe key whose value a SkyRL setting gives."""
+
+    key: str
+    """Recipe dot path, e.g. ``train.lr``."""
+    value: Any
+    source: str
+    """Where the value came from, e.g. ``trainer.policy.optimizer_config.lr``."""
+
+
+def decided_settings(t, recipe: Recipe, *, model_path: str | None = None,
+                     num_training_steps: int | None = None,
+                     path_setting: str = "trainer.policy.model.path") -> list[Decided]:
+    """The recipe keys SkyRL's ``cfg.trainer`` (``t``) decides. ``model_path`` is the HF folder
+    SkyRL's ``init_model`` passes (None: the weights stay the recipe's, or a seeded random init),
+    ``path_setting`` where it came from; ``num_training_steps`` SkyRL's step count (None: the
+    recipe's ``train.steps``)."""
+    opt = t.policy.optimizer_config
+    lr = float(opt.lr)
+    out = [
+        Decided("train.lr", lr, "trainer.policy.optimizer_config.lr"),
+        # SkyRL's Megatron schedule is constant after the warm-up: a cosine from lr to lr.
+        Decided("train.min_lr", lr, f"trainer.policy.optimizer_config.scheduler={SKYRL_SCHEDULER}"),
+        Decided("train.warmup_steps", int(opt.num_warmup_steps),
+                "trainer.policy.optimizer_config.num_warmup_steps"),
+        Decided("train.weight_decay", float(opt.weight_decay),
+                "trainer.policy.optimizer_config.weight_decay"),
+        # megatron (and SkyRL's Megatron backend) clip nothing at clip_grad=0.
+        Decided("train.grad_clip", float(opt.max_grad_norm) if opt.max_grad_norm > 0 else None,
+                "trainer.policy.optimizer_config.max_grad_norm"),
+        Decided("train.grad_reduce_in_fp32", bool(t.policy.megatron_config.ddp_config.grad_reduce_in_fp32),
+                "trainer.policy.megatron_config.ddp_config.grad_reduce_in_fp32"),
+        Decided("train.seed", int(t.seed), "trainer.seed"),
+        Decided("model.params_dtype", "bfloat16" if t.bf16 else "float32", "trainer.bf16"),
+    ]
+    if num_training_steps is not None:
+        out.append(Decided("train.steps", int(num_training_steps), "num_training_steps (SkyRL's "
+                           "trainer: total steps x mini-batches per batch)"))
+    if recipe.run.init_from_hf is not None:
+        out.append(Decided("run.init_from_hf", recipe.run.init_from_hf,
+                           "the recipe (run.init_from_hf), not the model path SkyRL passes"))
+    elif model_path is not None:
+        out.append(Decided("run.init_from_hf", model_path, path_setting))
+    return out
+
+
+def reference_settings(t, recipe: Recipe, model_path: str | None) -> tuple[Recipe, list[Decided]]:
+    """(recipe, decided) of the reference worker for SkyRL's ``init_model(model_path)``. The
+    policy's path (SkyRL's default ``trainer.ref.model.path``) means the policy's initial weights,
+    so the recipe's ``run.init_from_hf`` wins as for the policy; any other path (an explicit
+    reference model, or the policy's export for ``update_ref_every_epoch``) is loaded as given.
+    A reference never resumes a checkpoint (``run.resume`` off)."""
+    own = model_path is not None and model_path != t.policy.model.path
+    run = {"resume": False, **({"init_from_hf": None} if own else {})}
+    recipe = recipe.model_copy(update={"run": recipe.run.model_copy(update=run)})
+    decided = decided_settings(
+        t, recipe, model_path=model_path,
+        path_setting="trainer.ref.model.path" if own else "trainer.policy.model.path")
+    return recipe, decided
+
+
+def check_weights_folder(decided: list[Decided]) -> None:
+    """Refuse a model path that is not a folder on this node, naming the SkyRL setting: the KDA
+    workers load a glm5_next HF folder (``model.hf_io``) and download nothing."""
+    for d in decided:
+        if d.key == "run.init_from_hf" and not os.path.isdir(d.value):
+            raise FileNotFoundError(
+                f"{d.source}={d.value!r} is not a folder on {socket.gethostname()}: the KDA "
+                "workers load their weights from a glm5_next Hugging Face folder on every node")
+
+
+SKYRL_DECIDES = ("train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
+                 "train.grad_clip", "train.grad_reduce_in_fp32", "train.seed", "train.steps",
+                 "model.params_dtype")
+"""Recipe keys that come from SkyRL's config under SkyRL (``run.init_from_hf`` may come from
+either: the recipe's wins)."""
+
+
+def _dot_keys(tree: Mapping, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        keys.extend(_dot_keys(value, f"{path}.") if isinstance(value, Mapping) else [path])
+    return keys
+
+
+def overridden_skyrl_keys(overrides: Mapping) -> list[str]:
+    """The ``trainer.kda.overrides`` keys SkyRL decides, each a line naming where to set it."""
+    return [f"trainer.kda.overrides.{key} is decided by SkyRL's config under SkyRL (see "
+            "docs/skyrl.md, 'What comes from where'); set the SkyRL setting instead"
+            for key in _dot_keys(overrides) if key in SKYRL_DECIDES]
+
+
+def apply_decided(recipe: Recipe, decided: list[Decided]) -> Recipe:
+    """``recipe`` with the decided values, validated again (so a SkyRL value the recipe cannot
+    take, a negative LR say, is an error that names the recipe key)."""
+    tree: dict = {}
+    for d in decided:
+        node = tree
+        *parents, leaf = d.key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = d.value
+    return Recipe.model_validate(merge(recipe.model_dump(), tree))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A SkyRL setting the KDA workers do not implement: refused while ``refused(t)``."""
+
+    setting: str
+    refused: Callable[[Any], bool]
+    why: str
+
+
+def _non_default(given: Mapping, defaults: Mapping) -> list[str]:
+    return sorted(k for k in set(given) | set(defaults) if given.get(k) != defaults.get(k))
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("trainer.policy.model.lora.rank", lambda t: t.policy.model.lora.rank > 0,
+            "LoRA: the KDA policy worker trains every weight"),
+    Refusal("trainer.policy.megatron_config.moe_enable_routing_replay",
+            lambda t: t.policy.megatron_config.moe_enable_routing_replay,
+            "router replay (R3) is not implemented by the KDA MoE layers"),
+    Refusal("trainer.mtp.enabled", lambda t: t.mtp.enabled,
+            "multi-token prediction heads are not built by the recipe's model"),
+    Refusal("trainer.policy.megatron_config.mtp_num_layers",
+            lambda t: t.policy.megatron_config.mtp_num_layers not in (None, 0),
+            "multi-token prediction heads are not built by the recipe's model"),
+    Refusal("trainer.policy.optimizer_config.scheduler",
+            lambda t: t.policy.optimizer_config.scheduler != SKYRL_SCHEDULER,
+            f"only {SKYRL_SCHEDULER} (as SkyRL's own Megatron backend)"),
+    Refusal("trainer.policy.optimizer_config.adam_betas",
+            lambda t: [float(b) for b in t.policy.optimizer_config.adam_betas] != ADAM_BETAS,
+            f"the recipe's Adam uses betas {ADAM_BETAS}"),
+    Refusal("trainer.policy.model.fake_int4_qat.enabled",
+            lambda t: t.policy.model.fake_int4_qat.enabled, "fake-INT4 QAT is not implemented"),
+    Refusal("trainer.policy.inference_only_init", lambda t: t.policy.inference_only_init,
+            "the KDA policy worker always builds its optimizer"),
+    Refusal("trainer.policy.sequence_parallel_size", lambda t: t.policy.sequence_parallel_size != 1,
+            "Ulysses sequence parallelism: the recipe's parallel.cp is the KDA workers' context "
+            "parallelism"),
+    Refusal("trainer.ref.sequence_parallel_size", lambda t: t.ref.sequence_parallel_size != 1,
+            "Ulysses sequence parallelism: the reference worker uses the recipe's mesh"),
+    Refusal("trainer.policy.megatron_config.freeze_moe_router",
+            lambda t: t.policy.megatron_config.freeze_moe_router,
+            "the recipe's router is trained (its expert bias by its own update rule)"),
+    Refusal("trainer.policy.megatron_config.fp8", lambda t: t.policy.megatron_config.fp8 is not None,
+            "FP8 training is not implemented by the recipe's model"),
+    Refusal("trainer.policy.megatron_config.fp8_param",
+            lambda t: bool(t.policy.megatron_config.fp8_param),
+            "FP8 parameters are not implemented by the recipe's model"),
+    Refusal("trainer.policy.megatron_config.ddp_config.overlap_grad_reduce",
+            lambda t: t.policy.megatron_config.ddp_config.overlap_grad_reduce,
+            "the KDA policy worker reduces gradients once, in optim_step"),
+    Refusal("trainer.policy.megatron_config.ddp_config.overlap_param_gather",
+            lambda t: t.policy.megatron_config.ddp_config.overlap_param_gather,
+            "the KDA policy worker gathers parameters in the optimizer step"),
+    Refusal("trainer.policy.megatron_config.optimizer_config_kwargs",
+            lambda t: bool(_non_default(t.policy.megatron_config.optimizer_config_kwargs,
+                                        DEFAULT_MEGATRON_OPTIMIZER_KWARGS)),
+            "pass-through kwargs of SkyRL's Megatron optimizer; the recipe's train section "
+            "configures ours"),
+    Refusal("trainer.policy.megatron_config.transformer_config_kwargs",
+            lambda t: bool(_non_default(t.policy.megatron_config.transformer_config_kwargs,
+                                        DEFAULT_TRANSFORMER_CONFIG_KWARGS)),
+            "pass-through kwargs of SkyRL's Megatron-Bridge provider; the recipe configures the "
+            "model (recompute: trainer.kda.overrides.train.recompute)"),
+)
+"""SkyRL settings the KDA workers refuse, each with why; ``refused_settings`` applies them."""
+
+
+def refused_settings(t) -> list[str]:
+    """One line per refused SkyRL setting that ``cfg.trainer`` (``t``) sets."""
+    lines = []
+    for r in REFUSALS:
+        if r.refused(t):
+            value = t
+            for part in r.setting.removeprefix("trainer.").split("."):
+                value = getattr(value, part)
+            lines.append(f"{r.setting}={value!r}: not supported by the KDA workers ({r.why})")
+    return lines
+
+
+def command_line_exchange(selection) -> str | None:
+    """``kda.cp_exchange`` as the SkyRL command line gave it (``trainer.kda.cp_exchange`` or
+    ``trainer.kda.overrides.kda.cp_exchange``; they must agree), or None."""
+    given = selection.overrides.get("kda", {}) if isinstance(selection.overrides, Mapping) else {}
+    field = getattr(selection, "cp_exchange", None)
+    if field is not None:
+        return field
+    return given.get("cp_exchange") if isinstance(given, Mapping) else None
+
+
+@dataclass(frozen=True)
+class ExchangeSource:
+    """Where ``kda.cp_exchange`` comes from."""
+
+    text: str
+    """For the dry run and the log: ``command line (allgather)``, ``SKYRL_KDA_CP_EXCHANGE=state``
+    or ``the recipe file``."""
+    command_line: bool
+    """The command line gave it: the environment must not override it."""
+    env_ignored: str | None
+    """The ``SKYRL_KDA_CP_EXCHANGE`` value the command line overrode (None: none or the same)."""
+
+
+def cp_exchange_source(selection, environ: Mapping[str, str] | None = None) -> ExchangeSource:
+    """The command line beats ``SKYRL_KDA_CP_EXCHANGE``, which beats the recipe file."""
+    given, env = command_line_exchange(selection), env_cp_exchange(environ)
+    if given is not None:
+        ignored = env if env is not None and env != given else None
+        note = f"; {CP_EXCHANGE_ENV}={ignored} ignored" if ignored else ""
+        return ExchangeSource(f"command line ({given}{note})", True, ignored)
+    if env is not None:
+        return ExchangeSource(f"{CP_EXCHANGE_ENV}={env}", False, None)
+    return ExchangeSource("the recipe file", False, None)
