@@ -1,7 +1,7 @@
 """The RL example (``examples/rl_tiny/run_cpu.py``) end to end on CPU, as a user runs it: SkyRL's
-real ``RayPPOTrainer.train()`` for 2 GRPO steps with the KDA policy worker as Ray actors, at TP1
-and at TP2 x CP2 +SP x EP2 (the recipe's exchange, a2a), the CPU sampler from the disk-synced
-weights and the toy environment.
+real ``RayPPOTrainer.train()`` for 2 GRPO steps with SkyRL's default KL loss, the KDA policy and
+reference workers as Ray actors, at TP1 and at TP2 x CP2 +SP x EP2 (the recipe's exchange, a2a),
+the CPU sampler from the disk-synced weights and the toy environment.
 
 Both meshes start from the same checkpoint, the sampler draws with the same seed and SkyRL
 shuffles with the same seed, so step 1 trains on the same rollouts: its reward is equal and its
@@ -67,7 +67,9 @@ def test_two_grpo_steps_ran_through_skyrls_trainer(job):
         assert "reward/avg_raw_reward" in m, f"step {step}: no reward logged"
         assert 0 <= m["reward/avg_raw_reward"] <= 1
         assert m["policy/grad_norm"] > 0, f"step {step}: no gradient"
-        assert m["policy/policy_kl"] == 0.0  # no reference model in this job
+    # SkyRL's default KL loss: the reference starts as the policy, so KL is 0 until a step.
+    assert steps[1]["policy/policy_kl"] == 0.0
+    assert steps[2]["policy/policy_kl"] > 0.0
     assert "SkyRL settings: trainer.strategy=megatron" in job["stdout"]  # what ran is shown
 
 

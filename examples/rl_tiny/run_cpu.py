@@ -98,7 +98,8 @@ def register_environment() -> None:
 def skyrl_args(work: Path, mesh: str, steps: int, batch: int = 4, samples: int = 2) -> List[str]:
     """SkyRL's command line for the job: the tiny recipe on ``mesh``, GRPO, fp32 sampling with
     log-probs, one optimizer step per training step (so sampler and trainer hold the same
-    weights for the log-prob comparison), no reference model, no colocation."""
+    weights for the log-prob comparison), SkyRL's KL loss against a reference worker, no
+    colocation."""
     workers = int(next(o for o in MESHES[mesh] if o.startswith("run.num_workers")).split("=")[1])
     hf = work / "GLM-tiny-hf"
     return [
@@ -109,7 +110,9 @@ def skyrl_args(work: Path, mesh: str, steps: int, batch: int = 4, samples: int =
         f"trainer.ckpt_path={work / 'ckpt'}", f"trainer.export_path={work / 'export'}",
         f"trainer.log_path={work / 'logs'}", "trainer.ckpt_interval=-1", "trainer.hf_save_interval=-1",
         "trainer.placement.colocate_all=false", f"trainer.placement.policy_num_gpus_per_node={workers}",
-        "trainer.algorithm.advantage_estimator=grpo", "trainer.algorithm.use_kl_loss=false",
+        # SkyRL's default KL loss (use_kl_loss=true): a reference worker on the same mesh
+        f"trainer.placement.ref_num_gpus_per_node={workers}",
+        "trainer.algorithm.advantage_estimator=grpo",
         "trainer.algorithm.temperature=1.0", "trainer.epochs=1", f"trainer.max_training_steps={steps}",
         f"trainer.train_batch_size={batch}", f"trainer.policy_mini_batch_size={batch}",
         "trainer.micro_train_batch_size_per_gpu=2", "trainer.micro_forward_batch_size_per_gpu=2",
@@ -173,7 +176,7 @@ def run_job(work: Path, args: List[str]) -> None:
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
     from skyrl.train.utils import validate_cfg
 
-    from skyrl_megatron_kda.integrations.skyrl.config import apply_recipe
+    from skyrl_megatron_kda.integrations.skyrl.config import apply_recipe, uses_reference
     from skyrl_megatron_kda.integrations.skyrl.entrypoint import parse
 
     cfg = parse(args)
@@ -189,8 +192,9 @@ def run_job(work: Path, args: List[str]) -> None:
     # address="local": a Ray of its own, never another job's cluster on the same machine. SkyRL's
     # runtime environment (prepare_runtime_environment) is left out: it holds NCCL, CUDA and vLLM
     # settings, and on a driver without GPUs it probes peer access on a node with 2 GPUs.
-    ray.init(address="local", num_cpus=recipe.run.num_workers + 2,
-             num_gpus=recipe.run.num_workers, include_dashboard=False, log_to_driver=True)
+    gpus = recipe.run.num_workers * (2 if uses_reference(cfg.trainer) else 1)
+    ray.init(address="local", num_cpus=gpus + 2, num_gpus=gpus, include_dashboard=False,
+             log_to_driver=True)
     try:
         sync_registries()
         exp_cls = make_experiment_class()
