@@ -14,7 +14,7 @@ sampling from the weights the worker publishes on disk after every step
    response's words that are real words of the tokenizer, not its ``w<i>`` fillers;
 3. SkyRL's command line (``KEY=VALUE`` dot paths, as ``skyrl.train.entrypoints.main_base``),
    built by ``skyrl_args``; extra ``KEY=VALUE`` arguments are appended and win;
-4. Ray with one logical GPU per policy rank (SkyRL places each policy worker on one GPU; the
+4. Ray with one logical GPU per policy and reference rank (SkyRL places each worker on one GPU; the
    tiny recipe runs them on CPU), then SkyRL's trainer for ``--steps`` steps. Each step's
    metrics go to ``WORKDIR/metrics.jsonl`` and the console: ``reward/avg_raw_reward``,
    ``policy/policy_kl``, ``policy/rollout_train_logprobs_abs_diff_max`` (sampler vs trainer
@@ -169,7 +169,7 @@ def make_experiment_class():
 
 def run_job(work: Path, args: List[str]) -> None:
     """SkyRL's job from its command line ``args``, on a local Ray with one logical GPU per
-    policy rank, the experiment in a Ray task as SkyRL's own entrypoint runs it."""
+    policy and reference rank, the experiment in a Ray task as SkyRL's own entrypoint runs it."""
     import os
 
     import ray
