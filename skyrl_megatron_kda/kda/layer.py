@@ -190,6 +190,23 @@ class KimiDeltaAttention(MegatronModule):
         return CPLayout.build(cu, self.cp_group.size(), self.tp_group.size(), packed,
                               self.kda_config.cp_layout)
 
+    def _recurrence_in_head_groups(self, q, k, v, f, b, A_log, dt_bias, layout) -> torch.Tensor:
+        """The exchange's recurrence over ``kda.kernel_head_group`` heads at a time ([b, T, H, K]
+        tensors; ``b`` [b, T, H]): each group is its own autograd node, so the kernel backward of
+        one group has returned, and freed its working set, before the next one runs."""
+        nh, K = q.shape[2], self.head_dim
+        size = self.kda_config.kernel_head_group or nh
+        if size >= nh:
+            return self.exchange.recurrence(q, k, v, f, b, A_log, dt_bias, layout, self.kernel_args)
+        outs = []
+        for start in range(0, nh, size):
+            h = slice(start, min(start + size, nh))
+            hk = slice(h.start * K, h.stop * K)
+            outs.append(self.exchange.recurrence(
+                q[:, :, h], k[:, :, h], v[:, :, h], f[:, :, h], b[..., h], A_log[h], dt_bias[hk],
+                layout, self.kernel_args))
+        return torch.cat(outs, dim=2)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -226,10 +243,8 @@ class KimiDeltaAttention(MegatronModule):
         qkv = self.exchange.conv(qkv, self.conv_weight[:, hk].reshape(3 * nh * K, -1), layout,
                                  self.kernel_args)
         q, k, v = qkv.reshape(batch, seq_len, 3, nh, K).unbind(2)
-        o = self.exchange.recurrence(
-            q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk], layout,
-            self.kernel_args,
-        )
+        o = self._recurrence_in_head_groups(q, k, v, f.reshape(batch, seq_len, nh, K), b,
+                                            self.A_log[heads], self.dt_bias[hk], layout)
         o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),
                            self.kda_config.norm_eps, backend=self.backend)
         o = o.reshape(batch, seq_len, nh * K).transpose(0, 1)
