@@ -34,7 +34,7 @@ from ..config import KDAConfig
 from . import exchanges
 from .exchanges import CommLedger, ExchangeGroups, ExchangeMesh, KernelArgs
 from .kernel import gated_rms_norm, resolve_backend
-from ..distributed.cp_layout import CPLayout, batch_sequences
+from ..distributed.cp_layout import batch_layout
 from ..distributed.tensor_parallel import shard_of
 from .rows import RowGather, project_rows
 
@@ -183,13 +183,6 @@ class KimiDeltaAttention(MegatronModule):
         q, k, v, beta = qkvb.split([n, n, n, heads.stop - heads.start], dim=-1)
         return [q, k, v, f, g, beta]
 
-    def _layout(self, hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> CPLayout:
-        """Natural sequence boundaries (global) and the CP layout of this batch's rows."""
-        total = hidden_states.shape[0] * self.sp_size * self.cp_group.size()
-        cu, packed = batch_sequences(hidden_states, packed_seq_params, total)
-        return CPLayout.build(cu, self.cp_group.size(), self.tp_group.size(), packed,
-                              self.kda_config.cp_layout)
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -213,7 +206,8 @@ class KimiDeltaAttention(MegatronModule):
             raise NotImplementedError("KimiDeltaAttention has no inference (decode) path yet")
         if attention_bias is not None:
             raise ValueError("KimiDeltaAttention takes no attention bias")
-        layout = self._layout(hidden_states, packed_seq_params)
+        layout = batch_layout(hidden_states, packed_seq_params, self.cp_group.size(), self.tp_group.size(),
+                              self.config.sequence_parallel, self.kda_config.cp_layout)
         computed = self.exchange.to_compute_layout(hidden_states, layout, self.project,
                                                    self.num_local_heads)
         fused, heads = computed.fused, computed.heads

@@ -8,7 +8,7 @@ import torch
 
 from ...distributed.cp_layout import CPLayout
 from .base import ComputeRows, Projection, fuse
-from .head_parallel import HeadParallelExchange, in_natural_order
+from .head_parallel import HeadParallelExchange
 from .shape import ExchangeShape
 
 
@@ -38,4 +38,4 @@ class A2AExchange(HeadParallelExchange):
         # section, in section order, so one all-to-all hands rank j its heads of all of them.
         blocks = torch.cat([s.unflatten(-1, (self.cp, -1)).movedim(2, 0) for s in sections], dim=-1)
         received = self._a2a(blocks.flatten(0, 1), to_heads=True)  # [T, b, W/cp], rows CP-rank major
-        return ComputeRows(in_natural_order(received, layout.rank_major_positions()), heads)
+        return ComputeRows(layout.from_rank_major.apply(received), heads)

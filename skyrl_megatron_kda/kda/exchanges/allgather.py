@@ -8,7 +8,7 @@ import torch
 
 from ...distributed.cp_layout import CPLayout
 from .base import ComputeRows, Projection, fuse
-from .head_parallel import HeadParallelExchange, in_natural_order
+from .head_parallel import HeadParallelExchange
 from .shape import ExchangeMesh, ExchangeShape
 
 
@@ -58,4 +58,4 @@ class AllGatherExchange(HeadParallelExchange):
         fused = fuse(project(*self._rows(x, over_cp=True), heads))
         if self.cp == 1:
             return ComputeRows(fused, heads)
-        return ComputeRows(in_natural_order(fused, layout.gathered_positions()), heads)
+        return ComputeRows(layout.from_gathered.apply(fused), heads)
