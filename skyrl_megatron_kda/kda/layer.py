@@ -167,9 +167,8 @@ class KimiDeltaAttention(MegatronModule):
         return copy_to_tensor_model_parallel_region(param, group=self.tp_group)
 
     def project(self, shard: torch.Tensor, rows: RowGather | None, heads: slice) -> list[torch.Tensor]:
-        """[q, k, v, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
-        ``rows`` gathers from ``shard``, as views of three GEMM outputs: the exchange lays them
-        out in one copy (``exchanges.Projection``)."""
+        """[qkv, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
+        ``rows`` gathers from ``shard``, as views of three GEMM outputs (``exchanges.Projection``)."""
         hk = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
         qkvb, low = project_rows(
             shard, rows,
@@ -179,9 +178,8 @@ class KimiDeltaAttention(MegatronModule):
         f_low, g_low = low.split([self.kda_config.gate_low_rank, self.kda_config.output_gate_low_rank], -1)
         f = F.linear(f_low, self.f_b_proj.weight[hk])
         g = F.linear(g_low, self.g_b_proj.weight[hk])
-        n = hk.stop - hk.start
-        q, k, v, beta = qkvb.split([n, n, n, heads.stop - heads.start], dim=-1)
-        return [q, k, v, f, g, beta]
+        qkv, beta = qkvb.split([3 * (hk.stop - hk.start), heads.stop - heads.start], dim=-1)
+        return [qkv, f, g, beta]
 
     def forward(
         self,
@@ -210,13 +208,11 @@ class KimiDeltaAttention(MegatronModule):
                               self.config.sequence_parallel, self.kda_config.cp_layout)
         computed = self.exchange.to_compute_layout(hidden_states, layout, self.project,
                                                    self.num_local_heads)
-        fused, heads = computed.fused, computed.heads
+        heads = computed.heads
         nh, K = heads.stop - heads.start, self.head_dim
         hk = slice(heads.start * K, heads.stop * K)
-        seq_len, batch = fused.shape[:2]
-
-        fused = fused.transpose(0, 1)  # [b, T, W]: the kernels' layout
-        qkv, f, g, b = fused.split([3 * nh * K, nh * K, nh * K, nh], dim=-1)
+        qkv, f, g, b = (s.transpose(0, 1) for s in computed.sections)  # [b, T, w]: the kernels' layout
+        batch, seq_len = qkv.shape[:2]
         qkv = self.exchange.conv(qkv, self.conv_weight[:, hk].reshape(3 * nh * K, -1), layout,
                                  self.kernel_args)
         q, k, v = qkv.reshape(batch, seq_len, 3, nh, K).unbind(2)

@@ -29,8 +29,9 @@ from ..state_kernel import IsolatedPieces, state_passing_kda
 from .ledger import CommLedger, CountedRowGather, counted, nbytes
 from .shape import ExchangeMesh, ExchangeShape
 
-# project(shard [s, b, D], rows, heads) -> sections [q, k, v, f, g, beta] of those heads, each
-# [s', b, w], for the rows that ``rows`` gathers from this rank's shard (None: the shard itself).
+# project(shard [s, b, D], rows, heads) -> sections [qkv, f, g, beta] of those heads, each
+# [s', b, w] (qkv: q|k|v side by side), for the rows that ``rows`` gathers from this rank's shard
+# (None: the shard itself).
 Projection = Callable[[torch.Tensor, RowGather | None, slice], list[torch.Tensor]]
 
 
@@ -61,16 +62,19 @@ class KernelArgs:
 
 @dataclass(frozen=True)
 class ComputeRows:
-    """What ``to_compute_layout`` hands the layer: the fused projections ``[s, b, W]`` of the rows
-    this rank computes, and which TP-local heads they hold."""
+    """What ``to_compute_layout`` hands the layer: the projected sections ``[qkv, f, g, beta]``
+    (each ``[s, b, w]``) of the rows this rank computes, and which TP-local heads they hold.
 
-    fused: torch.Tensor
+    The sections may be strided views (of the GEMM outputs, or of the exchanged rows): the conv
+    reads them in place, and nothing concatenates them only for the layer to split them again."""
+
+    sections: list[torch.Tensor]
     heads: slice
 
 
-def fuse(sections: list[torch.Tensor]) -> torch.Tensor:
-    """The sections side by side, [s, b, W]: what the layer splits again after the exchange."""
-    return torch.cat(sections, dim=-1)
+def section_widths(heads: int, head_dim: int) -> list[int]:
+    """Widths of the sections [qkv, f, g, beta] of ``heads`` heads."""
+    return [3 * heads * head_dim, heads * head_dim, heads * head_dim, heads]
 
 
 class CPExchange(ABC):

@@ -10,7 +10,7 @@ from ...distributed.cp_layout import CPLayout, layout_kind, take_rows
 from .. import state_pieces
 from ..kernel import causal_conv_silu
 from ..state_kernel import identity_summaries, state_passing_kda
-from .base import ComputeRows, CPExchange, KernelArgs, Projection, fuse
+from .base import ComputeRows, CPExchange, KernelArgs, Projection
 from .ledger import CountedRowGather
 from .shape import ExchangeMesh, ExchangeShape
 
@@ -73,7 +73,7 @@ class StateExchange(CPExchange):
                           num_local_heads: int) -> ComputeRows:
         """This rank's own rows (gathered over TP under SP), all local heads: nothing crosses CP."""
         heads = slice(0, num_local_heads)
-        return ComputeRows(fuse(project(*self._rows(x), heads)), heads)
+        return ComputeRows(project(*self._rows(x), heads), heads)
 
     def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
         return o
