@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel.mappings import (
 from ...distributed.cp_layout import CPLayout
 from ..kernel import causal_conv_silu, kda
 from ..rows import RowGather
-from ..state_kernel import IsolatedPieces, state_passing_kda
+from ..state_kernel import IsolatedPieces, Segments, state_passing_kda_on_segments
 from .ledger import CommLedger, CountedRowGather, counted, nbytes
 from .shape import ExchangeMesh, ExchangeShape
 
@@ -170,12 +170,17 @@ class CPExchange(ABC):
                        **kernel.kernel_kwargs())
             return o
         batch, rows = q.shape[:2]
-        cu = layout.kernel_cu_seqlens
-        if cu is None:
-            cu = torch.arange(0, (batch + 1) * rows, rows, device=q.device)
+
+        def cut() -> Segments:
+            cu = layout.kernel_cu_seqlens
+            if cu is None:
+                cu = torch.arange(0, (batch + 1) * rows, rows, device=q.device)
+            return Segments.cut(cu, kernel.segments, kernel.chunk_size)
+
+        segments = layout.derived(("segments", batch, rows, kernel.segments, kernel.chunk_size), cut)
         q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
-        o = state_passing_kda(q, k, v, f, b, A_log, dt_bias, piece_cu=cu, link=IsolatedPieces(),
-                              segments=kernel.segments, **kernel.kernel_kwargs())
+        o = state_passing_kda_on_segments(q, k, v, f, b, A_log, dt_bias, pieces=segments, link=IsolatedPieces(),
+                                          **kernel.kernel_kwargs())
         return o.reshape(batch, rows, *o.shape[2:])
 
     def _gather_rows(self, x: torch.Tensor, group: dist.ProcessGroup, name: str) -> torch.Tensor:

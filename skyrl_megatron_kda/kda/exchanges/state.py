@@ -9,7 +9,7 @@ import torch
 from ...distributed.cp_layout import CPLayout, layout_kind, take_rows
 from .. import state_pieces
 from ..kernel import causal_conv_silu
-from ..state_kernel import identity_summaries, state_passing_kda
+from ..state_kernel import Segments, identity_summaries, state_passing_kda_on_segments
 from .base import ComputeRows, CPExchange, KernelArgs, Projection
 from .ledger import CountedRowGather
 from .shape import ExchangeMesh, ExchangeShape
@@ -88,17 +88,18 @@ class StateExchange(CPExchange):
             self._pieces(layout, batch, self.cp_rank),
             [self._pieces(layout, batch, r) for r in range(self.cp)], width))
 
-    def _kernel_pieces(self, layout: CPLayout, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Which of this rank's slots hold rows, and the boundaries of those (the kernel only sees
-        non-empty pieces: a sequence that misses this rank in the contiguous layout has an empty
-        slot, whose summary is the identity map)."""
+    def _kernel_pieces(self, layout: CPLayout, batch: int, kernel: KernelArgs) -> tuple[torch.Tensor, Segments]:
+        """Which of this rank's slots hold rows, and those pieces cut into the kernel's segments
+        (the kernel only sees non-empty pieces: a sequence that misses this rank in the contiguous
+        layout has an empty slot, whose summary is the identity map)."""
         def build():
             lengths = self._pieces(layout, batch, self.cp_rank).cu.diff()
             present = lengths > 0
             cu = torch.zeros(int(present.sum()) + 1, dtype=torch.long, device=lengths.device)
             cu[1:] = lengths[present].cumsum(0)
-            return present, cu
-        return layout.derived(("state kernel pieces", batch, self.cp_rank), build)
+            return present, Segments.cut(cu, kernel.segments, kernel.chunk_size)
+        key = ("state kernel pieces", batch, self.cp_rank, kernel.segments, kernel.chunk_size)
+        return layout.derived(key, build)
 
     def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, kernel: KernelArgs):
         if self.cp == 1:
@@ -117,11 +118,11 @@ class StateExchange(CPExchange):
         if self.cp == 1:
             return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, kernel)
         batch, rows, heads, K = q.shape
-        present, cu = self._kernel_pieces(layout, batch)
+        present, segments = self._kernel_pieces(layout, batch, kernel)
         q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
         link = _CPChain(self, present, layout.kind)
-        o = state_passing_kda(q, k, v, f, b, A_log, dt_bias, piece_cu=cu, link=link,
-                              segments=kernel.segments, **kernel.kernel_kwargs())
+        o = state_passing_kda_on_segments(q, k, v, f, b, A_log, dt_bias, pieces=segments, link=link,
+                                          **kernel.kernel_kwargs())
         return o.reshape(batch, rows, heads, -1)
 
 
