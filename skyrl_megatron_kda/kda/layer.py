@@ -213,9 +213,8 @@ class KimiDeltaAttention(MegatronModule):
         hk = slice(heads.start * K, heads.stop * K)
         qkv, f, g, b = (s.transpose(0, 1) for s in computed.sections)  # [b, T, w]: the kernels' layout
         batch, seq_len = qkv.shape[:2]
-        qkv = self.exchange.conv(qkv, self.conv_weight[:, hk].reshape(3 * nh * K, -1), layout,
-                                 self.kernel_args)
-        q, k, v = qkv.reshape(batch, seq_len, 3, nh, K).unbind(2)
+        q, k, v = (t.reshape(batch, seq_len, nh, K)
+                   for t in self.exchange.conv(qkv, self.conv_weight[:, hk], layout, self.kernel_args))
         o = self.exchange.recurrence(
             q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk], layout,
             self.kernel_args,

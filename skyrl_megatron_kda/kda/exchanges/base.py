@@ -158,9 +158,14 @@ class CPExchange(ABC):
     def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
         """The computed output back to this rank's rows, all local heads: [s, b, local_heads*V]."""
 
-    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, kernel: KernelArgs):
-        """Causal short conv + SiLU on whole sequences in natural order ([b, T, C])."""
-        return causal_conv_silu(qkv, weight, cu_seqlens=layout.kernel_cu_seqlens, backend=kernel.backend)
+    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout,
+             kernel: KernelArgs) -> list[torch.Tensor]:
+        """Causal short conv + SiLU of q, k and v on whole sequences in natural order: ``qkv``
+        [b, T, 3C] (q|k|v side by side, possibly a strided view), ``weight`` [3, C, W] -> [q, k, v],
+        each [b, T, C] and contiguous, so that the kernel reads them without copying them first
+        (one conv of the three side by side would leave three strided views to copy)."""
+        return [causal_conv_silu(x, w, cu_seqlens=layout.kernel_cu_seqlens, backend=kernel.backend)
+                for x, w in zip(qkv.chunk(3, dim=-1), weight.unbind(0))]
 
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
         """The KDA recurrence on whole sequences in natural order ([b, T, H, K]); on the fla

@@ -101,7 +101,10 @@ class StateExchange(CPExchange):
         key = ("state kernel pieces", batch, self.cp_rank, kernel.segments, kernel.chunk_size)
         return layout.derived(key, build)
 
-    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, kernel: KernelArgs):
+    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout,
+             kernel: KernelArgs) -> list[torch.Tensor]:
+        """One conv of q|k|v on this rank's pieces with their halos (one halo exchange for all
+        three), then each of q, k, v taken out of it on its own."""
         if self.cp == 1:
             return super().conv(qkv, weight, layout, kernel)
         batch, rows, channels = qkv.shape
@@ -111,8 +114,9 @@ class StateExchange(CPExchange):
         all_tails = self._gather_rows(state_pieces.piece_tails(x, plan.pieces, width), self.groups.cp, "cp")
         halo = state_pieces.halo_rows(all_tails, plan)
         padded = state_pieces.with_halo(x, halo, plan)
-        y = causal_conv_silu(padded.unsqueeze(0), weight, cu_seqlens=plan.cu, backend=kernel.backend)[0]
-        return take_rows(y, plan.keep).reshape(batch, rows, channels)
+        y = causal_conv_silu(padded.unsqueeze(0), weight.flatten(0, 1), cu_seqlens=plan.cu,
+                             backend=kernel.backend)[0]
+        return [take_rows(part, plan.keep).reshape(batch, rows, -1) for part in y.chunk(3, dim=-1)]
 
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
         if self.cp == 1:
