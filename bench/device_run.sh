@@ -7,23 +7,40 @@
 # Here, once (.whl/ holds the wheels the GPU image lacks, from `pip download --no-deps`):
 #              mkdir -p .whl-gpu .tcache &&
 #              cp .whl/*.whl .whl-gpu/ && rm .whl-gpu/ray-*.whl      # Ray is not needed on the GPU
+#              cp ../shared/tools/triton-autotune-h200.tgz .tcache/  # the tuning shared so far
 #              echo /.whl-gpu/ >> .git/info/exclude; echo /.tcache/ >> .git/info/exclude
 # On the device (carry [".whl-gpu", ".tcache"]):  bash bench/device_run.sh python3 bench/kda_layer.py ...
 # Runs that use Ray (bench/model_slice.py) carry [".whl", ".tcache"] and set WHEELS=.whl.
-# After the call, copy the returned triton.tgz.part* files into .tcache/ for the next call.
+# Restored before the command, later ones overriding earlier ones: $TRITON_AUTOTUNE_ARCHIVE
+# (default ../shared/tools/triton-autotune-h200.tgz, where that folder is beside the checkout),
+# every .tcache/*.tgz, then the older split archive .tcache/triton.tgz.part*. After it, the
+# autotuning results the run added (none of the restored ones) come back as $OUT/triton-added.tgz:
+# copy that into .tcache/ under a new name (e.g. triton-added-<date>.tgz) for the next call.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target .site "${WHEELS:-.whl-gpu}"/*.whl || exit 1
 export PYTHONPATH="$PWD/.site:$PWD" TORCHDYNAMO_DISABLE=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export TRITON_CACHE_DIR="$PWD/.triton"
+mkdir -p .triton
+shared="${TRITON_AUTOTUNE_ARCHIVE:-../shared/tools/triton-autotune-h200.tgz}"
+for archive in "$shared" .tcache/*.tgz; do
+  [ -f "$archive" ] && tar xzf "$archive" && echo "restored Triton autotuning: $archive"
+done
 if ls .tcache/triton.tgz.part* >/dev/null 2>&1; then
-  cat .tcache/triton.tgz.part* | tar xzf - && echo "restored Triton cache: $(du -sh .triton | cut -f1)"
+  cat .tcache/triton.tgz.part* | tar xzf - && echo "restored Triton autotuning: .tcache/triton.tgz.part*"
 fi
+# Only the autotuning results (fla's kernels autotune with Triton's cache_results): they are what
+# costs minutes and take kilobytes; compiling the chosen configs again takes seconds.
+autotuned() { find .triton -name '*.autotune.json' | sort; }
+autotuned > .triton-restored
+echo "Triton autotuning results before the run: $(wc -l < .triton-restored)"
 "$@"
 status=$?
-if [ -n "${OUT:-}" ] && [ -d .triton ]; then
-  # Only the autotuning results (fla's kernels autotune with Triton's cache_results): they are
-  # what costs minutes and take kilobytes; compiling the chosen configs again takes seconds.
-  find .triton -name '*.autotune.json' | tar czf - -T - | split -b 15m - "$OUT/triton.tgz.part"
+if [ -n "${OUT:-}" ]; then
+  autotuned | comm -13 .triton-restored - > .triton-added
+  if [ -s .triton-added ]; then
+    tar czf "$OUT/triton-added.tgz" -T .triton-added
+    echo "saved $(wc -l < .triton-added) new Triton autotuning results to \$OUT/triton-added.tgz"
+  fi
 fi
 exit $status

@@ -13,13 +13,21 @@ mkdir -p "$out"
 
 steps=" ${*:-layer_256k layer_1m slice_cp1 slice_cp2} "
 
-step() {  # step SECONDS NAME COMMAND...: run, keep the log, then clear leftover workers
+step() {  # step SECONDS NAME COMMAND...: run, keep the log, then end what the step left running
   local limit=$1 name=$2
   shift 2
   [[ "$steps" == *" $name "* ]] || return 0
   echo "== $name (limit ${limit}s): $*"
-  timeout -k 5 "$limit" "$@" 2>&1 | grep --line-buffered -v Warning | tee "$out/$name.txt"
-  pkill -9 -f multiprocessing.spawn; pkill -9 -f raylet; pkill -9 -f gcs_server; pkill -9 -f 'ray::'
+  # The step runs in a session of its own, so that everything it starts (spawned ranks, Ray's
+  # daemons, which move to process groups of their own) can be found by that session id
+  # afterwards, and nothing else on a shared machine is touched.
+  local session_file="$out/.$name.session"
+  setsid -w bash -c 'echo $$ > "$0"; exec timeout -k 5 "$@"' "$session_file" "$limit" "$@" 2>&1 \
+    | grep --line-buffered -v Warning | tee "$out/$name.txt"
+  local session
+  session=$(cat "$session_file" 2>/dev/null)
+  rm -f "$session_file"
+  [[ "$session" =~ ^[0-9]+$ ]] && pkill -9 -s "$session"
   sleep 2
 }
 

@@ -359,7 +359,7 @@ def profile_step(args, label: str, step) -> None:
         for _ in range(args.iters):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=100, max_name_column_width=60))
 
 
 def _kernel_key(heads: int, tokens: int, args) -> str:

@@ -31,6 +31,7 @@ LEVERS = {
     "offload": "train.offload_activations=true",
     "loss": "train.loss_chunk_tokens=8192",
     "bf16grads": "train.grad_reduce_in_fp32=false",
+    "headgroups": "kda.kernel_head_group=16",
 }
 """The memory levers a run spec can turn on, by name."""
 

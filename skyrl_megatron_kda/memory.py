@@ -248,11 +248,18 @@ def kda_backward_bytes(recipe: Recipe) -> int:
     all of these are alive at once, per head-token (S * H / tp): the recomputed fp32 gate
     cumsum (K) and bf16 w, u, qg, kg (4K) and states h (K*V per chunk of C tokens); v_new and
     dv (2V, bf16); fp32 dAqk and dAkk (2C); the bf16 state gradients dh (K*V per chunk); fp32
-    dq, dk, dg (3K), their copies in the intra-chunk pass (3K) and db (two of them)."""
+    dq, dk, dg (3K), their copies in the intra-chunk pass (3K) and db (two of them).
+
+    With ``kda.kernel_head_group`` the kernel runs on groups of heads one after another: the
+    working set is that of the largest group, out of the heads the rank computes (the TP-local
+    heads on the rank's rows, or a 1/cp slice of them on whole sequences, the same head-tokens)."""
     k, p, w = recipe.kda, recipe.parallel, _act_bytes(recipe)
     K, C, h = k.head_dim, k.chunk_size, k.num_heads // p.tp
     per_head_token = 4 * K + w * 4 * K + 2 * w * K * K // C + 2 * w * K + 4 * 2 * C + 4 * 6 * K + 8
-    return rows_of(recipe).cp * h * per_head_token
+    exchange, _ = exchange_extra_bytes(recipe)
+    computed = h // p.cp if exchanges.get(exchange).splits_heads else h
+    group = min(k.kernel_head_group or computed, computed)
+    return rows_of(recipe).cp * h * group // computed * per_head_token
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Sharded checkpoints: a run interrupted and resumed repeats the uninterrupted losses exactly,
-and a checkpoint saved on one mesh loads into another (CP2 -> CP1, TP2 -> TP1) with the loss the
-saving mesh would have had at that step."""
+and a checkpoint saved on one mesh loads into another (CP2 -> CP1, TP2 -> TP1, and CP1 with the
+memory settings on) with the loss the saving mesh would have had at that step."""
 
 import signal
 
@@ -40,7 +40,7 @@ def test_resume_without_checkpoint_is_refused(tmp_path):
     assert rc != 0 and "has no checkpoint" in err
 
 
-@pytest.mark.parametrize("target", ["cp2_to_cp1", "tp2_to_tp1"])
+@pytest.mark.parametrize("target", ["cp2_to_cp1", "tp2_to_tp1", "memory_levers"])
 def test_checkpoint_loads_into_another_mesh(target):
     runs = mesh_runs()
     loaded = runs[target]

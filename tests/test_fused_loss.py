@@ -92,6 +92,71 @@ def test_equals_megatron_loss_and_gradients(world, sp):
         assert control > 1e-2, f"rank {rank}: wrong target columns went unnoticed ({control:.1e})"
 
 
+TEMPERATURE = 0.7
+
+
+def _rl_unfused(hidden, weight, labels, group, sp):
+    """The RL path without the setting (train/rl.py): fp32 logits / temperature, megatron's
+    cross entropy (its negative is the log-prob) and the vocab-parallel entropy."""
+    from skyrl_megatron_kda.train.rl import vocab_parallel_entropy
+
+    if sp and group.size() > 1:
+        full = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=group)
+    else:
+        full = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=group)
+    logits = torch.matmul(full, weight.t()).float() / TEMPERATURE
+    ent = vocab_parallel_entropy(logits.flatten(0, 1), group).view(labels.shape)
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels, tp_group=group)
+    return loss, ent
+
+
+def _rl_fused(chunk, temperature=TEMPERATURE):
+    def fn(hidden, weight, labels, group, sp):
+        return chunked_linear_cross_entropy(hidden, weight, labels, chunk=chunk, tp_group=group,
+                                            sequence_parallel=sp, temperature=temperature,
+                                            entropy=True)
+    return fn
+
+
+def _rl_run(fn, rank, world, sp, group):
+    """Log-prob and entropy [S, B], and the gradients of a loss that uses both."""
+    hidden, weight, labels, mask = _inputs()
+    v = V // world
+    rows = slice(rank * S // world, (rank + 1) * S // world) if sp else slice(None)
+    h = hidden[rows].clone().requires_grad_()
+    w = weight[rank * v:(rank + 1) * v].clone().requires_grad_()
+    loss, ent = fn(h, w, labels, group, sp)
+    coef = torch.linspace(-1.0, 1.0, ent.numel()).view(ent.shape)
+    (loss * mask + 0.3 * coef * ent).sum().backward()
+    return -loss.detach(), ent.detach(), h.grad, w.grad
+
+
+def _rl_parity(rank, world, sp):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    ref = _rl_run(_rl_unfused, rank, world, sp, group)
+    out = {chunk: [relative_error(a, b) for a, b in zip(_rl_run(_rl_fused(chunk), rank, world, sp, group), ref)]
+           for chunk in CHUNKS}
+    # Negative control: the temperature left out.
+    wrong = _rl_run(_rl_fused(5, temperature=1.0), rank, world, sp, group)
+    out["control"] = min(relative_error(a, b) for a, b in zip(wrong, ref))
+    return out
+
+
+@pytest.mark.parametrize("world,sp", [(1, False), (2, True)], ids=["tp1", "tp2_sp"])
+def test_rl_logprobs_and_entropy_equal_the_unfused_path(world, sp):
+    """The RL path's log-probs and entropies at a sampling temperature, and the gradients of a
+    loss over both, equal the unfused path's (logits / temperature, megatron's cross entropy,
+    ``train.rl.vocab_parallel_entropy``) within 1e-6."""
+    for rank, errors in enumerate(run_ranks(world, _rl_parity, sp)):
+        control = errors.pop("control")
+        print(rank, errors, control)
+        for chunk, errs in errors.items():
+            assert max(errs) < TOL, (rank, chunk, errs)
+        assert control > 1e-2, f"rank {rank}: a missing temperature went unnoticed ({control:.1e})"
+
+
 def _census(rank, world, sp):
     """(shapes, bytes) of what each loss keeps for backward on this rank, the weight left out."""
     import torch.distributed as dist

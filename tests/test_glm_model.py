@@ -240,14 +240,18 @@ def test_checkpoint_without_shared_experts_loads(tmp_path):
     assert res["logits"] < TOL and res["loss"] < TOL, res
 
 
-# train settings that change what is kept for backward, not what is computed
+# settings that change what is kept for backward or when it is computed, not what is computed:
+# recipe section -> its fields
 MEMORY_VARIANTS = {
-    "full": {"recompute": "full"},
-    "selective": {"recompute": "selective"},
-    "full_dsa_only": {"recompute": "full", "recompute_layers": ["dsa"]},
-    "selective_kda_offload": {"recompute": "selective", "recompute_layers": ["kda"],
-                              "offload_activations": True},
-    "offload": {"offload_activations": True},
+    "full": {"train": {"recompute": "full"}},
+    "selective": {"train": {"recompute": "selective"}},
+    "full_dsa_only": {"train": {"recompute": "full", "recompute_layers": ["dsa"]}},
+    "selective_kda_offload": {"train": {"recompute": "selective", "recompute_layers": ["kda"],
+                                        "offload_activations": True}},
+    "offload": {"train": {"offload_activations": True}},
+    "full_offload": {"train": {"recompute": "full", "offload_activations": True}},
+    # 4 heads in calls of 3 and 1
+    "kda_head_groups": {"kda": {"kernel_head_group": 3}},
 }
 
 
@@ -266,8 +270,8 @@ def _recompute_gap(recipe, path, model, ids, labels) -> dict[str, float]:
     l0, g0 = _loss_and_grads(model, ids, labels)
     gaps = {}
     for name, update in MEMORY_VARIANTS.items():
-        other = build_model(recipe.model_copy(update={"train": recipe.train.model_copy(update=update)}),
-                            use_cpu=True)
+        sections = {name: getattr(recipe, name).model_copy(update=fields) for name, fields in update.items()}
+        other = build_model(recipe.model_copy(update=sections), use_cpu=True)
         load_hf_checkpoint(other, path)
         l1, g1 = _loss_and_grads(other, ids, labels)
         gaps[name] = max([_rel(l1, l0)] + [_rel(g1[n], g0[n]) for n in g0 if g0[n] is not None])
@@ -311,7 +315,11 @@ def test_tp1_matches_transformers(checkpoint):
     assert res["mean_loss_vs_hf_loss"] < TOL, "our per-token loss averages to transformers' loss"
     assert res["cp_bytes"] == 0
     assert res["recompute"].keys() == MEMORY_VARIANTS.keys()
-    bad = {name: gap for name, gap in res["recompute"].items() if not gap < 1e-6}
+    # Head groups run the same math, but the CPU torch kernel's batched matmuls round a head
+    # differently by batch size (1e-7 relative at the kernel, tests/test_kernel.py), which 4
+    # layers grow to a few 1e-6 in the smallest gradients; a wrong head slice is 1e-1.
+    tolerance = {"kda_head_groups": 1e-5}
+    bad = {name: gap for name, gap in res["recompute"].items() if not gap < tolerance.get(name, 1e-6)}
     assert not bad, f"recompute / offload changed the loss or gradients: {bad}"
 
 

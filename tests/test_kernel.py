@@ -502,3 +502,35 @@ def test_gpu_gated_rms_norm_fla_vs_torch():
         outs.append((y, x.grad, g.grad, w.grad))
     checks = [_err_msg(n, a, b) for n, a, b in zip(["y", "dx", "dgate", "dweight"], outs[0], outs[1])]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
+def test_heads_are_independent_so_head_groups_give_the_same_result():
+    """``kda.kernel_head_group`` runs the heads in groups: the output and every gradient equal
+    the all-heads call to fp32 rounding (the batched matmuls round by batch size), and a group
+    handed the wrong heads' gate parameters is caught."""
+    from skyrl_megatron_kda.kda.kernel import kda
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K = 1, 64, 4, 16
+    q, k, v, f = (torch.randn(B, T, H, K, generator=gen).requires_grad_() for _ in range(4))
+    b = torch.randn(B, T, H, generator=gen).requires_grad_()
+    A_log = torch.randn(H, generator=gen).requires_grad_()
+    dt_bias = torch.randn(H * K, generator=gen).requires_grad_()
+    leaves = (q, k, v, f, b, A_log, dt_bias)
+
+    def grouped(bounds, shift=0):
+        outs = []
+        for h0, h1 in bounds:
+            gate = slice((h0 + shift) % H, (h0 + shift) % H + h1 - h0)
+            o, _ = kda(q[:, :, h0:h1], k[:, :, h0:h1], v[:, :, h0:h1], f[:, :, h0:h1], b[..., h0:h1],
+                       A_log[gate], dt_bias[gate.start * K:gate.stop * K], lower_bound=-5.0,
+                       backend="torch", chunk_size=16)
+            outs.append(o)
+        o = torch.cat(outs, dim=2)
+        return (o, *torch.autograd.grad(o.square().sum(), leaves))
+
+    whole, groups = grouped([(0, 4)]), grouped([(0, 3), (3, 4)])
+    for a, c in zip(whole, groups):
+        assert ((a - c).abs().max() / a.abs().max()) < 1e-6
+    wrong = grouped([(0, 1), (1, 2), (2, 3), (3, 4)], shift=1)
+    assert ((wrong[0] - whole[0]).abs().max() / whole[0].abs().max()) > 1e-2

@@ -1,10 +1,18 @@
 """CP layouts: zigzag shards, and the one-rank case that holds sequences of any length whole;
-``take_rows`` against autograd's ``index_select``."""
+``take_rows`` against autograd's ``index_select``; one layout per batch layout, shared."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from skyrl_megatron_kda.distributed.cp_layout import take_rows, zigzag_positions
+from skyrl_megatron_kda.distributed.cp_layout import (
+    RowOrder,
+    batch_layout,
+    inverse_permutation,
+    take_rows,
+    zigzag_positions,
+)
 
 
 def test_zigzag_cp2_gives_each_rank_a_front_and_a_back_chunk():
@@ -40,3 +48,53 @@ def test_take_rows_equals_index_select_forward_and_backward(kind):
         dropped = torch.ones(12, dtype=torch.bool)
         dropped[index] = False
         assert not ours.grad[dropped].any()
+
+
+def test_row_order_is_the_sort_and_its_inverse_without_sorting():
+    positions = zigzag_positions(torch.tensor([0, 8, 20]), 2).reshape(-1)
+    order = RowOrder.to_natural(positions)
+    assert torch.equal(order.index, torch.argsort(positions))
+    assert torch.equal(order.inverse, positions)
+    x = torch.arange(20.0).unsqueeze(1)[positions]  # rows carrying their natural positions
+    assert order.apply(x).squeeze(1).tolist() == list(range(20))
+    assert torch.equal(order.undo(order.apply(x)), x)
+
+
+def test_take_rows_backward_uses_the_inverse_it_is_given():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    index = torch.randperm(10, generator=g)
+    dy = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    take_rows(x, index, inverse_permutation(index)).backward(dy)
+    expected = x.grad.clone()
+    x.grad = None
+    take_rows(x, index).backward(dy)
+    assert torch.equal(x.grad, expected)
+    # Negative control: a wrong inverse must show up in the gradient (so it is the one used).
+    x.grad = None
+    take_rows(x, index, index).backward(dy)
+    assert not torch.equal(x.grad, expected)
+
+
+def _thd(cu):
+    return SimpleNamespace(qkv_format="thd", cu_seqlens_q_padded=torch.tensor(cu), cu_seqlens_q=None)
+
+
+def test_batch_layout_is_built_once_per_batch_layout():
+    """Every KDA layer of a forward asks for the layout; they must share one (its index maps,
+    argsort-free inverses and exchange-derived plans are built once), and a new packing must not
+    reuse the old one."""
+    shard = torch.zeros(6, 1, 4)  # this rank's rows: 24 tokens over cp=2 x sp=2
+    first = batch_layout(shard, _thd([0, 8, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
+    again = batch_layout(shard, _thd([0, 8, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
+    other = batch_layout(shard, _thd([0, 16, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
+    assert again is first
+    assert other is not first
+    assert other.cu_seqlens.tolist() == [0, 16, 24]
+    assert first.from_rank_major is again.from_rank_major
+    built = []
+    assert first.derived("plan", lambda: built.append(1) or "x") == "x"
+    assert first.derived("plan", lambda: built.append(1) or "y") == "x"
+    assert built == [1]
+    with pytest.raises(ValueError, match="cu_seqlens end at 20 but the CP/SP shards hold 24"):
+        batch_layout(shard, _thd([0, 8, 20]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")

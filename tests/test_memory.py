@@ -256,8 +256,8 @@ def test_recompute_keeps_what_the_plan_says(census, variant):
 
 
 def test_offload_leaves_nothing_saved_on_the_device(census):
-    """Under train.offload_activations every tensor saved for backward goes through torch's
-    save_on_cpu (the census's hooks, outside it, see none of them)."""
+    """Under train.offload_activations every tensor saved for backward goes through the model's
+    host offload hooks (the census's hooks, outside them, see none of them)."""
     measured, _ = census
     assert sum(measured["bf16"].values()) > 0
     assert sum(measured["offload"].values()) == 0, measured["offload"]

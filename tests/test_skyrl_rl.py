@@ -32,6 +32,10 @@ TEMPERATURE = 0.7
 PROMPTS, RESPONSES = (6, 3, 4), (8, 5, 7)  # rows of 14, 8 and 11 tokens, left-padded to 14
 EXCHANGES = ("a2a", "allgather", "state")
 TOL = {"a2a": 1e-5, "allgather": 1e-5, "state": 1e-4}
+# TP2 x CP2 runs: one per exchange, and one with the chunked loss (train.loss_chunk_tokens: the
+# log-probs and entropy without the logits; 5 divides no micro-batch's tokens per rank)
+CP2_RUNS = {**{name: [f"kda.cp_exchange={name}"] for name in EXCHANGES},
+            "a2a_chunked_loss": ["kda.cp_exchange=a2a", "train.loss_chunk_tokens=5"]}
 ADAM_EPS = 1e-3
 STEP_TOL = 1e-3  # per tensor, relative; measured about 1.5e-5 (a dropped CP shard: order 1)
 CP1 = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
@@ -189,12 +193,12 @@ def _checkpoint_calls(worker) -> dict:
 
 def _cp2_rank(rank, world, hf_dir, old):
     out = {}
-    for exchange in EXCHANGES:
-        worker = _worker([*CP2, f"kda.cp_exchange={exchange}", f"run.init_from_hf={hf_dir}"])
+    for name, overrides in CP2_RUNS.items():
+        worker = _worker([*CP2, *overrides, f"run.init_from_hf={hf_dir}"])
         result = _rl_calls(worker, old)
         result["after"] = _weights(worker)
         worker.trainer.close()
-        out[exchange] = result if rank == 0 else None
+        out[name] = result if rank == 0 else None
     return out
 
 
@@ -234,11 +238,12 @@ def test_cp1_logprobs_equal_log_softmax_of_the_models_logits(runs):
     assert float(cp1["logprobs"][real].max()) < 0
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
-def test_tp2_cp2_logprobs_equal_cp1(runs, exchange):
-    cp1, cp2, real = runs["cp1"], runs["cp2"][exchange], _response_columns()
+@pytest.mark.parametrize("run", CP2_RUNS)
+def test_tp2_cp2_logprobs_equal_cp1(runs, run):
+    cp1, cp2, real = runs["cp1"], runs["cp2"][run], _response_columns()
     err = _rel(cp2["logprobs"][real], cp1["logprobs"][real])
-    assert err < TOL[exchange], f"{exchange}: TP2 x CP2 vs TP1 x CP1 log-probs differ by {err:.1e}"
+    tol = TOL[cp2["exchange"]]
+    assert err < tol, f"{run}: TP2 x CP2 vs TP1 x CP1 log-probs differ by {err:.1e}"
     assert (cp2["logprobs"][~real] == 0).all()
 
 
@@ -287,12 +292,14 @@ def test_cross_entropy_loss_fn_gives_skyrls_sft_metrics(runs):
     assert [len(o["elementwise_loss"]) for o in sft["outputs"]] == list(RESPONSES)
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
-def test_step_changes_weights_and_matches_cp1(runs, exchange):
+@pytest.mark.parametrize("run", CP2_RUNS)
+def test_step_changes_weights_and_matches_cp1(runs, run):
     """optim_step moves the weights; loss, grad norm and every tensor's step agree across meshes
-    (the step is a smooth function of the gradient, see ADAM_EPS, so this compares gradients)."""
-    cp1, cp2 = runs["cp1"], runs["cp2"][exchange]
-    assert cp2["exchange"] == exchange and cp2["cp_bytes"] > 0  # the KDA layers did cross CP
+    (the step is a smooth function of the gradient, see ADAM_EPS, so this compares gradients),
+    with the chunked loss too (its entropy enters policy_entropy)."""
+    cp1, cp2 = runs["cp1"], runs["cp2"][run]
+    exchange = cp2["exchange"]
+    assert exchange == CP2_RUNS[run][0].split("=")[1] and cp2["cp_bytes"] > 0  # KDA crossed CP
     tol = TOL[exchange]
     assert cp1["grad_norm"] > 0
     moved = max(float((cp1["after"][k] - cp1["before"][k]).abs().max()) for k in cp1["before"])

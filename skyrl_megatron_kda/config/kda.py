@@ -52,6 +52,12 @@ class KDAConfig(_Config):
     fla's state pass gives one thread block per head and value block, so a long sequence with a
     rank's few heads leaves most SMs idle. The torch backend (the CPU reference) runs a2a,
     allgather and CP=1 on whole sequences; the state exchange always chains its pieces."""
+    kernel_head_group: PositiveInt | None = None
+    """Run the recurrence over groups of at most this many of the heads a rank computes, one
+    group after another (the last may be smaller): heads are independent, so the result is the
+    same, and the kernel's backward working set is one group's (fla's ``chunk_kda_bwd`` holds
+    every allocation until it returns: about 6.5 KiB per head-token at K = 128). None: all the
+    rank's heads in one call."""
     cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
     """How the model lays tokens over CP ranks: Megatron's load-balanced zigzag (what softmax
     attention layers need), or contiguous slices of the packed row."""

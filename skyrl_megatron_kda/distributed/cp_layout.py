@@ -9,9 +9,14 @@ logic lives in one place.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Hashable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def zigzag_positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
@@ -155,12 +160,43 @@ def rank_rows(cu_seqlens: torch.Tensor, cp: int, tp: int, cp_rank: int, tp_rank:
     return rows.view(tp, -1)[tp_rank]
 
 
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``index`` (a permutation of ``0..n-1``): one scatter, O(n),
+    where an argsort would sort; for a permutation both give the same tensor."""
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return inverse
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """A reordering of rows and the one that undoes it, built together once so that neither the
+    reorder nor its backward sorts or inverts anything again."""
+
+    index: torch.Tensor  # ``take_rows(x, index)`` reorders
+    inverse: torch.Tensor  # ``take_rows(y, inverse)`` restores
+
+    @classmethod
+    def to_natural(cls, positions: torch.Tensor) -> "RowOrder":
+        """From rows carrying natural ``positions`` (each once, all of them) to natural order: the
+        index is the inverse permutation of ``positions``, whose own inverse is ``positions``."""
+        return cls(inverse_permutation(positions), positions)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return take_rows(x, self.index, self.inverse)
+
+    def undo(self, x: torch.Tensor) -> torch.Tensor:
+        return take_rows(x, self.inverse, self.index)
+
+
 @dataclass(frozen=True)
 class CPLayout:
-    """Index maps between this mesh's shard layouts and natural token order, built once per batch.
+    """Index maps between this mesh's shard layouts and natural token order, built once per batch
+    layout (``batch_layout``) and shared by every layer that runs on the batch.
 
     ``positions[c, j]`` is the natural position of row ``j`` of CP rank ``c`` (all its TP ranks
-    together); ``cu_seqlens`` are the natural boundaries the kernel needs.
+    together); ``cu_seqlens`` are the natural boundaries the kernel needs. The row orders below
+    and anything an exchange derives with ``derived`` are computed on first use and kept.
     """
 
     cu_seqlens: torch.Tensor
@@ -190,6 +226,27 @@ class CPLayout:
         per_tp = self.positions.view(self.cp, self.tp, -1).transpose(0, 1)
         return per_tp.reshape(-1)
 
+    @cached_property
+    def from_rank_major(self) -> RowOrder:
+        """Rows CP rank after CP rank <-> natural order."""
+        return RowOrder.to_natural(self.rank_major_positions())
+
+    @cached_property
+    def from_gathered(self) -> RowOrder:
+        """Rows as gathered over CP then TP (``gathered_positions``) <-> natural order."""
+        return RowOrder.to_natural(self.gathered_positions())
+
+    @cached_property
+    def _derived(self) -> dict:
+        return {}
+
+    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, once per layout and ``key``: what an exchange derives from the layout alone
+        (index maps, piece boundaries), shared by every layer of the batch."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
 
 class _TakeRows(torch.autograd.Function):
     """``x.index_select(0, index)`` for an index without repeats, with a backward that moves each
@@ -197,25 +254,27 @@ class _TakeRows(torch.autograd.Function):
     (``index_add_``), which costs ~10x a copy for bf16 on the GPU (32 ms per step at 1M tokens)."""
 
     @staticmethod
-    def forward(ctx, x, index):
-        ctx.save_for_backward(index)
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(index, inverse)
         ctx.rows = x.shape[0]
         return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
-        (index,) = ctx.saved_tensors
-        if index.numel() == ctx.rows:  # a permutation: gather with its inverse
-            inverse = torch.empty_like(index)
-            inverse[index] = torch.arange(index.numel(), device=index.device)
-            return grad.index_select(0, inverse), None
+        index, inverse = ctx.saved_tensors
+        if inverse is None and index.numel() == ctx.rows:  # a permutation: gather with its inverse
+            inverse = inverse_permutation(index)
+        if inverse is not None:
+            return grad.index_select(0, inverse), None, None
         out = grad.new_zeros((ctx.rows,) + grad.shape[1:])
-        return out.index_copy_(0, index, grad.contiguous()), None
+        return out.index_copy_(0, index, grad.contiguous()), None, None
 
 
-def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index`` (no repeats) of ``x`` along dim 0, differentiable without atomics."""
-    return _TakeRows.apply(x, index)
+def take_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``index`` (no repeats) of ``x`` along dim 0, differentiable without atomics.
+    ``inverse``: the permutation that undoes ``index`` when the caller has it (``RowOrder``), so
+    that backward does not compute it again."""
+    return _TakeRows.apply(x, index, inverse)
 
 
 def sort_index(positions: torch.Tensor) -> torch.Tensor:
@@ -223,18 +282,48 @@ def sort_index(positions: torch.Tensor) -> torch.Tensor:
     return torch.argsort(positions)
 
 
-def batch_sequences(hidden_states: torch.Tensor, packed_seq_params, total: int) -> tuple[torch.Tensor, bool]:
+def batch_bounds(hidden_states: torch.Tensor, packed_seq_params, total: int) -> tuple[tuple[int, ...], bool]:
     """Natural (global) sequence boundaries of a batch whose CP/SP shards hold ``total`` tokens per
-    row, and whether it is packed THD (b = 1, megatron's padded ``cu_seqlens`` when given)."""
+    row, as ints, and whether it is packed THD (b = 1, megatron's padded ``cu_seqlens`` when
+    given). Reading packed boundaries is one device-to-host copy."""
     batch = hidden_states.shape[1]
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
         if batch != 1:
             raise ValueError(f"packed THD input needs batch 1, got {batch}")
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        if int(cu[-1]) != total:
-            raise ValueError(f"cu_seqlens end at {int(cu[-1])} but the CP/SP shards hold {total} tokens")
-        packed = True
-    else:
-        cu, packed = torch.tensor([0, total]), False
-    return cu.to(device=hidden_states.device, dtype=torch.long), packed
+        bounds = tuple(cu.tolist())
+        if bounds[-1] != total:
+            raise ValueError(f"cu_seqlens end at {bounds[-1]} but the CP/SP shards hold {total} tokens")
+        return bounds, True
+    return (0, total), False
+
+
+def batch_sequences(hidden_states: torch.Tensor, packed_seq_params, total: int) -> tuple[torch.Tensor, bool]:
+    """``batch_bounds`` as a LongTensor on the batch's device."""
+    bounds, packed = batch_bounds(hidden_states, packed_seq_params, total)
+    return torch.tensor(bounds, dtype=torch.long, device=hidden_states.device), packed
+
+
+LAYOUT_CACHE_SIZE = 2
+"""Batch layouts kept (``batch_layout``): the current micro-batch's and one more, so that a
+recompute or a pipeline schedule that alternates two micro-batches does not rebuild. Each holds a
+few int64 tensors of the sequence's length (8 MiB each at 1M tokens)."""
+
+
+@functools.lru_cache(maxsize=LAYOUT_CACHE_SIZE)
+def _layout_of(bounds: tuple[int, ...], device: torch.device, cp: int, tp: int, packed: bool,
+               kind: str) -> CPLayout:
+    return CPLayout.build(torch.tensor(bounds, dtype=torch.long, device=device), cp, tp, packed, kind)
+
+
+def batch_layout(hidden_states: torch.Tensor, packed_seq_params, cp: int, tp: int,
+                 sequence_parallel: bool, kind: str) -> CPLayout:
+    """The CP layout of this batch's rows (``hidden_states`` [s, b, D]: this rank's CP/SP shard).
+
+    Every layer of a forward pass gets the same ``CPLayout`` object for the same boundaries and
+    mesh, so its index maps (and what exchanges derive from it) are built once per batch layout,
+    not once per layer."""
+    total = hidden_states.shape[0] * (tp if sequence_parallel else 1) * cp
+    bounds, packed = batch_bounds(hidden_states, packed_seq_params, total)
+    return _layout_of(bounds, hidden_states.device, cp, tp, packed, kind)

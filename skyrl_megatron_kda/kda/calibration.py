@@ -56,22 +56,43 @@ GEMM_FLOP_PER_S = 790e12
 """Dense bf16 GEMM on one H200 with random data; the profiled CP1
 layer's projections ran at this floor (8.8 ms measured vs 9.0 ms predicted at T = 64K)."""
 
-STATE_PREPASS = 82.7 / 73.5 - 1.0
-"""Extra kernel time of ``state`` relative to the same kernel on its shard alone: at CP2, T = 1M,
-8 heads, two H200s, the state exchange's recurrence took 82.7 ms per rank against 73.5 ms for
-the segmented kernel on the 512K shard alone, in the same run (+0.125x: the summaries, their
-all-gather and the correction for the incoming state). fla 0.6.0's own state passing
-(``cp_context``) took 246.3 ms there, +2.35x over this shard's kernel; ``skyrl-kda plan
+# The state exchange's recurrence per rank (``bench/kda_layer.py --emulate-cp2``, the recurrence
+# alone: its pieces, summaries, chain and correction; the few-MiB all-gathers not run), against
+# the segmented kernel on the same T/2 shard in the same run (bench/results/h200_per_rank/
+# emulated_T*.json, ``state_recurrence_cp2`` and ``segmented_kernel_8h_T*``):
+#   T         128K   256K   512K    1M
+#   state     14.1   24.2   43.6   76.2 ms
+#   shard     11.7   19.6   37.9   73.1 ms
+# A line through 256K and 1M (the lengths the kernel rate is fitted on) gives the two terms below.
+
+STATE_PREPASS = (76.2 - 24.2) / (73.1 - 19.6) - 1.0
+"""Extra kernel time of ``state`` per unit of its shard's kernel time: -0.03, i.e. the summaries
+and the correction for the incoming state cost nothing that grows with T beyond the shard's own
+kernel (the table above). On two H200s with NCCL at 1M the recurrence took 82.7 ms against 73.5
+(session 3): this model gives 76.2 there, 8% under. fla 0.6.0's own state passing
+(``cp_context``) took 246.3 ms, +2.35x over the shard's kernel; ``skyrl-kda plan
 --state-prepass 2.35`` prices it."""
 
+STATE_CALL_OVERHEAD_S = 24.2e-3 - (1.0 + STATE_PREPASS) * 19.6e-3
+"""Fixed cost of one ``state`` recurrence beyond its kernel (host-side piece and segment
+bookkeeping, the summary and chain launches): 5.2 ms, the intercept of the line above. It is
+what makes ``a2a`` the faster exchange at short sequences at CP2 inside a node."""
 
-STATE_CALL_OVERHEAD_S = 7.0e-3
-"""Fixed cost of one ``state`` layer call beyond its kernel (host-side piece bookkeeping and the
-syncs it needs, the halo conv's extra launches and copies). Measured per rank on one H200
-(``bench/kda_layer.py --emulate-cp2``, 8 heads, CP2): the state layer exceeded the head-parallel
-exchanges' common ratio of measured time to this model (1.44-1.51x) by 6.8, 6.8 and 7.9 ms at
-T = 128K, 256K and 1M, a constant over an 8x range of T. It is what makes ``a2a`` the faster
-exchange below about 256K tokens at CP2 inside a node."""
+ELEMENTWISE_S_PER_HEAD_TOKEN = (4.826 + 13.904) * 1e-3 / 2 / (8 * 65536)
+"""The layer's work that is neither the KDA kernel nor a projection GEMM, per head-token on the
+rank (the causal conv forward and backward, the gated norm, casts, concatenations, reorders):
+17.9 ns. From the per-kernel profile of the CP1 layer on one H200 (8 heads, T = 65,536, 2 steps;
+bench/results/profile_cp1_T64K_h200.txt): of 62.9 ms of CUDA time, the causal conv kernels took
+4.8 ms and the torch elementwise, copy, concatenation and reduction kernels 13.9 ms (the 4.9 ms
+not listed in the table are left out). That run still used the unfused torch gated norm (fla's
+fused one replaced it since), so the term is high by about that norm's share until a new
+profile (``bench/kda_layer.py --profile``) replaces it. ``tests/test_cost.py`` derives it from
+the stored table again."""
+
+REGATHER_OVERLAP = 1.0
+"""Fraction of the backward row re-gather's last collective that hides behind the input-gradient
+GEMMs issued after it (``rows.py``): up to the GEMMs' own time. 1.0 takes the overlap as
+megatron's SP linears intend it; it has not been measured on its own."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +105,8 @@ class Calibration:
     gemm_flop_per_s: float = GEMM_FLOP_PER_S
     state_prepass: float = STATE_PREPASS
     state_call_overhead_s: float = STATE_CALL_OVERHEAD_S
+    elementwise_s_per_head_token: float = ELEMENTWISE_S_PER_HEAD_TOKEN
+    regather_overlap: float = REGATHER_OVERLAP
 
     def __post_init__(self) -> None:
         if not 0.5 < self.kda_efficiency_at_4_heads <= 1.0:
@@ -93,7 +116,9 @@ class Calibration:
         for name in ("kda_head_tokens_per_s", "gemm_flop_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
-        for name in ("kda_call_overhead_s", "state_call_overhead_s"):
+        if not 0.0 <= self.regather_overlap <= 1.0:
+            raise ValueError(f"regather_overlap={self.regather_overlap} must be in [0, 1]")
+        for name in ("kda_call_overhead_s", "state_call_overhead_s", "elementwise_s_per_head_token"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if not self.state_prepass > -1:

@@ -5,24 +5,25 @@ No single exchange wins everywhere: the winner moves with
 the CP degree, the heads per rank, the sequence length and whether the CP group leaves the node.
 So ``auto`` estimates every registered exchange for the recipe and takes the fastest one it is allowed to use.
 
-Time per layer, forward + backward, with communication and compute serialised (the model credits
-no overlap; only the backward row re-gather of ``rows.py`` is issued asynchronously, and how much
-of it hides behind the GEMMs is not measured):
+Time per layer, forward + backward, with communication and compute serialised except where the
+code overlaps them on purpose:
 
 - communication: the bytes of each exchange's own byte model (``bytes_moved`` forward,
   ``backward_bytes``: the mirror plus the projection's rows gathered again) over the link each
-  group crosses, plus one latency per collective;
+  group crosses, plus one latency per collective; the last collective of the backward row
+  re-gather (``rows.py``) runs while the input-gradient GEMMs compute, and hides behind them up
+  to their time (``regather_overlap``);
 - KDA kernel: the segmented kernel at the rank's heads and tokens, slower per head-token when a
   rank has few heads (head-parallel exchanges split the heads over CP); ``state`` pays for its
   summaries and correction (a factor on its shard's kernel) and a fixed cost per call;
-- projection GEMMs: the rank's FLOPs at the measured dense bf16 rate.
+- projection GEMMs: the rank's FLOPs at the measured dense bf16 rate;
+- elementwise: the rest of the layer (conv, gated norm, casts, copies, reorders) per head-token
+  on the rank, from a per-kernel profile.
 
-Terms that scale alike for every exchange (the o_proj reduce-scatter under SP, the gated norm,
-the conv, elementwise work) are left out, so ``total_s`` is a floor, not the layer's wall time:
-measured per rank on one H200 (8 heads, TP1 x CP2, T = 128K..1M, docs/benchmarks.md) the layer
-took 1.44-1.51x this model with ``a2a`` and ``allgather``, and ``state`` the same ratio plus
-its fixed call cost, which the model includes. The model's order of the three exchanges matched
-the measured order at each length (tests/test_cost.py).
+Every constant comes from kernel-level measurements (``calibration.py``), none from the layer
+rows the model predicts; ``tests/test_cost.py`` checks ``auto``'s pick and the order of clearly
+separated exchanges against stored layer runs per rank on one H200 (docs/benchmarks.md). Left
+out: the o_proj reduce-scatter under SP, which every exchange pays alike.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from .exchanges import ExchangeMesh, ExchangeShape
 logger = logging.getLogger(__name__)
 
 __all__ = ["Calibration", "DEFAULT_CALIBRATION", "Estimate", "GEMM_FLOP_PER_S", "choose", "estimate",
-           "exclusions", "kda_efficiency", "kda_kernel_s", "projection_flops", "resolve_cp_exchange"]
+           "exclusions", "gathered_gemm_flops", "head_tokens", "kda_efficiency", "kda_kernel_s",
+           "projection_flops", "regather_hidden_s", "resolve_cp_exchange"]
 
 GiB = 2**30
 
@@ -73,6 +75,21 @@ def kda_kernel_s(heads: float, tokens: int, calibration: Calibration = DEFAULT_C
     return c.kda_call_overhead_s + heads * tokens / rate
 
 
+def _projected_rows_and_heads(name: str, s: ExchangeShape) -> tuple[float, float]:
+    """Rows this rank projects and the TP-local heads it projects them for."""
+    local_heads = s.num_heads / s.tp
+    if exchanges.get(name).projects_whole_sequence and s.cp > 1:
+        return s.tokens * s.batch, local_heads / s.cp
+    return s.tokens * s.batch / s.cp, local_heads
+
+
+def gathered_gemm_flops(name: str, shape: ExchangeShape, gate_ranks: tuple[int, int] = (128, 128)) -> float:
+    """Forward FLOPs of the GEMMs on the gathered rows (q, k, v, beta, f_a, g_a: ``rows.py``); their
+    input gradient costs the same in backward, and the row re-gather runs beside it."""
+    rows, heads = _projected_rows_and_heads(name, shape)
+    return 2 * rows * shape.hidden * (3 * heads * shape.head_dim + heads + sum(gate_ranks))
+
+
 def projection_flops(name: str, shape: ExchangeShape, gate_ranks: tuple[int, int] = (128, 128)) -> float:
     """Forward+backward GEMM FLOPs of one rank (backward = 2x forward).
 
@@ -85,13 +102,9 @@ def projection_flops(name: str, shape: ExchangeShape, gate_ranks: tuple[int, int
     s, (rf, rg) = shape, gate_ranks
     local_heads = s.num_heads / s.tp
     rows_cp = s.tokens * s.batch / s.cp
-    if exchanges.get(name).projects_whole_sequence and s.cp > 1:
-        rows, heads = s.tokens * s.batch, local_heads / s.cp
-    else:
-        rows, heads = rows_cp, local_heads
+    rows, heads = _projected_rows_and_heads(name, s)
     K, D = s.head_dim, s.hidden
-    fwd = 2 * rows * D * (3 * heads * K + heads)  # q, k, v, beta
-    fwd += 2 * rows * D * (rf + rg)  # f_a, g_a
+    fwd = gathered_gemm_flops(name, s, gate_ranks)  # q, k, v, beta, f_a, g_a
     fwd += 2 * rows * (rf + rg) * heads * K  # f_b, g_b
     fwd += 2 * rows_cp * local_heads * K * D  # o_proj
     return 3.0 * fwd
@@ -112,8 +125,9 @@ class Estimate:
     tp_comm_s: float  # the TP row gather (backward: gathered again, and the reduce-scatter)
     kernel_s: float  # the kernel at this rank's heads and tokens (state: + pre-pass, call overhead)
     gemm_s: float  # this rank's projection GEMMs
+    elementwise_s: float  # the layer's other work (conv, norm, copies), per head-token on the rank
     extra_memory_bytes: int  # buffers only this exchange allocates (see ``extra_memory_bytes``)
-    total_s: float  # comm + kernel + GEMMs: the quantity auto minimises
+    total_s: float  # comm + kernel + GEMMs + elementwise: the quantity auto minimises
 
     @property
     def comm_s(self) -> float:
@@ -121,11 +135,30 @@ class Estimate:
 
     @property
     def compute_s(self) -> float:
-        return self.kernel_s + self.gemm_s
+        return self.kernel_s + self.gemm_s + self.elementwise_s
 
 
 def _seconds(nbytes: int, bandwidth_gib_s: float) -> float:
     return nbytes / (bandwidth_gib_s * GiB)
+
+
+def head_tokens(name: str, shape: ExchangeShape) -> float:
+    """Heads x tokens this rank runs the recurrence (and the layer's elementwise work) on."""
+    s, local_heads = shape, shape.num_heads / shape.tp
+    if exchanges.get(name).splits_heads:
+        return local_heads / s.cp * s.tokens * s.batch
+    return local_heads * s.tokens * s.batch / s.cp
+
+
+def regather_hidden_s(name: str, shape: ExchangeShape, cp_link: LinkConfig, tp_link: LinkConfig,
+                      gate_ranks: tuple[int, int], calibration: Calibration) -> tuple[str, float]:
+    """The group ("cp" or "tp") and seconds of the backward row re-gather that hide behind the
+    input-gradient GEMMs: only its last collective runs beside them (TP's under SP, else CP's;
+    ``rows.py``), up to their time."""
+    again = exchanges.get(name)._row_gather_bytes(shape)
+    group, link = ("tp", tp_link) if again["tp"] else ("cp", cp_link)
+    dgrad = gathered_gemm_flops(name, shape, gate_ranks) / calibration.gemm_flop_per_s
+    return group, calibration.regather_overlap * min(_seconds(again[group], link.bandwidth_gib_s), dgrad)
 
 
 def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: ClusterConfig, *,
@@ -160,6 +193,11 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
         tp_comm = (_seconds(tp_bytes + tp_bytes_bwd, tp_link.bandwidth_gib_s)
                    + 3 * tp_link.latency_us * 1e-6)
 
+    group, hidden = regather_hidden_s(name, s, cp_link, tp_link, gate_ranks, calibration)
+    if group == "tp":
+        tp_comm -= hidden
+    else:
+        cp_comm -= hidden
     local_heads = s.num_heads / s.tp
     if exchange.splits_heads:
         kernel = kda_kernel_s(local_heads / s.cp, s.tokens * s.batch, calibration)
@@ -168,12 +206,13 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
         if s.cp > 1:
             kernel = kernel * (1.0 + calibration.state_prepass) + calibration.state_call_overhead_s
     gemm = projection_flops(name, s, gate_ranks) / calibration.gemm_flop_per_s
+    elementwise = head_tokens(name, s) * calibration.elementwise_s_per_head_token
 
     return Estimate(
         name=name, exact=exchange.exact, cp_in_bytes=cp_in, cp_out_bytes=cp_out,
         tp_bytes=tp_bytes, cp_comm_s=cp_comm, tp_comm_s=tp_comm, kernel_s=kernel, gemm_s=gemm,
-        extra_memory_bytes=exchange.extra_memory_bytes(s),
-        total_s=cp_comm + tp_comm + kernel + gemm,
+        elementwise_s=elementwise, extra_memory_bytes=exchange.extra_memory_bytes(s),
+        total_s=cp_comm + tp_comm + kernel + gemm + elementwise,
     )
 
 

@@ -34,7 +34,7 @@ from ..config import KDAConfig
 from . import exchanges
 from .exchanges import CommLedger, ExchangeGroups, ExchangeMesh, KernelArgs
 from .kernel import gated_rms_norm, resolve_backend
-from ..distributed.cp_layout import CPLayout, batch_sequences
+from ..distributed.cp_layout import batch_layout
 from ..distributed.tensor_parallel import shard_of
 from .rows import RowGather, project_rows
 
@@ -167,9 +167,8 @@ class KimiDeltaAttention(MegatronModule):
         return copy_to_tensor_model_parallel_region(param, group=self.tp_group)
 
     def project(self, shard: torch.Tensor, rows: RowGather | None, heads: slice) -> list[torch.Tensor]:
-        """[q, k, v, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
-        ``rows`` gathers from ``shard``, as views of three GEMM outputs: the exchange lays them
-        out in one copy (``exchanges.Projection``)."""
+        """[qkv, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
+        ``rows`` gathers from ``shard``, as views of three GEMM outputs (``exchanges.Projection``)."""
         hk = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
         qkvb, low = project_rows(
             shard, rows,
@@ -179,16 +178,25 @@ class KimiDeltaAttention(MegatronModule):
         f_low, g_low = low.split([self.kda_config.gate_low_rank, self.kda_config.output_gate_low_rank], -1)
         f = F.linear(f_low, self.f_b_proj.weight[hk])
         g = F.linear(g_low, self.g_b_proj.weight[hk])
-        n = hk.stop - hk.start
-        q, k, v, beta = qkvb.split([n, n, n, heads.stop - heads.start], dim=-1)
-        return [q, k, v, f, g, beta]
+        qkv, beta = qkvb.split([3 * (hk.stop - hk.start), heads.stop - heads.start], dim=-1)
+        return [qkv, f, g, beta]
 
-    def _layout(self, hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> CPLayout:
-        """Natural sequence boundaries (global) and the CP layout of this batch's rows."""
-        total = hidden_states.shape[0] * self.sp_size * self.cp_group.size()
-        cu, packed = batch_sequences(hidden_states, packed_seq_params, total)
-        return CPLayout.build(cu, self.cp_group.size(), self.tp_group.size(), packed,
-                              self.kda_config.cp_layout)
+    def _recurrence_in_head_groups(self, q, k, v, f, b, A_log, dt_bias, layout) -> torch.Tensor:
+        """The exchange's recurrence over ``kda.kernel_head_group`` heads at a time ([b, T, H, K]
+        tensors; ``b`` [b, T, H]): each group is its own autograd node, so the kernel backward of
+        one group has returned, and freed its working set, before the next one runs."""
+        nh, K = q.shape[2], self.head_dim
+        size = self.kda_config.kernel_head_group or nh
+        if size >= nh:
+            return self.exchange.recurrence(q, k, v, f, b, A_log, dt_bias, layout, self.kernel_args)
+        outs = []
+        for start in range(0, nh, size):
+            h = slice(start, min(start + size, nh))
+            hk = slice(h.start * K, h.stop * K)
+            outs.append(self.exchange.recurrence(
+                q[:, :, h], k[:, :, h], v[:, :, h], f[:, :, h], b[..., h], A_log[h], dt_bias[hk],
+                layout, self.kernel_args))
+        return torch.cat(outs, dim=2)
 
     def forward(
         self,
@@ -213,23 +221,19 @@ class KimiDeltaAttention(MegatronModule):
             raise NotImplementedError("KimiDeltaAttention has no inference (decode) path yet")
         if attention_bias is not None:
             raise ValueError("KimiDeltaAttention takes no attention bias")
-        layout = self._layout(hidden_states, packed_seq_params)
+        layout = batch_layout(hidden_states, packed_seq_params, self.cp_group.size(), self.tp_group.size(),
+                              self.config.sequence_parallel, self.kda_config.cp_layout)
         computed = self.exchange.to_compute_layout(hidden_states, layout, self.project,
                                                    self.num_local_heads)
-        fused, heads = computed.fused, computed.heads
+        heads = computed.heads
         nh, K = heads.stop - heads.start, self.head_dim
         hk = slice(heads.start * K, heads.stop * K)
-        seq_len, batch = fused.shape[:2]
-
-        fused = fused.transpose(0, 1)  # [b, T, W]: the kernels' layout
-        qkv, f, g, b = fused.split([3 * nh * K, nh * K, nh * K, nh], dim=-1)
-        qkv = self.exchange.conv(qkv, self.conv_weight[:, hk].reshape(3 * nh * K, -1), layout,
-                                 self.kernel_args)
-        q, k, v = qkv.reshape(batch, seq_len, 3, nh, K).unbind(2)
-        o = self.exchange.recurrence(
-            q, k, v, f.reshape(batch, seq_len, nh, K), b, self.A_log[heads], self.dt_bias[hk], layout,
-            self.kernel_args,
-        )
+        qkv, f, g, b = (s.transpose(0, 1) for s in computed.sections)  # [b, T, w]: the kernels' layout
+        batch, seq_len = qkv.shape[:2]
+        q, k, v = (t.reshape(batch, seq_len, nh, K)
+                   for t in self.exchange.conv(qkv, self.conv_weight[:, hk], layout, self.kernel_args))
+        o = self._recurrence_in_head_groups(q, k, v, f.reshape(batch, seq_len, nh, K), b,
+                                            self.A_log[heads], self.dt_bias[hk], layout)
         o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),
                            self.kda_config.norm_eps, backend=self.backend)
         o = o.reshape(batch, seq_len, nh * K).transpose(0, 1)

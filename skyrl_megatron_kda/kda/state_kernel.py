@@ -273,7 +273,17 @@ def state_passing_kda(q, k, v, f_raw, b_raw, A_log, dt_bias, *, piece_cu: torch.
     from ``link``; every piece is cut into about ``segments`` (in total) parallel segments.
 
     Same inputs and output as ``kernel.kda`` (raw gate / beta projections, pre-norm q/k)."""
-    pieces = Segments.cut(piece_cu, segments, chunk_size)
+    return state_passing_kda_on_segments(q, k, v, f_raw, b_raw, A_log, dt_bias,
+                                         pieces=Segments.cut(piece_cu, segments, chunk_size), link=link,
+                                         lower_bound=lower_bound, backend=backend, l2norm_eps=l2norm_eps,
+                                         chunk_size=chunk_size)
+
+
+def state_passing_kda_on_segments(q, k, v, f_raw, b_raw, A_log, dt_bias, *, pieces: Segments, link: Link,
+                                  lower_bound: float, backend: str, l2norm_eps: float = 1e-6,
+                                  chunk_size: int = 64) -> torch.Tensor:
+    """``state_passing_kda`` on pieces already cut into segments (``Segments.cut``, which reads the
+    boundaries on the host: a caller that runs many layers on one batch cuts once)."""
     if backend == "torch":
         args = {"lower_bound": lower_bound, "l2norm_eps": l2norm_eps, "chunk_size": chunk_size, "backend": "torch"}
         return _StatePassingKDA.apply(q, k, v, f_raw, b_raw, A_log, dt_bias, pieces, link, _TorchBackend, args)

@@ -132,29 +132,56 @@ def piece_tails(x: torch.Tensor, pieces: Pieces, width: int) -> torch.Tensor:
     return x[rows.clamp_min(0).reshape(-1)] * valid.reshape(-1, 1)
 
 
-def halo_rows(tails: torch.Tensor, tail_positions: torch.Tensor, pieces: Pieces, width: int) -> torch.Tensor:
-    """Rows [P, width, C] preceding each local piece in its sequence, looked up in the gathered
-    tails of all pieces; zero before the sequence start (what a causal conv sees there)."""
-    wanted = pieces.natural_start.unsqueeze(1) - torch.arange(width, 0, -1, device=tails.device)
-    inside = wanted >= pieces.seq_start.unsqueeze(1)
-    order = torch.argsort(tail_positions)
-    sorted_pos = tail_positions[order]
+@dataclass(frozen=True)
+class HaloPlan:
+    """Where the conv halo of each of this rank's pieces comes from and where the padded rows go:
+    a function of the layout alone, built once per batch layout (``halo_plan``).
+
+    ``source[p, i]`` is the row of the all-gathered tails (every rank's ``piece_tails``) that
+    precedes piece ``p`` by ``width - i`` rows, ``inside[p, i]`` whether that row is in the
+    sequence (else the conv sees a zero); ``cu`` bounds the pieces with their halos in front and
+    ``keep`` picks this rank's own rows out of the padded conv output."""
+
+    pieces: Pieces
+    width: int
+    source: torch.Tensor
+    inside: torch.Tensor
+    bounds: tuple[int, ...]  # ``pieces.cu`` on the host
+    cu: torch.Tensor
+    keep: torch.Tensor
+
+
+def halo_plan(mine: Pieces, every_rank: list[Pieces], width: int) -> HaloPlan:
+    """The halo plan of this rank's pieces ``mine``, given every CP rank's pieces in rank order."""
+    positions = torch.cat([tail_positions(p, width) for p in every_rank])
+    wanted = mine.natural_start.unsqueeze(1) - torch.arange(width, 0, -1, device=positions.device)
+    inside = wanted >= mine.seq_start.unsqueeze(1)
+    order = torch.argsort(positions)
+    sorted_pos = positions[order]
     idx = torch.searchsorted(sorted_pos, wanted.clamp_min(0)).clamp_max(sorted_pos.numel() - 1)
-    found = inside & (sorted_pos[idx] == wanted)
+    found = sorted_pos[idx] == wanted
     if bool((inside & ~found).any()):
         raise RuntimeError("conv halo rows missing from the gathered piece tails (layout bug)")
-    rows = tails[order[idx].reshape(-1)].reshape(wanted.shape + tails.shape[1:])
-    return rows * found.unsqueeze(-1)
-
-
-def with_halo(x: torch.Tensor, halo: torch.Tensor, pieces: Pieces) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Interleave ``halo`` [P, w, C] before each piece of ``x`` [rows, C]: (rows, cu, keep index)."""
-    P, width = halo.shape[:2]
-    lengths = pieces.cu.diff()
-    rows = []
-    for p in range(P):
-        rows += [halo[p], x[pieces.cu[p]: pieces.cu[p + 1]]]
-    cu = torch.zeros(P + 1, dtype=torch.long, device=x.device)
+    bounds = tuple(mine.cu.tolist())
+    lengths = mine.cu.diff()
+    cu = torch.zeros(mine.count + 1, dtype=torch.long, device=mine.cu.device)
     cu[1:] = (lengths + width).cumsum(0)
-    keep = torch.cat([torch.arange(int(cu[p]) + width, int(cu[p + 1]), device=x.device) for p in range(P)])
-    return torch.cat(rows), cu, keep
+    padded = [start + width * (p + 1) for p, start in enumerate(bounds)]
+    keep = torch.cat([torch.arange(padded[p], padded[p] + bounds[p + 1] - bounds[p], device=mine.cu.device)
+                      for p in range(mine.count)])
+    return HaloPlan(mine, width, order[idx], inside & found, bounds, cu, keep)
+
+
+def halo_rows(tails: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+    """Rows [P, width, C] preceding each local piece in its sequence, looked up in the gathered
+    tails of all pieces; zero before the sequence start (what a causal conv sees there)."""
+    rows = tails[plan.source.reshape(-1)].reshape(plan.source.shape + tails.shape[1:])
+    return rows * plan.inside.unsqueeze(-1)
+
+
+def with_halo(x: torch.Tensor, halo: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+    """Interleave ``halo`` [P, w, C] before each piece of ``x`` [rows, C] (bounds ``plan.cu``)."""
+    rows = []
+    for p in range(plan.pieces.count):
+        rows += [halo[p], x[plan.bounds[p]: plan.bounds[p + 1]]]
+    return torch.cat(rows)

@@ -242,19 +242,26 @@ class GLMModel(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 packed_seq_params: PackedSeqParams | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, temperature: float = 1.0,
+                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` [b, s_local]: this CP rank's tokens in the recipe's CP layout (packed THD:
         b = 1 and ``packed_seq_params`` with the global cu_seqlens).
 
         Returns logits [b, s_local, vocab/tp] without ``labels``, else the per-token fp32 loss
         [b, s_local] of megatron's vocab-parallel cross entropy (unmasked; the caller masks and
-        averages), in token chunks without the logits under ``train.loss_chunk_tokens``. ``position_ids`` are accepted for the trainer's calling convention and unused:
+        averages), in token chunks without the logits under ``train.loss_chunk_tokens``; there
+        the RL path may also divide the logits by a sampling ``temperature`` and ask for each
+        token's ``entropy`` ([b, s_local], returned after the loss). ``position_ids`` are
+        accepted for the trainer's calling convention and unused:
         the model has no positional encoding (KDA is causal by construction, DSA is NoPE).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [b, s_local], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
+        if (temperature != 1.0 or entropy) and (labels is None or self.loss_chunk_tokens is None):
+            raise ValueError("temperature and entropy are options of the chunked loss: pass labels "
+                             "with train.loss_chunk_tokens set (else divide the logits yourself)")
         with self._saved_tensors_home():
             hidden = self.embedding(input_ids)  # SP: [s/tp, b, D]; else [b, s, D]
             if not self.config.sequence_parallel:
@@ -269,11 +276,14 @@ class GLMModel(MegatronModule):
                     streams = layer(streams, packed_seq_params)
             hidden = self.final_norm(reduce_streams(streams))
             if labels is not None and self.loss_chunk_tokens is not None:
-                loss = chunked_linear_cross_entropy(
+                out = chunked_linear_cross_entropy(
                     hidden, self._vocab_weight(),
                     labels.transpose(0, 1).contiguous(), chunk=self.loss_chunk_tokens,
-                    tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel)
-                return loss.transpose(0, 1).contiguous()
+                    tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel,
+                    temperature=temperature, entropy=entropy)
+                if entropy:
+                    return tuple(t.transpose(0, 1).contiguous() for t in out)
+                return out.transpose(0, 1).contiguous()
             logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
             if labels is None:
                 return logits.transpose(0, 1).contiguous()

@@ -79,7 +79,7 @@ class NormalizedProjection(torch.autograd.Function):
     fp32 tensors of N*D per row (4x the bf16 streams it reads), while the streams themselves are
     kept anyway by ``collapse`` and ``expand``. Backward rebuilds the same ops from the input and
     differentiates them, so the gradients are bitwise those of the plain autograd graph. The
-    input goes through ``save_for_backward``, so ``save_on_cpu`` moves it like any saved tensor.
+    input goes through ``save_for_backward``, so host offload moves it like any saved tensor.
     """
 
     @staticmethod

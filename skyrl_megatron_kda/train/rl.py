@@ -10,8 +10,10 @@ optimizer separately. The path here, per micro-batch:
    (``data.pack_row``, padded for the recipe's CP layout), with the map back to [B, S].
 2. ``token_logprobs``: the model on this rank's shard (``RankTrainer.shard``: CP, and SP inside the
    layers), logits / temperature, ``log p = -vocab_parallel_cross_entropy`` over the TP vocabulary
-   shards (and, on request, the vocab-parallel entropy); ``GatherCP`` all-gathers the CP shards
-   into natural token order and scatters them back into the batch's [B, S] layout.
+   shards (and, on request, the vocab-parallel entropy); under ``train.loss_chunk_tokens`` the
+   model's chunked loss computes the same without the [tokens, vocab] logits, so an RL step fits
+   where the fine-tune does. ``GatherCP`` all-gathers the CP shards into natural token order and
+   scatters them back into the batch's [B, S] layout.
 3. The caller's loss (a function of the [B, S] log-probs, the same on every TP and CP rank) is
    backpropagated as a *sum*: ``GatherCP`` hands each CP rank the gradient of its own rows only,
    megatron's DDP (built with ``calculate_per_token_loss``) sums parameter gradients over DP x CP,
@@ -119,6 +121,36 @@ def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
     return total.log() - weighted / total
 
 
+def _logprobs_from_logits(trainer, tokens, position_ids, packed, labels, temperature: float,
+                          entropy: bool, entropy_grad: bool):
+    """This CP rank's log-probs and entropies [s_cp] from the model's logits [1, s_cp, V/tp]."""
+    logits = trainer.model(tokens, position_ids, packed_seq_params=packed)
+    logits = logits[0].float() / temperature  # a new tensor: CE below shifts its input in place
+    tp_group = trainer.pgs.tp
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = vocab_parallel_entropy(logits, tp_group)
+        if ent.requires_grad:
+            logits = logits.clone()  # the entropy's graph keeps the unshifted logits
+    labels = labels.to(logits.device)
+    logp = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None], tp_group=tp_group)[:, 0]
+    return logp, ent
+
+
+def _chunked_logprobs(trainer, tokens, position_ids, packed, labels, temperature: float,
+                      entropy: bool, entropy_grad: bool):
+    """The same under ``train.loss_chunk_tokens``: the model's chunked loss (model/fused_loss.py)
+    with the temperature and the entropy, never forming the [s_cp, V/tp] logits."""
+    labels = labels.to(tokens.device)[None]
+    out = trainer.model(tokens, position_ids, packed_seq_params=packed, labels=labels,
+                        temperature=temperature, entropy=entropy)
+    loss, ent = out if entropy else (out, None)
+    if ent is not None and not (entropy_grad and torch.is_grad_enabled()):
+        ent = ent.detach()
+    return -loss[0], None if ent is None else ent[0]
+
+
 def token_logprobs(trainer, rollout: PackedRollout, temperature: float = 1.0, *,
                    entropy: bool = False, entropy_grad: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,19 +161,15 @@ def token_logprobs(trainer, rollout: PackedRollout, temperature: float = 1.0, *,
         raise ValueError(f"temperature={temperature} must be > 0")
     shard = trainer.shard(rollout.row)
     tokens, position_ids, packed = trainer.model_inputs(shard)
-    logits = trainer.model(tokens, position_ids, packed_seq_params=packed)  # [1, s_cp, V/tp]
-    logits = logits[0].float() / temperature  # a new tensor: CE below shifts its input in place
-    tp_group, cp_group = trainer.pgs.tp, trainer.pgs.cp
-    ent = None
-    if entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = vocab_parallel_entropy(logits, tp_group)
-        if ent.requires_grad:
-            logits = logits.clone()  # the entropy's graph keeps the unshifted logits
-    labels = shard.labels.to(logits.device)
-    logp = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None], tp_group=tp_group)[:, 0]
+    if trainer.recipe.train.loss_chunk_tokens is not None:
+        logp, ent = _chunked_logprobs(trainer, tokens, position_ids, packed, shard.labels,
+                                      temperature, entropy, entropy_grad)
+    else:
+        logp, ent = _logprobs_from_logits(trainer, tokens, position_ids, packed, shard.labels,
+                                          temperature, entropy, entropy_grad)
+    cp_group = trainer.pgs.cp
     p = trainer.recipe.parallel
-    positions = [pos.to(logits.device) for pos in
+    positions = [pos.to(logp.device) for pos in
                  LAYOUTS[trainer.recipe.kda.cp_layout].positions(rollout.row.cu_seqlens, p.cp)]
     outputs = []
     for local in (logp, ent):

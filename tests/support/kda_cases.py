@@ -109,26 +109,26 @@ def run_case(case: Case, tp_group, cp_group, single_group, setup: Setup = CPU):
     global _saved_chain
     from skyrl_megatron_kda.kda import parity
     from skyrl_megatron_kda.kda import state_pieces as state
-    from skyrl_megatron_kda.kda.exchanges import head_parallel as exchange
+    from skyrl_megatron_kda.distributed.cp_layout import RowOrder
 
     if case.corrupt == "crash_rank0" and dist.get_rank() == 0:
         raise RuntimeError(f"{case.id}: deliberate crash on rank 0")
     batch = batch_for(case.fmt, setup)
     recipe = recipe_for(case, setup, batch.x.shape[0])
-    saved = parity.rank_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows
+    saved = parity.rank_rows, RowOrder.apply, state.chain_entry_states, state.halo_rows
     _saved_chain = state.chain_entry_states
     if case.corrupt == "contiguous_shards":
         parity.rank_rows = _contiguous_rows
     elif case.corrupt == "skip_reorder":
-        exchange.sort_index = lambda p: torch.arange(p.numel(), device=p.device)
+        RowOrder.apply = lambda order, rows: rows  # rows stay in the order they arrived
     elif case.corrupt == "chain_order":
         state.chain_entry_states = _chain_in_rank_order
     elif case.corrupt == "no_halo":
-        state.halo_rows = lambda tails, pos, pieces, width: saved[3](tails, pos, pieces, width) * 0
+        state.halo_rows = lambda tails, plan: saved[3](tails, plan) * 0
     try:
         return parity.check_exchange(recipe, batch, tp_group, cp_group, single_group)
     finally:
-        parity.rank_rows, exchange.sort_index, state.chain_entry_states, state.halo_rows = saved
+        parity.rank_rows, RowOrder.apply, state.chain_entry_states, state.halo_rows = saved
 
 
 def mesh_groups(rank: int, meshes, timeout_s: float = CASE_TIMEOUT_S):

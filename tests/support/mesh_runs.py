@@ -6,6 +6,8 @@ session, used by test_train.py and test_checkpoint.py).
 - 2 ranks, TP2 x CP1 +SP, EP2: the same 5 steps (the CP=1 reference), then the CP2 checkpoint
   loaded into this mesh (CP2 -> CP1) and one step.
 - the same 2 ranks as TP1 x CP2, EP2: the checkpoint loaded (TP2 -> TP1) and one step.
+- the 2 ranks as TP2 x CP1 again with the memory settings on (recompute, host offload, chunked
+  loss, KDA head groups): the checkpoint loaded and one step.
 
 Every mesh reads the rows of the CP2 run (documents padded to multiples of 2*cp = 4 tokens), so
 the losses are comparable; each run's model starts from the same seed.
@@ -24,6 +26,9 @@ EXCHANGES = ("a2a", "allgather", "state")
 CP2 = ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true", "run.num_workers=4"]
 CP1 = ["parallel.tp=2", "parallel.cp=1", "parallel.sequence_parallel=true", "run.num_workers=2"]
 TP1 = ["parallel.tp=1", "parallel.cp=2", "parallel.sequence_parallel=false", "run.num_workers=2"]
+# The memory settings a checkpoint must not depend on (saved without them, loaded with them).
+LEVERS = ["train.recompute=full", "train.offload_activations=true", "train.loss_chunk_tokens=5",
+          "kda.kernel_head_group=1"]
 
 
 def _recipe(overrides):
@@ -64,7 +69,7 @@ def _world2_runs(rank, world, ckpt_dir):
     trainer = _trainer(CP1)
     out = {"cp1": [trainer.train_step() for _ in range(STEPS)]}
     trainer.close()
-    for name, mesh in (("cp2_to_cp1", CP1), ("tp2_to_tp1", TP1)):
+    for name, mesh in (("cp2_to_cp1", CP1), ("tp2_to_tp1", TP1), ("memory_levers", CP1 + LEVERS)):
         trainer = _trainer(mesh)
         resumed_at = trainer.load_checkpoint(str(latest_checkpoint(ckpt_dir)))
         out[name] = {"resumed_at": resumed_at, "next": trainer.train_step()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .a2a import A2AExchange
 from .allgather import AllGatherExchange
-from .base import ComputeRows, CPExchange, ExchangeGroups, KernelArgs, Projection
+from .base import ComputeRows, CPExchange, ExchangeGroups, KernelArgs, Projection, section_widths
 from .ledger import CommLedger
 from .shape import ExchangeMesh, ExchangeShape
 from .state import StateExchange
@@ -69,5 +69,6 @@ register(StateExchange)
 __all__ = [
     "AUTO", "A2AExchange", "AllGatherExchange", "CPExchange", "CommLedger", "ComputeRows",
     "ExchangeGroups", "ExchangeMesh", "ExchangeShape", "KernelArgs", "Projection", "StateExchange",
+    "section_widths",
     "exact_names", "get", "names", "register", "unregister",
 ]

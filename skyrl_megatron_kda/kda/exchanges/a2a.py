@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ...distributed.cp_layout import CPLayout
-from .base import ComputeRows, Projection, fuse
-from .head_parallel import HeadParallelExchange, in_natural_order
+from .base import ComputeRows, Projection, section_widths
+from .head_parallel import HeadParallelExchange
 from .shape import ExchangeShape
 
 
@@ -30,12 +30,16 @@ class A2AExchange(HeadParallelExchange):
 
     def to_compute_layout(self, x: torch.Tensor, layout: CPLayout, project: Projection,
                           num_local_heads: int) -> ComputeRows:
-        sections = project(*self._rows(x), slice(0, num_local_heads))
+        qkv, *rest = project(*self._rows(x), slice(0, num_local_heads))
         heads = self.heads(num_local_heads)
         if self.cp == 1:
-            return ComputeRows(fuse(sections), heads)
+            return ComputeRows([qkv, *rest], heads)
         # One copy lays out [cp, S, b, W/cp]: block j is the j-th 1/cp of the heads of every
-        # section, in section order, so one all-to-all hands rank j its heads of all of them.
-        blocks = torch.cat([s.unflatten(-1, (self.cp, -1)).movedim(2, 0) for s in sections], dim=-1)
-        received = self._a2a(blocks.flatten(0, 1), to_heads=True)  # [T, b, W/cp], rows CP-rank major
-        return ComputeRows(in_natural_order(received, layout.rank_major_positions()), heads)
+        # section (of q, k and v each), in section order, so one all-to-all hands rank j its heads
+        # of all of them.
+        blocks = [qkv.unflatten(-1, (3, self.cp, -1)).movedim(3, 0).flatten(-2)]
+        blocks += [s.unflatten(-1, (self.cp, -1)).movedim(2, 0) for s in rest]
+        received = self._a2a(torch.cat(blocks, dim=-1).flatten(0, 1), to_heads=True)  # rows CP-rank major
+        natural = layout.from_rank_major.apply(received)  # [T, b, W/cp]
+        head_dim = qkv.shape[-1] // (3 * num_local_heads)
+        return ComputeRows(list(natural.split(section_widths(heads.stop - heads.start, head_dim), -1)), heads)

@@ -25,12 +25,13 @@ from megatron.core.tensor_parallel.mappings import (
 from ...distributed.cp_layout import CPLayout
 from ..kernel import causal_conv_silu, kda
 from ..rows import RowGather
-from ..state_kernel import IsolatedPieces, state_passing_kda
+from ..state_kernel import IsolatedPieces, Segments, state_passing_kda_on_segments
 from .ledger import CommLedger, CountedRowGather, counted, nbytes
 from .shape import ExchangeMesh, ExchangeShape
 
-# project(shard [s, b, D], rows, heads) -> sections [q, k, v, f, g, beta] of those heads, each
-# [s', b, w], for the rows that ``rows`` gathers from this rank's shard (None: the shard itself).
+# project(shard [s, b, D], rows, heads) -> sections [qkv, f, g, beta] of those heads, each
+# [s', b, w] (qkv: q|k|v side by side), for the rows that ``rows`` gathers from this rank's shard
+# (None: the shard itself).
 Projection = Callable[[torch.Tensor, RowGather | None, slice], list[torch.Tensor]]
 
 
@@ -61,16 +62,19 @@ class KernelArgs:
 
 @dataclass(frozen=True)
 class ComputeRows:
-    """What ``to_compute_layout`` hands the layer: the fused projections ``[s, b, W]`` of the rows
-    this rank computes, and which TP-local heads they hold."""
+    """What ``to_compute_layout`` hands the layer: the projected sections ``[qkv, f, g, beta]``
+    (each ``[s, b, w]``) of the rows this rank computes, and which TP-local heads they hold.
 
-    fused: torch.Tensor
+    The sections may be strided views (of the GEMM outputs, or of the exchanged rows): the conv
+    reads them in place, and nothing concatenates them only for the layer to split them again."""
+
+    sections: list[torch.Tensor]
     heads: slice
 
 
-def fuse(sections: list[torch.Tensor]) -> torch.Tensor:
-    """The sections side by side, [s, b, W]: what the layer splits again after the exchange."""
-    return torch.cat(sections, dim=-1)
+def section_widths(heads: int, head_dim: int) -> list[int]:
+    """Widths of the sections [qkv, f, g, beta] of ``heads`` heads."""
+    return [3 * heads * head_dim, heads * head_dim, heads * head_dim, heads]
 
 
 class CPExchange(ABC):
@@ -154,9 +158,14 @@ class CPExchange(ABC):
     def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
         """The computed output back to this rank's rows, all local heads: [s, b, local_heads*V]."""
 
-    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, kernel: KernelArgs):
-        """Causal short conv + SiLU on whole sequences in natural order ([b, T, C])."""
-        return causal_conv_silu(qkv, weight, cu_seqlens=layout.kernel_cu_seqlens, backend=kernel.backend)
+    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout,
+             kernel: KernelArgs) -> list[torch.Tensor]:
+        """Causal short conv + SiLU of q, k and v on whole sequences in natural order: ``qkv``
+        [b, T, 3C] (q|k|v side by side, possibly a strided view), ``weight`` [3, C, W] -> [q, k, v],
+        each [b, T, C] and contiguous, so that the kernel reads them without copying them first
+        (one conv of the three side by side would leave three strided views to copy)."""
+        return [causal_conv_silu(x, w, cu_seqlens=layout.kernel_cu_seqlens, backend=kernel.backend)
+                for x, w in zip(qkv.chunk(3, dim=-1), weight.unbind(0))]
 
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
         """The KDA recurrence on whole sequences in natural order ([b, T, H, K]); on the fla
@@ -166,12 +175,17 @@ class CPExchange(ABC):
                        **kernel.kernel_kwargs())
             return o
         batch, rows = q.shape[:2]
-        cu = layout.kernel_cu_seqlens
-        if cu is None:
-            cu = torch.arange(0, (batch + 1) * rows, rows, device=q.device)
+
+        def cut() -> Segments:
+            cu = layout.kernel_cu_seqlens
+            if cu is None:
+                cu = torch.arange(0, (batch + 1) * rows, rows, device=q.device)
+            return Segments.cut(cu, kernel.segments, kernel.chunk_size)
+
+        segments = layout.derived(("segments", batch, rows, kernel.segments, kernel.chunk_size), cut)
         q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
-        o = state_passing_kda(q, k, v, f, b, A_log, dt_bias, piece_cu=cu, link=IsolatedPieces(),
-                              segments=kernel.segments, **kernel.kernel_kwargs())
+        o = state_passing_kda_on_segments(q, k, v, f, b, A_log, dt_bias, pieces=segments, link=IsolatedPieces(),
+                                          **kernel.kernel_kwargs())
         return o.reshape(batch, rows, *o.shape[2:])
 
     def _gather_rows(self, x: torch.Tensor, group: dist.ProcessGroup, name: str) -> torch.Tensor:

@@ -7,15 +7,10 @@ import torch
 from megatron.core.ssm.gated_delta_net.common import tensor_a2a_hp2cp
 from megatron.core.tensor_parallel.mappings import all_to_all
 
-from ...distributed.cp_layout import CPLayout, sort_index, take_rows
+from ...distributed.cp_layout import CPLayout
 from .base import CPExchange
 from .ledger import counted, nbytes
 from .shape import ExchangeMesh, ExchangeShape
-
-
-def in_natural_order(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``rows`` carrying natural ``positions`` (one each), put into natural token order."""
-    return take_rows(rows, sort_index(positions))
 
 
 class HeadParallelExchange(CPExchange):
@@ -57,5 +52,5 @@ class HeadParallelExchange(CPExchange):
         """[T, b, heads_slice*V] in natural order -> [T/cp, b, local_heads*V] on this CP rank's rows."""
         if self.cp == 1:
             return o_heads
-        o_rank_major = take_rows(o_heads, layout.rank_major_positions())
+        o_rank_major = layout.from_rank_major.undo(o_heads)
         return self._a2a(o_rank_major, to_heads=False)

@@ -9,8 +9,8 @@ import torch
 from ...distributed.cp_layout import CPLayout, layout_kind, take_rows
 from .. import state_pieces
 from ..kernel import causal_conv_silu
-from ..state_kernel import identity_summaries, state_passing_kda
-from .base import ComputeRows, CPExchange, KernelArgs, Projection, fuse
+from ..state_kernel import Segments, identity_summaries, state_passing_kda_on_segments
+from .base import ComputeRows, CPExchange, KernelArgs, Projection
 from .ledger import CountedRowGather
 from .shape import ExchangeMesh, ExchangeShape
 
@@ -73,45 +73,60 @@ class StateExchange(CPExchange):
                           num_local_heads: int) -> ComputeRows:
         """This rank's own rows (gathered over TP under SP), all local heads: nothing crosses CP."""
         heads = slice(0, num_local_heads)
-        return ComputeRows(fuse(project(*self._rows(x), heads)), heads)
+        return ComputeRows(project(*self._rows(x), heads), heads)
 
     def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
         return o
 
     def _pieces(self, layout: CPLayout, batch: int, cp_rank: int) -> state_pieces.Pieces:
-        return state_pieces.rank_pieces(layout.cu_seqlens, self.cp, cp_rank, batch, layout.kind)
+        return layout.derived(("state pieces", batch, cp_rank), lambda: state_pieces.rank_pieces(
+            layout.cu_seqlens, self.cp, cp_rank, batch, layout.kind))
 
-    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout, kernel: KernelArgs):
+    def _halo_plan(self, layout: CPLayout, batch: int, width: int) -> state_pieces.HaloPlan:
+        # Every rank's pieces follow from the layout, so the tails' positions need no exchange.
+        return layout.derived(("state halo", batch, width, self.cp_rank), lambda: state_pieces.halo_plan(
+            self._pieces(layout, batch, self.cp_rank),
+            [self._pieces(layout, batch, r) for r in range(self.cp)], width))
+
+    def _kernel_pieces(self, layout: CPLayout, batch: int, kernel: KernelArgs) -> tuple[torch.Tensor, Segments]:
+        """Which of this rank's slots hold rows, and those pieces cut into the kernel's segments
+        (the kernel only sees non-empty pieces: a sequence that misses this rank in the contiguous
+        layout has an empty slot, whose summary is the identity map)."""
+        def build():
+            lengths = self._pieces(layout, batch, self.cp_rank).cu.diff()
+            present = lengths > 0
+            cu = torch.zeros(int(present.sum()) + 1, dtype=torch.long, device=lengths.device)
+            cu[1:] = lengths[present].cumsum(0)
+            return present, Segments.cut(cu, kernel.segments, kernel.chunk_size)
+        key = ("state kernel pieces", batch, self.cp_rank, kernel.segments, kernel.chunk_size)
+        return layout.derived(key, build)
+
+    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout,
+             kernel: KernelArgs) -> list[torch.Tensor]:
+        """One conv of q|k|v on this rank's pieces with their halos (one halo exchange for all
+        three), then each of q, k, v taken out of it on its own."""
         if self.cp == 1:
             return super().conv(qkv, weight, layout, kernel)
         batch, rows, channels = qkv.shape
         width = weight.shape[-1] - 1
         x = qkv.reshape(batch * rows, channels)
-        mine = self._pieces(layout, batch, self.cp_rank)
-        all_tails = self._gather_rows(state_pieces.piece_tails(x, mine, width), self.groups.cp, "cp")
-        # Every rank's pieces follow from the layout, so the tails' positions need no exchange.
-        all_positions = torch.cat([state_pieces.tail_positions(self._pieces(layout, batch, r), width)
-                                   for r in range(self.cp)])
-        halo = state_pieces.halo_rows(all_tails, all_positions, mine, width)
-        padded, cu, keep = state_pieces.with_halo(x, halo, mine)
-        y = causal_conv_silu(padded.unsqueeze(0), weight, cu_seqlens=cu, backend=kernel.backend)[0]
-        return take_rows(y, keep).reshape(batch, rows, channels)
+        plan = self._halo_plan(layout, batch, width)
+        all_tails = self._gather_rows(state_pieces.piece_tails(x, plan.pieces, width), self.groups.cp, "cp")
+        halo = state_pieces.halo_rows(all_tails, plan)
+        padded = state_pieces.with_halo(x, halo, plan)
+        y = causal_conv_silu(padded.unsqueeze(0), weight.flatten(0, 1), cu_seqlens=plan.cu,
+                             backend=kernel.backend)[0]
+        return [take_rows(part, plan.keep).reshape(batch, rows, -1) for part in y.chunk(3, dim=-1)]
 
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
         if self.cp == 1:
             return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, kernel)
         batch, rows, heads, K = q.shape
-        pieces = self._pieces(layout, batch, self.cp_rank)
+        present, segments = self._kernel_pieces(layout, batch, kernel)
         q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
-        # The kernel only sees non-empty pieces (a sequence that misses this rank in the
-        # contiguous layout has an empty slot, whose summary is the identity map).
-        lengths = pieces.cu.diff()
-        present = lengths > 0
-        cu = torch.zeros(int(present.sum()) + 1, dtype=torch.long, device=q.device)
-        cu[1:] = lengths[present].cumsum(0)
         link = _CPChain(self, present, layout.kind)
-        o = state_passing_kda(q, k, v, f, b, A_log, dt_bias, piece_cu=cu, link=link,
-                              segments=kernel.segments, **kernel.kernel_kwargs())
+        o = state_passing_kda_on_segments(q, k, v, f, b, A_log, dt_bias, pieces=segments, link=link,
+                                          **kernel.kernel_kwargs())
         return o.reshape(batch, rows, heads, -1)
 
 
