@@ -209,7 +209,7 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--mesh", choices=sorted(MESHES), default="tp1")
     parser.add_argument("overrides", nargs="*", help="more SkyRL KEY=VALUE settings (they win)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # KEY=VALUE settings may follow the options
     work = args.workdir.resolve()
     if (work / "metrics.jsonl").exists():
         raise SystemExit(f"{work} holds a finished job: use a fresh WORKDIR")
