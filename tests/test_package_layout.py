@@ -11,9 +11,10 @@ NAME = PACKAGE.name
 
 # Imports that may stay inside a function: dependencies that are optional on some machines
 # (fla's Triton kernels and Transformer Engine need a GPU build; transformers is the test oracle
-# and the tokenizer loader, heavy to import for a run without text data).
+# and the tokenizer loader, heavy to import for a run without text data; vLLM is on SkyRL's
+# inference machines only, imported when its weight-transfer engine is asked for).
 OPTIONAL = ("fla", "transformers", "megatron.core.extensions.transformer_engine_spec_provider",
-            "skyrl")
+            "skyrl", "vllm")
 
 LAZY_MODULES = ("cli.py",)
 """The command line imports each command's modules when that command runs: ``--help`` and
