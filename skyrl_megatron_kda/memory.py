@@ -256,10 +256,12 @@ def kda_backward_bytes(recipe: Recipe) -> int:
     k, p, w = recipe.kda, recipe.parallel, _act_bytes(recipe)
     K, C, h = k.head_dim, k.chunk_size, k.num_heads // p.tp
     per_head_token = 4 * K + w * 4 * K + 2 * w * K * K // C + 2 * w * K + 4 * 2 * C + 4 * 6 * K + 8
-    exchange, _ = exchange_extra_bytes(recipe)
+    all_heads = rows_of(recipe).cp * h * per_head_token
+    if k.kernel_head_group is None:
+        return all_heads
+    exchange, _ = exchange_extra_bytes(recipe)  # which heads the rank computes depends on it
     computed = h // p.cp if exchanges.get(exchange).splits_heads else h
-    group = min(k.kernel_head_group or computed, computed)
-    return rows_of(recipe).cp * h * group // computed * per_head_token
+    return all_heads * min(k.kernel_head_group, computed) // computed
 
 
 @dataclass(frozen=True)

@@ -34,14 +34,20 @@ def _inputs():
     return hidden, weight, labels, mask
 
 
-def _unfused(hidden, weight, labels, group, sp):
-    """What GLMModel computes without the setting: the output layer's input mapping and matmul,
-    then megatron's vocab-parallel cross entropy on the fp32 logits."""
+def _output_logits(hidden, weight, group, sp):
+    """The output layer as GLMModel runs it without the setting: its input mapping (SP gather,
+    else the TP copy) and the matmul, [S, B, V/tp]."""
     if sp and group.size() > 1:
         full = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=group)
     else:
         full = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=group)
-    logits = torch.matmul(full, weight.t())
+    return torch.matmul(full, weight.t())
+
+
+def _unfused(hidden, weight, labels, group, sp):
+    """What GLMModel computes without the setting: the output layer, then megatron's
+    vocab-parallel cross entropy on the fp32 logits."""
+    logits = _output_logits(hidden, weight, group, sp)
     return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels, tp_group=group)
 
 
@@ -100,11 +106,7 @@ def _rl_unfused(hidden, weight, labels, group, sp):
     cross entropy (its negative is the log-prob) and the vocab-parallel entropy."""
     from skyrl_megatron_kda.train.rl import vocab_parallel_entropy
 
-    if sp and group.size() > 1:
-        full = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=group)
-    else:
-        full = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=group)
-    logits = torch.matmul(full, weight.t()).float() / TEMPERATURE
+    logits = _output_logits(hidden, weight, group, sp).float() / TEMPERATURE
     ent = vocab_parallel_entropy(logits.flatten(0, 1), group).view(labels.shape)
     loss = tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels, tp_group=group)
     return loss, ent
