@@ -52,7 +52,7 @@ def parse_args():
     p.add_argument("--profile", action="store_true",
                    help="only profile the CP1 layer and print the top CUDA kernels")
     p.add_argument("--profile-cp2", action="store_true",
-                   help="also print the top CUDA kernels of each CP2 exchange on rank 0")
+                   help="also print the top CUDA kernels of each CP2 exchange on each rank")
     p.add_argument("--stack-dump-after", type=float, default=900, help="seconds; print stacks if still running")
     return p.parse_args()
 
@@ -264,8 +264,9 @@ def _cp2_rank(rank: int, port: int, args, queue, emulated: bool = False) -> None
             calls = args.warmup + args.iters
             out[exchange] = {"ms": got[0], "peak_gib": got[1],
                              "cp_bytes_fwd_per_step": ledgers[0].received("cp", "fwd") // calls}
-            if args.profile_cp2 and rank == 0:
-                profile_step(args, f"CP2 {exchange}, rank 0", layer_fwd_bwd(args, exchange, single, cp_group)[0])
+            if args.profile_cp2:
+                profile_step(args, f"CP2 {exchange}, rank {rank}",
+                             layer_fwd_bwd(args, exchange, single, cp_group)[0])
     queue.put((rank, out))
     dist.destroy_process_group()
 
