@@ -53,6 +53,13 @@ class TrainConfig(_Config):
     never forming the [tokens, vocab/tp] logits (model/fused_loss.py: kept per token are two fp32
     numbers, the logits of one chunk are rebuilt in backward). None: megatron's unfused loss on
     the whole fp32 logits. Same loss and gradients either way (fp32 summation order)."""
+    moe_chunk_tokens: NonNegativeInt = 0
+    """Run each MoE layer's shared expert, dispatch, routed experts and combine over chunks of
+    this many rows of the rank's residual stream (tokens, at one packed row per micro-batch),
+    each chunk rebuilt in its backward (model/moe_layer.py): the experts' [tokens x ffn]
+    activations and the dispatcher's gathered tokens scale with the chunk instead of the
+    sequence. The router still runs once on every row. 0: no chunks (megatron's MoELayer as it
+    is). Same loss and gradients either way (fp32 summation order)."""
     log_every: PositiveInt = 1
     """Log metrics every this many steps."""
     warmup_steps: NonNegativeInt = 0

@@ -21,7 +21,8 @@ types in ``train.recompute_layers`` in backward (reentrant checkpoints, as megat
 ``train.offload_activations`` keeps the tensors saved for backward in host memory (parameters
 excepted, model/host_offload.py);
 ``train.loss_chunk_tokens`` computes the loss in token chunks without forming the logits
-(model/fused_loss.py).
+(model/fused_loss.py); ``train.moe_chunk_tokens`` runs the MoE experts in token chunks, each
+rebuilt in backward (model/moe_layer.py).
 
 Tensors are megatron's ``[s, b, ...]`` inside; ``s`` is this rank's CP shard (zigzag by default)
 and, under sequence parallelism, its ``1/tp`` slice. The MTP layer is not built.
@@ -153,7 +154,8 @@ class GLMDecoderLayer(MegatronModule):
             self.mlp = build_module(_dense_mlp_spec(), config=config, tp_group=pg_collection.tp)
         else:
             self.mlp = build_moe_layer(m.moe, config=config, layer_number=number,
-                                       pg_collection=pg_collection)
+                                       pg_collection=pg_collection,
+                                       chunk_tokens=recipe.train.moe_chunk_tokens)
 
     def _attention(self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:
         out, bias = self.self_attention(self.input_layernorm(x), None, packed_seq_params=packed_seq_params)

@@ -1,7 +1,8 @@
 """GLM-5.3-Flash's MoE block as megatron-core's own MoELayer (router, experts, shared expert).
 
-Everything is expressed through stock ``TransformerConfig`` fields; nothing of megatron-core is
-subclassed or patched. The GLM feature -> megatron field map (see ``moe_transformer_config_kwargs``):
+Everything is expressed through stock ``TransformerConfig`` fields; the layer is megatron's
+MoELayer through ``model/moe_layer.py``'s ``GLMMoELayer``, which adds two memory fixes (routing
+state released after each forward, ``train.moe_chunk_tokens``) and nothing to the arithmetic. The GLM feature -> megatron field map (see ``moe_transformer_config_kwargs``):
 
 =====================================  =========================================================
 GLM (transformers ``Glm5NextTextMoE``)  megatron-core 0.19.2
@@ -46,15 +47,18 @@ frozen, pass ``bias_update_rate=0``.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..config import MoEConfig
 from ..distributed.mesh_init import init_shard_from_full, name_seed
+from .moe_layer import GLMMoELayer
 
 Dispatcher = Literal["allgather", "alltoall", "flex"]
 
@@ -128,7 +132,8 @@ def check_glm_moe_config(config) -> None:
         raise ValueError("GLM's clamped SwiGLU would not be computed: " + "; ".join(reasons))
 
 
-def build_moe_layer(moe: MoEConfig, *, config, layer_number: int, pg_collection):
+def build_moe_layer(moe: MoEConfig, *, config, layer_number: int, pg_collection,
+                    chunk_tokens: int = 0):
     """megatron's MoELayer for GLM (``moe_layer_spec``) with initial weights that do not depend
     on the mesh.
 
@@ -138,8 +143,9 @@ def build_moe_layer(moe: MoEConfig, *, config, layer_number: int, pg_collection)
     is built on a forked generator (the outer stream advances by one draw, the same on every mesh)
     and each of its tensors is then drawn whole from a seed of its own (global) name and sliced to
     this rank's TP / ETP shard (``distributed.mesh_init``). Without CPU initialisation (GPU:
-    megatron's per-rank CUDA streams) the layer is built as megatron builds it."""
-    spec = moe_layer_spec(moe)
+    megatron's per-rank CUDA streams) the layer is built as megatron builds it.
+    ``chunk_tokens``: ``train.moe_chunk_tokens`` (``GLMMoELayer``; 0: no chunks)."""
+    spec = moe_layer_spec(moe, chunk_tokens=chunk_tokens)
     if not (config.use_cpu_initialization and config.perform_initialization):
         return spec(config=config, layer_number=layer_number, pg_collection=pg_collection)
     base = int(torch.randint(2**62, ()))
@@ -177,9 +183,11 @@ def _draw_mesh_independent(layer, config, base: int, pg_collection) -> None:
                              glu=glu)
 
 
-def moe_layer_spec(moe: MoEConfig, *, use_te: bool = False, grouped_gemm: bool = False):
-    """Megatron's MoELayer builder (TopKRouter, experts, SharedExpertMLP), called as
-    ``spec(config=..., layer_number=..., pg_collection=...)`` or used as a layer's ``mlp``.
+def moe_layer_spec(moe: MoEConfig, *, use_te: bool = False, grouped_gemm: bool = False,
+                   chunk_tokens: int = 0):
+    """Megatron's MoELayer builder (TopKRouter, experts, SharedExpertMLP) for ``GLMMoELayer``,
+    called as ``spec(config=..., layer_number=..., pg_collection=...)`` or used as a layer's
+    ``mlp``.
 
     ``use_te=False`` gives SequentialMLP experts of local ColumnParallel/RowParallel linears (CPU);
     ``use_te=True`` TE linears and, with ``grouped_gemm``, TEGroupedMLP."""
@@ -190,9 +198,13 @@ def moe_layer_spec(moe: MoEConfig, *, use_te: bool = False, grouped_gemm: bool =
         backend = TESpecProvider()
     else:
         backend = LocalSpecProvider()
-    return get_moe_module_spec_for_backend(
+    megatron_spec = get_moe_module_spec_for_backend(
         backend=backend, num_experts=moe.num_experts, moe_grouped_gemm=grouped_gemm
     )
+    if megatron_spec.func is not MoELayer:
+        raise RuntimeError(f"megatron's MoE spec builds {megatron_spec.func}, not MoELayer: "
+                           "GLMMoELayer no longer applies")
+    return partial(GLMMoELayer, *megatron_spec.args, **megatron_spec.keywords, chunk_tokens=chunk_tokens)
 
 
 # --- HF names of one MoE layer's weights ----------------------------------------------------

@@ -1,0 +1,113 @@
+"""megatron-core's MoELayer with two memory fixes of ours: the dispatcher forgets its routing
+state after each forward, and ``train.moe_chunk_tokens`` runs the experts over token chunks.
+
+**Dispatcher state.** megatron-core 0.19.2's token dispatchers keep the last forward's routing
+tensors as attributes (the allgather dispatcher: ``local_probs``, ``local_map``,
+``reversed_local_input_permutation_mapping``) until the layer's next forward. Under full recompute
+the rebuilt forward's ``local_probs`` carries autograd history back to the checkpoint's detached
+input streams, and that leaf holds its ``.grad``: after the layer's backward, each MoE layer keeps
+two [s, N, D] stream tensors alive (2 x 2 GiB per layer at the 1M recipe) until the next step,
+so the backward of layer i holds those of every later layer. Backward needs none of these
+attributes (autograd saved what it needs), so ``GLMMoELayer`` drops every tensor the dispatcher
+set during the forward as soon as the forward returns.
+
+**Token chunks** (``chunk_tokens`` > 0). megatron-core has no token chunking for MoE: its
+``recompute_modules=["moe"]`` (``moe_layer_recompute``) reruns the whole layer, so the rebuilt
+[tokens x ffn] expert activations still scale with the sequence, and ``moe_act`` needs grouped
+GEMM. Here the router runs once on all rows (its tensors are small, and its expert-bias token
+counter must see each token once); then, for each chunk of ``chunk_tokens`` rows of the rank's
+residual stream, the shared expert, dispatch, routed experts and combine run inside a reentrant
+checkpoint: forward keeps only each chunk's inputs (views of the layer input, the dense routing
+probabilities and the routing map), backward rebuilds one chunk at a time. Every rank of the
+dispatcher's TP x EP group holds the same number of residual rows, so all ranks run the same
+chunks and their collectives pair up. The arithmetic per token is megatron's; only the order in
+which per-chunk weight and input gradients are summed changes (fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from torch.utils.checkpoint import checkpoint
+
+
+class GLMMoELayer(MoELayer):
+    """MoELayer (same parameters, same state dict) that releases its dispatcher's routing state
+    after each forward and, with ``chunk_tokens`` > 0, runs the experts over token chunks."""
+
+    def __init__(self, *args, chunk_tokens: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 0 (0: no chunks)")
+        self.chunk_tokens = chunk_tokens
+        if chunk_tokens:
+            _check_chunkable(self)
+        # Tensors the dispatcher holds from construction (index constants of some dispatchers):
+        # everything else it holds after a forward is that forward's routing state.
+        self._dispatcher_constants = frozenset(
+            name for name, value in vars(self.token_dispatcher).items() if isinstance(value, torch.Tensor))
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
+        """hidden_states [s, b, D] -> (output [s, b, D], None), as ``MoELayer.forward``."""
+        if not self.chunk_tokens:
+            out = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        else:
+            if intermediate_tensors is not None or padding_mask is not None:
+                raise ValueError("moe chunk_tokens runs the whole layer: intermediate_tensors and "
+                                 "padding_mask are not supported")
+            out = self._chunked_forward(hidden_states), None
+        self._release_dispatch_state()
+        return out
+
+    def _chunked_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        probs, routing_map = self.route(hidden_states)  # [s*b, E] each
+        s, b = hidden_states.shape[:2]
+        outputs = []
+        for start in range(0, s, self.chunk_tokens):
+            stop = min(start + self.chunk_tokens, s)
+            # [s, b, D] rows start:stop are the flattened tokens start*b : stop*b.
+            args = (hidden_states[start:stop], probs[start * b:stop * b], routing_map[start * b:stop * b])
+            if torch.is_grad_enabled():
+                outputs.append(checkpoint(self._experts_on_chunk, *args, use_reentrant=True))
+            else:
+                outputs.append(self._experts_on_chunk(*args))
+        return torch.cat(outputs)
+
+    def _experts_on_chunk(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                          routing_map: torch.Tensor) -> torch.Tensor:
+        """MoELayer's forward after the router, on one chunk of rows: shared expert, dispatch,
+        routed experts, combine."""
+        shared_expert_output = self.shared_experts_compute(hidden_states)
+        hidden, probs = self.preprocess(hidden_states, probs, routing_map)
+        hidden, probs = self.dispatch(hidden, probs)
+        output, _ = self.routed_experts_compute(hidden, probs)
+        output = self.postprocess(self.combine(output), shared_expert_output)
+        # The rebuilt chunk's routing state would otherwise hold its graph past its backward.
+        self._release_dispatch_state()
+        return output
+
+    def _release_dispatch_state(self) -> None:
+        dispatcher = self.token_dispatcher
+        for name, value in list(vars(dispatcher).items()):
+            if isinstance(value, torch.Tensor) and name not in self._dispatcher_constants:
+                setattr(dispatcher, name, None)
+
+
+def _check_chunkable(layer: MoELayer) -> None:
+    """Refuse the MoELayer features the chunked forward does not reproduce."""
+    c = layer.config
+    reasons = []
+    if c.moe_latent_size:
+        reasons.append("moe_latent_size (latent projections)")
+    if c.moe_shared_expert_overlap:
+        reasons.append("moe_shared_expert_overlap")
+    if layer.moe_layer_recompute:
+        reasons.append("recompute_modules 'moe' (megatron's whole-layer MoE recompute)")
+    if c.overlap_dispatch_backward_with_experts_wgrad:
+        reasons.append("overlap_dispatch_backward_with_experts_wgrad")
+    if c.moe_expert_capacity_factor is not None:
+        reasons.append("moe_expert_capacity_factor (capacity is per call: chunks would change it)")
+    if c.transformer_impl == "inference_optimized":
+        reasons.append("transformer_impl=inference_optimized")
+    if reasons:
+        raise ValueError("MoE token chunks cannot run with " + ", ".join(reasons))
