@@ -454,25 +454,61 @@ def dense_mlp_activation_bytes(recipe: Recipe) -> int:
 
 
 def moe_activation_bytes(recipe: Recipe) -> int:
-    """One MoE block (megatron MoELayer, allgather dispatcher, model/moe.py), per rank.
+    """One MoE block (model/moe_layer.py on megatron's MoELayer, allgather dispatcher), per rank.
 
-    Kept: the input [s, D] (router and shared expert read the same tensor); the router's fp32
-    scores [E], top-k indices and weights; the shared expert like a dense MLP of width
-    I * n_shared; the dispatcher's routing map and probabilities of the local experts for every
-    token gathered over EP x ETP, and one int64 index per assignment; per assignment to a local
-    expert (balanced routing: s * etp * top_k of them) the permuted input [D], six intermediates
-    of width I/etp, the routing weight and the fc2 input cast."""
+    Kept: the input [s, D] (router, shared expert and dispatcher read the same tensor); the
+    router's fp32 scores [E], top-k indices and weights; the shared expert like a dense MLP of
+    width I * n_shared (on the rows gathered over TP under SP). Without
+    ``train.moe_chunk_tokens`` also what the routed experts keep for all s rows
+    (``moe_routed_bytes``); with it, only what each chunk's checkpoint keeps to rebuild from:
+    its views of the input and of the router's dense fp32 probabilities and boolean routing map
+    [s, E] (5 E bytes per row)."""
     m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
-    e, D = m.moe, m.hidden_size
-    total = r.sp * D * w
-    total += r.sp * (4 * e.num_experts + 12 * e.top_k + 4)
+    e = m.moe
+    total = r.sp * m.hidden_size * w + r.sp * (4 * e.num_experts + 12 * e.top_k + 4)
     total += r.cp * e.ffn_hidden_size * e.num_shared_experts // p.tp * 6 * w
-    gathered = r.sp * p.ep * p.etp
+    if recipe.train.moe_chunk_tokens:
+        return total + r.sp * 5 * e.num_experts
+    return total + moe_routed_bytes(recipe, r.sp)
+
+
+def moe_routed_bytes(recipe: Recipe, rows: int) -> int:
+    """What the dispatcher and the routed experts keep for ``rows`` rows of the rank's residual
+    stream (all of them, or one chunk of ``train.moe_chunk_tokens``): the routing map and
+    probabilities of the local experts for every row gathered over EP x ETP, and one int64
+    index per assignment; per assignment to a local expert (balanced routing:
+    rows * ep * etp * top_k * local / E of them) the permuted input [D], six intermediates of
+    width I/etp, the routing weight and the fc2 input cast."""
+    m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
+    e, D = m.moe, m.hidden_size
+    gathered = rows * p.ep * p.etp
     local = e.num_experts // p.ep
     assignments = gathered * e.top_k * local // e.num_experts
-    total += gathered * local * 5 + assignments * 8
-    total += assignments * (D * w + 7 * e.ffn_hidden_size // p.etp * w + 4)
-    return total
+    total = gathered * local * 5 + assignments * 8
+    return total + assignments * (D * w + 7 * e.ffn_hidden_size // p.etp * w + 4)
+
+
+def moe_transient_bytes(recipe: Recipe, rows: int) -> int:
+    """The allgather dispatcher's token-sized transients for one call on ``rows`` rows, per
+    rank (g = rows * ep * etp gathered rows): the expert outputs scattered back to the gathered
+    rows [g, D] and, when the dispatch gathers (ep * etp > 1), megatron's all-gather buffer of
+    the inputs [g, D] and the fp32 copy the combine reduce-scatters [g, D] (a bf16 model; the
+    backward mirrors them: the all-gathered fp32 output gradient, its cast, the buffer)."""
+    m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
+    g = rows * p.ep * p.etp
+    per_row = w
+    if p.ep * p.etp > 1:
+        per_row += w + (4 if w != 4 else 0)
+    return g * m.hidden_size * per_row
+
+
+def moe_working_bytes(recipe: Recipe) -> int:
+    """An MoE layer's working set during its backward on top of what it keeps: one call's
+    transients (``moe_transient_bytes``) and, under ``train.moe_chunk_tokens`` = c, the
+    rebuilt tensors of one chunk (``moe_routed_bytes`` of min(c, s) rows)."""
+    sp, chunk = rows_of(recipe).sp, recipe.train.moe_chunk_tokens
+    rows = min(chunk, sp) if chunk else sp
+    return moe_transient_bytes(recipe, rows) + (moe_routed_bytes(recipe, rows) if chunk else 0)
 
 
 def head_tensor_bytes(recipe: Recipe) -> list[int]:
@@ -616,6 +652,21 @@ def layer_backward_bytes(recipe: Recipe, index: int) -> int:
     mode = recipe.train.recompute_of(recipe.model.layer_types()[index])
     return (layer_activation_bytes(recipe, index) - mlp_activation_bytes(recipe, index)
             + checkpoint_input_bytes(recipe, mode))
+
+
+def moe_backward_bytes(recipe: Recipe, index: int) -> int:
+    """What MoE layer ``index`` holds while its MoE block runs backward (first in the layer):
+    under full recompute the whole rebuilt layer and its checkpoint input; otherwise what it
+    kept (its attention block is rebuilt only after, under selective recompute)."""
+    mode = recipe.train.recompute_of(recipe.model.layer_types()[index])
+    if mode == "full":
+        return layer_activation_bytes(recipe, index) + checkpoint_input_bytes(recipe, mode)
+    return sum(layer_kept_bytes(recipe, index).values())
+
+
+def moe_phase_label(recipe: Recipe) -> str:
+    chunk = recipe.train.moe_chunk_tokens
+    return f"MoE layer backward, chunks of {chunk} (largest)" if chunk else "MoE layer backward (largest)"
 
 
 def exchange_extra_bytes(recipe: Recipe) -> tuple[str, int]:
@@ -763,6 +814,11 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
             phases[label] = max(kept_below[i] + nbytes for i, nbytes in own.items())
             if kind == "dsa":
                 dsa_layer = max(own.values())
+    moe_layers = [i for i, mlp in enumerate(m.mlp_types()) if mlp == "moe"]
+    if moe_layers:
+        working = moe_working_bytes(recipe)
+        phases[moe_phase_label(recipe)] = max(
+            kept_below[i] + moe_backward_bytes(recipe, i) + working for i in moe_layers)
     if split.step_casts:
         # The distributed optimizer casts the bf16 gradient shard to fp32 before Adam runs, when
         # every activation is freed; the casts live until the gradients are zeroed.

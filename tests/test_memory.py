@@ -14,6 +14,7 @@ import torch
 from skyrl_megatron_kda import cli, memory
 from skyrl_megatron_kda.recipes import load_recipe
 from tests.support.ranks import run_ranks
+from tests.support.tiny_models import build_on_mesh, token_ids
 
 TINY = "glm53_flash_tiny"
 FULL = "glm53_flash_1m"
@@ -59,25 +60,11 @@ def _model_counts(model) -> tuple[dict, int]:
     return counts, buffers
 
 
-def _build(recipe):
-    from megatron.core import parallel_state
-
-    from skyrl_megatron_kda.model.glm import build_model
-
-    p = recipe.parallel
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tp, context_parallel_size=p.cp,
-        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp)
-    torch.manual_seed(0)
-    return build_model(recipe, use_cpu=True)
-
-
 def _count_on_rank(rank, world, overrides_list):
     out = []
     for overrides in overrides_list:
         recipe = load_recipe(TINY, overrides)
-        counts, buffers = _model_counts(_build(recipe))
+        counts, buffers = _model_counts(build_on_mesh(recipe))
         out.append((counts, buffers, memory.param_counts(memory.rank_parameters(recipe)),
                     memory.rank_buffers_bytes(recipe)))
     return out
@@ -178,10 +165,9 @@ def _census_on_rank(rank, world, overrides_list):
     out = []
     for overrides in overrides_list:
         recipe = load_recipe(TINY, overrides)
-        model = _build(recipe)
+        model = build_on_mesh(recipe)
         census = _SavedTensorCensus(model)
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, recipe.model.vocab_size, (1, recipe.data.seq_len), generator=gen)
+        ids = token_ids(recipe)
         with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda h: h.t):
             # Labels in their own storage, as the trainer's: the fused loss keeps them.
             loss = model(ids, labels=ids.roll(-1, 1))
@@ -211,16 +197,21 @@ def census():
         # the fused loss, with chunks that do not divide the 256 tokens
         "fp32_fused_loss": SINGLE + ["train.loss_chunk_tokens=100"],
         "bf16_fused_loss": SINGLE + ["model.params_dtype=bfloat16", "train.loss_chunk_tokens=100"],
+        # MoE token chunks that do not divide the 256 rows
+        "fp32_moe_chunks": SINGLE + ["train.moe_chunk_tokens=100"],
+        "bf16_moe_chunks": SINGLE + ["model.params_dtype=bfloat16", "train.moe_chunk_tokens=100"],
     }
     (result,) = run_ranks(1, _census_on_rank, list(variants.values()))
     return dict(zip(variants, result)), {k: load_recipe(TINY, v) for k, v in variants.items()}
 
 
 @pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16_T96", "fp32_unfused", "bf16_unfused",
-                                     "fp32_fused_loss", "bf16_fused_loss"])
+                                     "fp32_fused_loss", "bf16_fused_loss", "fp32_moe_chunks",
+                                     "bf16_moe_chunks"])
 def test_activation_terms_equal_saved_tensors(census, variant):
     """Every block but KDA attention, exactly: mHC + norms per layer, DSA (both kernels), dense
-    MLP, MoE, head (with megatron's loss, and with ``train.loss_chunk_tokens``)."""
+    MLP, MoE (whole, and in ``train.moe_chunk_tokens`` chunks), head (with megatron's loss, and
+    with ``train.loss_chunk_tokens``)."""
     measured, recipes = census
     parts, recipe = measured[variant], recipes[variant]
     m = recipe.model
@@ -253,6 +244,75 @@ def test_recompute_keeps_what_the_plan_says(census, variant):
     kept = sum(v for part, v in parts.items() if part not in kda)
     assert kept == sum(v for label, v in est.activations.items() if label != "KDA attention"), (
         parts, est.activations)
+
+
+def test_moe_chunks_keep_only_the_router_and_the_chunk_inputs(census):
+    """``train.moe_chunk_tokens``: each MoE block keeps its input, the router's and the shared
+    expert's tensors and the dense routing probabilities and map [s, E], instead of the routed
+    experts' per-assignment tensors."""
+    measured, recipes = census
+    chunked, whole = measured["bf16_moe_chunks"], measured["bf16"]
+    recipe = recipes["bf16_moe_chunks"]
+    r, e = memory.rows_of(recipe), recipe.model.moe
+    for i, mlp in enumerate(recipe.model.mlp_types()):
+        if mlp == "moe":
+            assert whole[f"{i}.mlp"] - chunked[f"{i}.mlp"] == (
+                memory.moe_routed_bytes(recipe, r.sp) - r.sp * 5 * e.num_experts) > 0
+
+
+def _live_tensors(model, exclude: list) -> dict[int, tuple]:
+    """Storages of every tensor the garbage collector sees, but the model's parameters,
+    gradients and buffers and the ``exclude`` tensors: (bytes, shape, dtype) by address."""
+    import gc
+
+    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *exclude]}
+    known |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    gc.collect()
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
+            ptr = obj.untyped_storage().data_ptr()
+            if ptr not in known and obj.untyped_storage().nbytes():
+                out[ptr] = (obj.untyped_storage().nbytes(), tuple(obj.shape), obj.dtype)
+    return out
+
+
+def _after_backward_on_rank(rank, world, overrides_list, keep_dispatch_state):
+    from skyrl_megatron_kda.model.moe_layer import GLMMoELayer
+
+    if keep_dispatch_state:  # negative control: megatron's dispatcher as it is
+        GLMMoELayer._release_dispatch_state = lambda self: None
+    out = []
+    for overrides in overrides_list:
+        recipe = load_recipe(TINY, overrides)
+        model = build_on_mesh(recipe)
+        ids = token_ids(recipe)
+        labels = ids.roll(-1, 1)
+        with torch.no_grad():  # fills the caches meant to last (the KDA CP layout of the batch)
+            model(ids, labels=labels)
+        cached = _live_tensors(model, [ids, labels])
+        for _ in range(2):  # the second step starts from what the first left behind
+            model(ids, labels=labels).sum().backward()
+        live = _live_tensors(model, [ids, labels])
+        out.append({ptr: v for ptr, v in live.items() if ptr not in cached})
+    return out
+
+
+def test_nothing_outlives_the_backward():
+    """After forward and backward nothing of the step is alive but parameters and gradients,
+    with every recompute mode and MoE chunks. Negative control: megatron's dispatcher keeps its
+    last routing state; under full recompute the rebuilt ``local_probs`` holds the layer's
+    detached input streams and their gradient (two [s, N, D] tensors per MoE layer)."""
+    base = SINGLE + ["model.params_dtype=bfloat16", "data.seq_len=96"]
+    variants = [base + ["train.recompute=full"], base + ["train.recompute=selective"], base,
+                base + ["train.recompute=full", "train.moe_chunk_tokens=40"]]
+    for overrides, live in zip(variants, run_ranks(1, _after_backward_on_rank, variants, False)[0]):
+        assert live == {}, (overrides, live)
+    (leaked,) = run_ranks(1, _after_backward_on_rank, variants[:1], True)[0]
+    recipe = load_recipe(TINY, variants[0])
+    streams = (96, 1, recipe.model.hyper_connections.num_streams, recipe.model.hidden_size)
+    n_moe = recipe.model.mlp_types().count("moe")
+    assert sum(shape == streams for _, shape, _ in leaked.values()) == 2 * n_moe, leaked
 
 
 def test_offload_leaves_nothing_saved_on_the_device(census):
@@ -425,9 +485,8 @@ def _host_census_on_rank(rank, world, overrides_list):
     out = []
     for overrides in overrides_list:
         recipe = load_recipe(TINY, overrides)
-        model = _build(recipe)
-        ids = torch.randint(0, recipe.model.vocab_size, (1, recipe.data.seq_len),
-                            generator=torch.Generator().manual_seed(1))
+        model = build_on_mesh(recipe)
+        ids = token_ids(recipe)
         loss = model(ids, labels=ids.roll(-1, 1))
         saved = sorted(model.host_offload.saved)
         loss.sum().backward()

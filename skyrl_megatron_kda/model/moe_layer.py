@@ -14,14 +14,16 @@ set during the forward as soon as the forward returns.
 **Token chunks** (``chunk_tokens`` > 0). megatron-core has no token chunking for MoE: its
 ``recompute_modules=["moe"]`` (``moe_layer_recompute``) reruns the whole layer, so the rebuilt
 [tokens x ffn] expert activations still scale with the sequence, and ``moe_act`` needs grouped
-GEMM. Here the router runs once on all rows (its tensors are small, and its expert-bias token
-counter must see each token once); then, for each chunk of ``chunk_tokens`` rows of the rank's
-residual stream, the shared expert, dispatch, routed experts and combine run inside a reentrant
-checkpoint: forward keeps only each chunk's inputs (views of the layer input, the dense routing
-probabilities and the routing map), backward rebuilds one chunk at a time. Every rank of the
+GEMM. Here the shared expert and the router run once on all rows (a dense MLP and [s, E]
+scores: small next to the routed experts' per-assignment tensors; the router's expert-bias
+token counter must see each token once); then, for each chunk of ``chunk_tokens`` rows of the
+rank's residual stream, dispatch, routed experts and combine run inside a reentrant checkpoint:
+forward keeps only each chunk's inputs (views of the layer input, of the dense routing
+probabilities and of the routing map), backward rebuilds one chunk at a time. Every rank of the
 dispatcher's TP x EP group holds the same number of residual rows, so all ranks run the same
-chunks and their collectives pair up. The arithmetic per token is megatron's; only the order in
-which per-chunk weight and input gradients are summed changes (fp32 rounding).
+chunks and their collectives pair up. The arithmetic per token is megatron's and the MoE
+input's gradient sums its parts in megatron's order; only the routed experts' weight gradients
+are summed chunk by chunk (fp32 rounding; bitwise with one chunk).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class GLMMoELayer(MoELayer):
         return out
 
     def _chunked_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # megatron's order: shared expert, router, routed experts, then routed + shared. The
+        # shared expert and the router stay whole, so the MoE input's gradient sums its three
+        # parts in megatron's order.
+        shared_expert_output = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states)  # [s*b, E] each
         s, b = hidden_states.shape[:2]
         outputs = []
@@ -68,20 +74,19 @@ class GLMMoELayer(MoELayer):
             # [s, b, D] rows start:stop are the flattened tokens start*b : stop*b.
             args = (hidden_states[start:stop], probs[start * b:stop * b], routing_map[start * b:stop * b])
             if torch.is_grad_enabled():
-                outputs.append(checkpoint(self._experts_on_chunk, *args, use_reentrant=True))
+                outputs.append(checkpoint(self._routed_experts_on_chunk, *args, use_reentrant=True))
             else:
-                outputs.append(self._experts_on_chunk(*args))
-        return torch.cat(outputs)
+                outputs.append(self._routed_experts_on_chunk(*args))
+        output = torch.cat(outputs)
+        return output if shared_expert_output is None else output + shared_expert_output
 
-    def _experts_on_chunk(self, hidden_states: torch.Tensor, probs: torch.Tensor,
-                          routing_map: torch.Tensor) -> torch.Tensor:
-        """MoELayer's forward after the router, on one chunk of rows: shared expert, dispatch,
-        routed experts, combine."""
-        shared_expert_output = self.shared_experts_compute(hidden_states)
-        hidden, probs = self.preprocess(hidden_states, probs, routing_map)
+    def _routed_experts_on_chunk(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                                 routing_map: torch.Tensor) -> torch.Tensor:
+        """MoELayer's dispatch, routed experts and combine on one chunk of rows [n, b, D]."""
+        hidden, probs = self.preprocess(_GradientCopied.apply(hidden_states), probs, routing_map)
         hidden, probs = self.dispatch(hidden, probs)
         output, _ = self.routed_experts_compute(hidden, probs)
-        output = self.postprocess(self.combine(output), shared_expert_output)
+        output = self.token_dispatcher.combine_postprocess(self.combine(output))
         # The rebuilt chunk's routing state would otherwise hold its graph past its backward.
         self._release_dispatch_state()
         return output
@@ -91,6 +96,25 @@ class GLMMoELayer(MoELayer):
         for name, value in list(vars(dispatcher).items()):
             if isinstance(value, torch.Tensor) and name not in self._dispatcher_constants:
                 setattr(dispatcher, name, None)
+
+
+class _GradientCopied(torch.autograd.Function):
+    """Identity whose backward copies the gradient out of megatron's global all-gather buffer.
+
+    Under TP or EP the allgather dispatcher's backward reduce-scatters the tokens' gradient into
+    megatron's global memory buffer ("mpu"), which the next all-gather into it overwrites (the
+    next chunk's recompute, the shared expert's SP all-gather in its backward). In megatron's
+    whole layer the router's gradient is added to it before (a new tensor); in a chunk the
+    checkpoint's detached input would take the buffer itself as its ``.grad``, and what the
+    chunk returns would change under it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone()
 
 
 def _check_chunkable(layer: MoELayer) -> None:
