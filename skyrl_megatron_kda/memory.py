@@ -31,14 +31,18 @@ tensor); nothing is fitted to a measurement.
   head's tensors and the bf16 logits, or under ``train.loss_chunk_tokens`` one chunk's fp32
   logits and the hidden and weight gradients), a KDA layer's kernel backward (fla's ``chunk_kda_bwd``
   allocations; the head, the later layers and that layer's MLP are freed by then; a recomputed
-  layer's rebuilt tensors are alive), and a DSA layer's working set (model.dsa.kernel: one
-  block of the torch kernel, or the unfused path's indexer scores and whole-sequence keys); with
+  layer's rebuilt tensors are alive), a DSA layer's working set (model.dsa.kernel: one
+  block of the torch kernel, or the unfused path's indexer scores and whole-sequence keys), an
+  MoE layer's backward (the whole rebuilt layer, the allgather dispatcher's token-sized
+  transients and, under ``train.moe_chunk_tokens``, one chunk's rebuilt experts); with
   a bf16 gradient buffer also the optimizer step, when the distributed optimizer holds fp32 casts
   of the rank's gradient shard and no activation is alive.
 
-Not counted: allocator fragmentation and caching, NCCL/communication buffers other than the KDA
-exchange's, CUDA context (about 0.5-1 GiB), gradients of activations other than fla's kernel
-backward (for example the MLPs' and the projections' input gradients).
+Not counted: megatron's global all-gather buffer outside the MoE phase (it keeps its largest
+size: the SP linears' [S, D] gather at least), allocator fragmentation and caching,
+NCCL/communication buffers other than the KDA exchange's, CUDA context (about 0.5-1 GiB),
+gradients of activations other than fla's kernel backward (for example the MLPs' and the
+projections' input gradients).
 """
 
 from __future__ import annotations

@@ -374,10 +374,11 @@ def test_cp_halves_sequence_sharded_terms():
 
 
 def test_full_recompute_reduces_kept_activations():
-    none = memory.estimate_memory(_full("train.recompute=none"))
-    full = memory.estimate_memory(_full("train.recompute=full"))
+    none = memory.estimate_memory(_full("train.recompute=none", "train.moe_chunk_tokens=0"))
+    full = memory.estimate_memory(_full("train.recompute=full", "train.moe_chunk_tokens=0"))
     # Full recompute keeps each layer's input streams and the head only: about 15x less at 1M
-    # tokens (the MoE, KDA and mHC tensors dominate what recompute=none keeps).
+    # tokens (the MoE, KDA and mHC tensors dominate what recompute=none keeps without MoE
+    # chunks).
     assert sum(full.activations.values()) < sum(none.activations.values()) / 15
     recipe = _full("train.recompute=full")
     assert full.activations["layer inputs (checkpoints)"] == (
@@ -570,12 +571,37 @@ def test_plan_gpu_memory_unknown_on_cpu(capsys):
     assert "GPU memory: unknown" in capsys.readouterr().out
 
 
+def test_moe_chunks_shrink_the_moe_phase():
+    """The MoE backward phase of the 1M recipe: without chunks the allgather dispatcher's
+    transients over the 64 ranks of EP32 x ETP2 make it the peak, far beyond an H200; with
+    ``train.moe_chunk_tokens`` it grows linearly with the chunk (its transients and one chunk's
+    rebuilt experts), while what the MoE layers keep does not depend on the chunk."""
+    whole = memory.estimate_memory(_full("train.moe_chunk_tokens=0"))
+    assert whole.peak_phase[0] == "MoE layer backward (largest)" and whole.total > memory.H200_BYTES
+    phases, kept = {}, {}
+    for chunk in (2048, 4096, 8192):
+        recipe = _full(f"train.moe_chunk_tokens={chunk}")
+        phases[chunk] = memory.estimate_memory(recipe).phases[memory.moe_phase_label(recipe)]
+        kept[chunk] = memory.moe_activation_bytes(recipe)
+    assert phases[8192] - phases[4096] == 2 * (phases[4096] - phases[2048]) > 0
+    assert phases[8192] < whole.phases["MoE layer backward (largest)"] / 3
+    assert len(set(kept.values())) == 1
+    recipe = _full("train.moe_chunk_tokens=8192")
+    r, e = memory.rows_of(recipe), recipe.model.moe
+    assert memory.moe_activation_bytes(_full("train.moe_chunk_tokens=0")) - kept[8192] == (
+        memory.moe_routed_bytes(recipe, r.sp) - r.sp * 5 * e.num_experts)
+    assert any(line.lstrip().startswith("MoE layer backward, chunks of 8192")
+               for line in memory.memory_lines(recipe))
+
+
 def test_1m_recipe_fits_an_h200_with_its_levers():
     """glm53_flash_1m turns on what it needs (full recompute with the layer inputs on the host,
-    the chunked loss, bf16 gradient reduction): at most 130 GiB per GPU, host memory said."""
+    the chunked loss, MoE token chunks, bf16 gradient reduction): at most 130 GiB per GPU, host
+    memory said; its peak is a KDA layer's backward, not the MoE's."""
     recipe = _full()
     est = memory.estimate_memory(recipe)
     assert est.total <= 130 * memory.GiB, est.total / memory.GiB
+    assert est.peak_phase[0] == "KDA layer backward (largest)", est.phases
     lines = memory.memory_lines(recipe)
     assert any(line.endswith("-> fits") for line in lines)
     host, exact = memory.host_activation_bytes(recipe)
