@@ -32,6 +32,7 @@ LEVERS = {
     "loss": "train.loss_chunk_tokens=8192",
     "bf16grads": "train.grad_reduce_in_fp32=false",
     "headgroups": "kda.kernel_head_group=16",
+    "moechunks": "train.moe_chunk_tokens=8192",
 }
 """The memory levers a run spec can turn on, by name."""
 

@@ -1,5 +1,6 @@
 """``train.moe_chunk_tokens`` (model/moe_layer.py): the loss and every gradient equal those of
-megatron's unchunked MoELayer, on one rank and on TP2 +SP with EP2 or ETP2; the setting is
+megatron's unchunked MoELayer, on one rank and on TP2 +SP with EP2 or ETP2, also under full
+recompute; the setting is
 validated and refused with the MoE features the chunked forward does not reproduce. One chunk
 is bitwise the whole layer; several round the experts' GEMMs differently (see the tolerances)."""
 
@@ -59,12 +60,15 @@ def _gaps_on_rank(rank, world, mesh, roll_chunk_probs=False):
     base = mesh + ["data.seq_len=128", "train.recompute=none"]
     loss0, grads0 = _loss_and_grads(load_recipe(TINY, base))
     out = {}
-    for chunk in CHUNKS:
-        loss1, grads1 = _loss_and_grads(load_recipe(TINY, base + [f"train.moe_chunk_tokens={chunk}"]))
+    # the chunk sizes, and the smallest under full recompute (chunks rebuilt inside a rebuilt layer)
+    runs = {chunk: [] for chunk in CHUNKS} | {f"{CHUNKS[0]} full": ["train.recompute=full"]}
+    for name, extra in runs.items():
+        chunk = int(str(name).split()[0])
+        loss1, grads1 = _loss_and_grads(load_recipe(TINY, base + [f"train.moe_chunk_tokens={chunk}", *extra]))
         assert grads1.keys() == grads0.keys()
         gaps = {n: float((grads1[n] - grads0[n]).norm() / grads0[n].norm()) for n in grads0}
         bitwise = torch.equal(loss1, loss0) + sum(torch.equal(grads1[n], grads0[n]) for n in grads0)
-        out[chunk] = dict(
+        out[name] = dict(
             loss=float((loss1 - loss0).norm() / loss0.norm()),
             moe=max(v for n, v in gaps.items() if ".mlp." in n),
             trunk=max(v for n, v in gaps.items() if ".mlp." not in n),
