@@ -105,6 +105,25 @@ def test_negative_control_misrouted_chunk_is_caught():
         assert gap["loss"] > 1e3 * MOE_TOLERANCE and gap["moe"] > 1e-2, gaps
 
 
+def _with_other_levers_on_rank(rank, world):
+    base = SINGLE + ["data.seq_len=128", f"train.moe_chunk_tokens={CHUNKS[0]}"]
+    loss0, grads0 = _loss_and_grads(load_recipe(TINY, base))
+    out = {}
+    for levers in (["train.offload_activations=true"], ["train.recompute=selective"],
+                   ["train.recompute=full", "train.offload_activations=true"]):
+        loss1, grads1 = _loss_and_grads(load_recipe(TINY, base + levers))
+        out[" ".join(levers)] = torch.equal(loss1, loss0) and all(
+            torch.equal(grads1[n], grads0[n]) for n in grads0)
+    return out
+
+
+def test_chunks_with_the_other_memory_levers_are_bitwise_the_same():
+    """Host offload (the chunks' saved inputs go to the host), selective and full recompute
+    leave the chunked layer's loss and gradients bitwise as they are."""
+    (same,) = run_ranks(1, _with_other_levers_on_rank)
+    assert all(same.values()), same
+
+
 def test_moe_chunk_tokens_is_validated():
     assert load_recipe(TINY, []).train.moe_chunk_tokens == 0
     with pytest.raises(ValidationError, match="moe_chunk_tokens"):
