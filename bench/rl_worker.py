@@ -29,9 +29,10 @@ CPU check (seconds; the tiny recipe on one gloo rank):
     --set parallel.sequence_parallel=false --set run.num_workers=1
 
 On one H200 (device tool, carry [".whl", ".whl-rl", ".tcache"]). ``.whl-rl`` holds the wheels
-that importing ``integrations.skyrl.workers`` needs beyond the GPU image and ``.whl`` (skyrl,
-skyrl-gym, omegaconf, ...; docs/skyrl.md, "On one GPU"); DSA runs its torch kernel (the fused one
-needs tilelang, carried separately):
+that importing ``integrations.skyrl.workers`` needs beyond the GPU image and ``.whl``: skyrl,
+skyrl-gym, omegaconf, loguru, cloudpathlib, orjson, pybase64, datasets, dill, multiprocess
+(2.8 MB, from ``pip download --no-deps``; docs/skyrl.md, "On one GPU"). DSA runs its torch kernel
+(the fused one needs tilelang, carried separately):
   python3 -m pip install -q --no-index --no-deps --no-compile --target .site-rl .whl-rl/*.whl && \
   WHEELS=.whl bash bench/device_run.sh env PYTHONPATH=$PWD/.site-rl:$PWD/.site:$PWD \
     python3 bench/rl_worker.py --tokens 8192 --rows 4 --steps 3 --kl \
