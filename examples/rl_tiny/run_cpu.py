@@ -27,6 +27,7 @@ Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import random
@@ -156,8 +157,13 @@ def make_experiment_class():
             super().__init__(cfg)
 
         def get_inference_client(self):
-            return CPUInferenceClient(self.work / "weights", self.tokenizer,
-                                      model_name=self.cfg.trainer.policy.model.path)
+            client = CPUInferenceClient(self.work / "weights", self.tokenizer,
+                                        model_name=self.cfg.trainer.policy.model.path)
+            if self.cfg.trainer.placement.colocate_all:
+                # as SkyRL's own get_inference_client: colocated engines start asleep, and the
+                # trainer wakes them around each weight sync
+                asyncio.run(client.sleep())
+            return client
 
         def get_tracker(self):
             t = self.cfg.trainer
