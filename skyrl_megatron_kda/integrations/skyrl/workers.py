@@ -36,12 +36,18 @@ from skyrl.train.utils.utils import ray_noset_visible_devices
 from ...distributed.cpu import redirect_cuda_device_queries
 from ...model.hf_io import save_hf_checkpoint
 from ...train.checkpoint import latest_checkpoint
+from ...train.manifest import read as read_manifest
 from ...train.rl import pack_rollout, token_logprobs
 from ...train.trainer import RankTrainer
 from . import offload, weight_sync
 from .config import unsupported_trainer_settings
 from .mesh import megatron_mesh_rank, mesh_rank
-from .settings import apply_decided, check_weights_folder, decided_settings
+from .settings import (
+    apply_decided,
+    check_weights_folder,
+    decided_settings,
+    steps_only_extend_a_constant_schedule,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -327,7 +333,11 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         if path is None:
             raise FileNotFoundError(f"{ckpt_dir} holds no checkpoint written by "
                                     "KDAPolicyWorker.save_checkpoint")
-        step = self.trainer.load_checkpoint(str(path))
+        # A resume with another trainer.max_training_steps (SkyRL's "train further") changes only
+        # train.steps, which SkyRL's constant schedule does not use: this run's schedule applies.
+        extend = steps_only_extend_a_constant_schedule(read_manifest(path)["schedule"],
+                                                       self.trainer.recipe)
+        step = self.trainer.load_checkpoint(str(path), override_schedule=extend)
         logger.info("%s rank %d: restored checkpoint step %d (model, optimizer, schedule, RNG) "
                     "from %s", type(self).__name__, dist.get_rank(), step, path)
         return step
