@@ -21,7 +21,10 @@ sampling from the weights the worker publishes on disk after every step
    log-probs of the same tokens, with the same weights), ...
 
 Usage: ``python examples/rl_tiny/run_cpu.py WORKDIR [--steps 2] [--mesh tp1|tp2cp2] [KEY=VALUE ...]``.
-Nothing is downloaded.
+Nothing is downloaded. SkyRL's own settings checkpoint and resume the job
+(``trainer.ckpt_interval``, ``trainer.resume_mode=from_path``, ``trainer.resume_path``) and
+colocate it (``trainer.placement.colocate_all=true``: the client then starts asleep, as SkyRL's
+own colocated engines do); README.md has the commands.
 """
 
 from __future__ import annotations
