@@ -206,7 +206,8 @@ def test_resume_restores_optimizer_state_schedule_and_step_not_only_weights(tmp_
     step = RESUME_FROM + 1
     later = _checkpoint_state(whole["work"], step, tmp_path_factory)
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in later)
-    assert "common_state/shard_0_1" in later  # schedule, step, optimizer param groups, loader
+    common = later["common_state/shard_0_1"][0]  # optimizer param groups, schedule, step, ...
+    assert common["step"] == step and common["scheduler"]["num_steps"] == step
     assert _differences(_checkpoint_state(resumed["work"], step, tmp_path_factory), later) == []
     # Negative control: a step changes that state (weights, moments, schedule and step).
     earlier = _checkpoint_state(whole["work"], RESUME_FROM, tmp_path_factory)
