@@ -15,7 +15,9 @@ Usage (on a CUDA machine with Ray):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -47,19 +49,31 @@ def parse_args():
     p.add_argument("--exchanges", default="a2a", help="KDA CP exchanges to run (comma-separated)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json", default=None)
+    p.add_argument("--memory-report", default=None, metavar="DIR",
+                   help="write each run's first-step memory report (run.memory_report) under DIR")
     return p.parse_args()
 
 
 def slice_recipe(layers: int, seq_len: int, cp: int, exchange: str, steps: int, output_dir: str,
-                 recompute: str = "full", levers: tuple[str, ...] = ()):
+                 recompute: str = "full", levers: tuple[str, ...] = (), memory_report: bool = False):
     from skyrl_megatron_kda.recipes import load_recipe
 
     return load_recipe("glm53_flash_slice", [
         f"model.num_layers={layers}", f"data.seq_len={seq_len}", f"parallel.cp={cp}",
         f"run.num_workers={cp}", f"kda.cp_exchange={exchange}", f"train.steps={steps}",
         "train.save_at_end=false", f"run.output_dir={output_dir}", f"train.recompute={recompute}",
-        *(LEVERS[name] for name in levers),
+        f"run.memory_report={str(memory_report).lower()}", *(LEVERS[name] for name in levers),
     ])
+
+
+@contextlib.contextmanager
+def _output_dir(keep_under: str | None, name: str):
+    """The run's folder: kept under ``keep_under`` (its memory reports), else a temporary one."""
+    if keep_under is None:
+        with tempfile.TemporaryDirectory() as out:
+            yield out
+    else:
+        yield os.path.join(keep_under, name)
 
 
 def measure(recipe) -> dict:
@@ -93,8 +107,10 @@ def main() -> None:
             raise SystemExit(f"--runs {spec}: unknown lever(s) {sorted(unknown)}; known: {sorted(LEVERS)}")
         layers, seq_len = int(layers), int(seq_len)
         for exchange in args.exchanges.split(","):
-            with tempfile.TemporaryDirectory() as out:
-                recipe = slice_recipe(layers, seq_len, args.cp, exchange, args.steps, out, recompute, levers)
+            name = f"{layers}x{seq_len}_cp{args.cp}_{exchange}_{recompute}" + "".join(f"_{n}" for n in levers)
+            with _output_dir(args.memory_report, name) as out:
+                recipe = slice_recipe(layers, seq_len, args.cp, exchange, args.steps, out, recompute, levers,
+                                      memory_report=args.memory_report is not None)
                 log(f"{layers} layers, T={seq_len}, CP{args.cp} {exchange}, recompute {recompute}"
                     f"{''.join('+' + name for name in levers)}: training {args.steps} steps")
                 row = {"layers": layers, "seq_len": seq_len, "cp": args.cp, "exchange": exchange,

@@ -522,7 +522,17 @@ def head_tensor_bytes(recipe: Recipe) -> list[int]:
     m, w, r = recipe.model, _act_bytes(recipe), rows_of(recipe)
     D = m.hidden_size
     norm = [r.sp * D * 4, r.sp * 4, r.sp * D * w]
-    return [r.cp * 8, *norm, r.sp * D * w, *(r.cp * n for n in loss_kept_bytes_per_token(recipe))]
+    return [*embedding_tensor_bytes(recipe), *norm, r.sp * D * w,
+            *(r.cp * n for n in loss_kept_bytes_per_token(recipe))]
+
+
+HEAD_LABEL = "embedding + head + loss"
+"""The plan's row of what the embedding, final norm, output layer and loss keep."""
+
+
+def embedding_tensor_bytes(recipe: Recipe) -> list[int]:
+    """What the embedding keeps: the rank's token ids (int64)."""
+    return [rows_of(recipe).cp * 8]
 
 
 def head_activation_bytes(recipe: Recipe) -> int:
@@ -549,12 +559,13 @@ def pinned_block_bytes(nbytes: int) -> int:
 def offloaded_tensor_bytes(recipe: Recipe) -> list[int] | None:
     """Sizes of the tensors ``train.offload_activations`` copies to the host per forward, one
     entry per tensor (model/host_offload.py copies each once), when every layer is under full
-    recompute: each layer's input streams and the head's tensors. None otherwise: layers that
-    keep their own tensors are modelled in bytes per block, not tensor by tensor."""
+    recompute: the token ids and each layer's input streams. The head's tensors stay on the
+    device: saved last and read first, moving them would lower no peak. None otherwise: layers
+    that keep their own tensors are modelled in bytes per block, not tensor by tensor."""
     m, t = recipe.model, recipe.train
     if any(t.recompute_of(kind) != "full" for kind in m.layer_types()):
         return None
-    return [checkpoint_input_bytes(recipe, "full")] * m.num_layers + head_tensor_bytes(recipe)
+    return embedding_tensor_bytes(recipe) + [checkpoint_input_bytes(recipe, "full")] * m.num_layers
 
 
 def host_activation_bytes(recipe: Recipe) -> tuple[int, bool]:
@@ -566,7 +577,7 @@ def host_activation_bytes(recipe: Recipe) -> tuple[int, bool]:
     sizes = offloaded_tensor_bytes(recipe)
     if sizes is None:
         kept = sum(sum(layer_kept_bytes(recipe, i).values()) for i in range(recipe.model.num_layers))
-        return kept + head_activation_bytes(recipe), False
+        return kept + sum(embedding_tensor_bytes(recipe)), False
     pinned = recipe.run.device == "gpu"
     return sum(pinned_block_bytes(n) if pinned else n for n in sizes), True
 
@@ -799,7 +810,7 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
         for label, nbytes in kept.items():
             activations[label] = activations.get(label, 0) + nbytes
         kept_below.append(kept_below[-1] + (0 if offload else sum(kept.values())))
-    activations["embedding + head + loss"] = head
+    activations[HEAD_LABEL] = head
     # Backward runs the loss first and then the layers from the last one, a layer's FFN before
     # its attention; each layer's saved tensors are freed after its backward. So at a layer's
     # attention backward the head and the later layers are gone. The exchange's transient
@@ -859,10 +870,11 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
     table += rows([
         (f"gradients ({grad_dtype} DDP buffer)", est.grads),
         (f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard}{on_host})", est.optimizer),
-        ("activations kept for backward" + (" (in host memory)" if est.offloaded else ""),
-         sum(est.activations.values())),
+        ("activations kept for backward", sum(est.activations.values())),
     ])
-    table += rows(((label, v) for label, v in est.activations.items() if v), 2)
+    # Offloaded: the layers' tensors (and the token ids) are in host memory, the head's are not.
+    table += rows(((label + (" (host memory)" if est.offloaded and label != HEAD_LABEL else ""), v)
+                   for label, v in est.activations.items() if v), 2)
     table += rows([(f"KDA exchange transient ({est.exchange}, one layer)", est.exchange_buffers),
                    ("peak phase (activations + working set)", est.peak_phase[1])])
     for label, nbytes in est.phases.items():

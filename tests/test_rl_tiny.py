@@ -13,25 +13,50 @@ step, the sync before the next rollouts), so SkyRL's ``policy/rollout_train_logp
 is fp32 rounding (about 1e-6) at step 1 (initial weights) and step 2 (after a step); a sync that
 was skipped or mapped a tensor wrongly shows as 0.1 or more (the step moves the log-probs by more
 than 1e-3, checked in tests/test_skyrl_weight_sync.py).
+
+The TP1 job checkpoints every step through SkyRL's trainer (``trainer.ckpt_interval=1``). Two
+more TP1 jobs continue from it:
+
+- resumed: a fresh job resumed through SkyRL's trainer from the TP1 job's step-1 checkpoint
+  (``trainer.resume_mode=from_path``; SkyRL restores its step and data loader and calls the
+  policy worker's ``load_checkpoint``). Its step 2 equals the uninterrupted job's step 2 bit for
+  bit (every metric but wall-clock timings: rollouts, rewards, log-probs, loss, KL, grad norm),
+  and so do the weights it publishes after step 2 and its step-2 checkpoint's data file (model,
+  Adam moments, LR schedule, step, RNG). One process or two, the same fp32 operations run in the
+  same order on the same inputs, so nothing short of bitwise is expected; a restart that lost
+  the Adam moments, the schedule's step or the sampler's stream would differ at order 1e-3 or
+  more (the step-1 and step-2 checkpoints differ: the negative control);
+- colocated: ``trainer.placement.colocate_all=true`` (SkyRL's default): SkyRL's dispatch
+  offloads and backloads the workers around generation, the reference forward, training and the
+  weight sync, and the sampler sleeps and wakes. On CPU the moves free and refill the same
+  memory, so every metric of every step equals the TP1 job's bit for bit; the workers' log lines
+  show the calls, alternating as SkyRL's dispatch tracks residency.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_tiny" / "run_cpu.py"
 STEPS = 2
 
 
-# job -> (mesh, extra SkyRL settings): TP1, and TP2 x CP2 with each KDA exchange (a2a: the recipe's)
+CHECKPOINTS = ["trainer.ckpt_interval=1"]  # SkyRL saves after every step
+RESUME_FROM = 1
+# job -> (mesh, extra SkyRL settings): TP1 (checkpointed, and colocated), and TP2 x CP2 with each
+# KDA exchange (a2a: the recipe's)
 JOBS = {
-    "tp1": ("tp1", []),
+    "tp1": ("tp1", CHECKPOINTS),
+    "tp1_colocated": ("tp1", [*CHECKPOINTS, "trainer.placement.colocate_all=true"]),
     "tp2cp2_a2a": ("tp2cp2", []),
     "tp2cp2_allgather": ("tp2cp2", ["trainer.kda.cp_exchange=allgather"]),
     "tp2cp2_state": ("tp2cp2", ["trainer.kda.cp_exchange=state"]),
@@ -41,18 +66,33 @@ _jobs: dict = {}
 
 
 def _run(name: str, tmp_path_factory) -> dict:
+    return _launch(name, *JOBS[name], tmp_path_factory)
+
+
+def _resumed(tmp_path_factory) -> dict:
+    """The TP1 job's settings, resumed through SkyRL's trainer from its step-1 checkpoint."""
+    whole = _run("tp1", tmp_path_factory)
+    mesh, extra = JOBS["tp1"]
+    resume = ["trainer.resume_mode=from_path",
+              f"trainer.resume_path={whole['work'] / 'ckpt' / f'global_step_{RESUME_FROM}'}"]
+    return _launch("tp1_resumed", mesh, [*extra, *resume], tmp_path_factory)
+
+
+def _launch(name: str, mesh: str, extra: list, tmp_path_factory) -> dict:
     if name in _jobs:
         return _jobs[name]
-    mesh, extra = JOBS[name]
     work = tmp_path_factory.mktemp(f"rl_tiny_{name}")
-    env = dict(os.environ, PYTHONPATH=str(EXAMPLE.parents[2]), TORCHDYNAMO_DISABLE="1")
+    # RAY_DEDUP_LOGS=0: every worker log line reaches the output (the offload calls)
+    env = dict(os.environ, PYTHONPATH=str(EXAMPLE.parents[2]), TORCHDYNAMO_DISABLE="1",
+               RAY_DEDUP_LOGS="0")
     env.pop("SKYRL_KDA_CP_EXCHANGE", None)
     proc = subprocess.run([sys.executable, str(EXAMPLE), str(work), "--steps", str(STEPS),
                            "--mesh", mesh, *extra], env=env, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    _jobs[name] = {"work": work, "stdout": proc.stdout, "metrics": metrics}
+    _jobs[name] = {"work": work, "stdout": proc.stdout, "output": proc.stdout + proc.stderr,
+                   "metrics": metrics}
     return _jobs[name]
 
 
@@ -102,3 +142,111 @@ def test_step_one_is_the_same_on_every_mesh(name, tmp_path_factory):
     err = abs(four["policy/grad_norm"] - one["policy/grad_norm"]) / one["policy/grad_norm"]
     tol = GRAD_NORM_TOL.get(name, 1e-5)
     assert err < tol, f"{name}: grad norm {four['policy/grad_norm']} vs {one['policy/grad_norm']}"
+
+
+WALL_CLOCK = re.compile(r"timing/|trainer/tokens_per_second")
+
+
+def _deterministic(metrics: dict) -> dict:
+    """A step's metrics without the wall-clock ones."""
+    return {k: v for k, v in metrics.items() if not WALL_CLOCK.match(k)}
+
+
+def _checkpoint_state(work: Path, step: int, tmp_path_factory) -> dict:
+    """Everything the policy worker's checkpoint at SkyRL's ``step`` holds (model, optimizer
+    state, schedule, step, data position, RNG), read back with torch's DCP converter. Contents,
+    not bytes: pickling a restored scheduler memoises its strings differently."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = work / "ckpt" / f"global_step_{step}" / "policy" / "checkpoints" / f"step_{step:08d}"
+    out = tmp_path_factory.mktemp("checkpoint") / "state.pt"
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=False)
+
+
+def _differences(a, b, path: str = "") -> list:
+    """Paths where two checkpoint states differ (tensors bitwise, dtype and shape included)."""
+    if isinstance(a, torch.Tensor):
+        same = (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+        return [] if same else [path]
+    if isinstance(a, io.BytesIO):
+        return [] if isinstance(b, io.BytesIO) and a.getvalue() == b.getvalue() else [path]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return [path]
+        return [d for k in a for d in _differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            return [path]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path]
+
+
+def _published_weights(work: Path) -> bytes:
+    latest = work / "weights" / (work / "weights" / "LATEST").read_text().strip()
+    return b"".join(f.read_bytes() for f in sorted(latest.glob("*.safetensors")))
+
+
+def test_a_resumed_job_continues_exactly_like_the_uninterrupted_one(tmp_path_factory):
+    whole, resumed = _run("tp1", tmp_path_factory), _resumed(tmp_path_factory)
+    steps = _steps(resumed)
+    assert sorted(steps) == [RESUME_FROM + 1], "SkyRL did not continue from the checkpoint's step"
+    later = _steps(whole)[RESUME_FROM + 1]
+    assert _deterministic(steps[RESUME_FROM + 1]) == _deterministic(later)
+    assert later["policy/policy_kl"] > 0  # the reference, rebuilt from its path, is the same too
+    assert _published_weights(resumed["work"]) == _published_weights(whole["work"])
+
+
+def test_resume_restores_optimizer_state_schedule_and_step_not_only_weights(tmp_path_factory):
+    whole, resumed = _run("tp1", tmp_path_factory), _resumed(tmp_path_factory)
+    # After one more step from the restored state, the whole training state is bit-identical:
+    # the weights, Adam's moments and step count, the LR schedule, the trainer's step, the data
+    # position, the RNG streams.
+    step = RESUME_FROM + 1
+    later = _checkpoint_state(whole["work"], step, tmp_path_factory)
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in later)
+    common = later["common_state/shard_0_1"][0]  # optimizer param groups, schedule, step, ...
+    assert common["step"] == step and common["scheduler"]["num_steps"] == step
+    assert _differences(_checkpoint_state(resumed["work"], step, tmp_path_factory), later) == []
+    # Negative control: a step changes that state (weights, moments, schedule and step).
+    earlier = _checkpoint_state(whole["work"], RESUME_FROM, tmp_path_factory)
+    changed = _differences(earlier, later)
+    for part in ("embedding.weight", "optimizer.state.exp_avg.embedding.weight",
+                 "optimizer.state.exp_avg_sq.embedding.weight", "common_state/shard_0_1"):
+        assert any(d.startswith(f"/{part}") for d in changed), part
+    assert "KDAPolicyWorkerBase rank 0: restored checkpoint step 1" in resumed["output"]
+
+
+OFFLOAD_CALL = re.compile(r"(KDA\w+WorkerBase) rank 0: (offload_to_cpu|backload_to_gpu)"
+                          r"\(model=(True|False), optimizer=(True|False)\)")
+
+
+def _offload_calls(job) -> dict:
+    """worker class -> its (call, model, optimizer) in order, from the workers' log lines."""
+    calls: dict = {}
+    for worker, call, model, optimizer in OFFLOAD_CALL.findall(job["output"]):
+        calls.setdefault(worker, []).append((call, model == "True", optimizer == "True"))
+    return calls
+
+
+def test_colocate_all_continues_bit_identically_to_a_run_without_it(tmp_path_factory):
+    plain, colocated = _run("tp1", tmp_path_factory), _run("tp1_colocated", tmp_path_factory)
+    plain_steps, colocated_steps = _steps(plain), _steps(colocated)
+    assert sorted(colocated_steps) == sorted(plain_steps) == list(range(1, STEPS + 1))
+    for step in plain_steps:
+        assert _deterministic(colocated_steps[step]) == _deterministic(plain_steps[step]), step
+    assert _published_weights(colocated["work"]) == _published_weights(plain["work"])
+
+    calls = _offload_calls(colocated)
+    assert set(calls) == {"KDAPolicyWorkerBase", "KDARefWorkerBase"}
+    for worker, sequence in calls.items():
+        # SkyRL offloads everything after init_model, then backloads what each phase needs
+        assert sequence[0] == ("offload_to_cpu", True, True), (worker, sequence)
+        assert ("backload_to_gpu", True, False) in sequence, (worker, sequence)
+    # colocate_all also offloads the policy around each weight sync (colocate_policy_ref alone,
+    # the plain job, offloads it only when the reference needs the GPU)
+    offloads = [c for c in calls["KDAPolicyWorkerBase"] if c[0] == "offload_to_cpu"]
+    plain_offloads = [c for c in _offload_calls(plain).get("KDAPolicyWorkerBase", [])
+                      if c[0] == "offload_to_cpu"]
+    assert len(offloads) > len(plain_offloads), (offloads, plain_offloads)

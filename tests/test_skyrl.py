@@ -457,3 +457,24 @@ def test_reference_weights_follow_skyrls_paths(tmp_path):
     assert weights(named, "/export/global_step_3/policy") == {
         ("/export/global_step_3/policy", "trainer.ref.model.path")}
     assert weights(plain, None) == set()  # the recipe's weights (none: a seeded random init)
+
+
+def test_a_resume_may_change_only_the_step_count_of_skyrls_constant_schedule():
+    """SkyRL resumes that train further (a larger ``trainer.max_training_steps``) load with this
+    run's schedule when only ``train.steps`` differs and the schedule is SkyRL's constant one;
+    everything else is left to the checkpoint load's refusal."""
+    from skyrl_megatron_kda.integrations.skyrl.settings import (
+        steps_only_extend_a_constant_schedule as extends,
+    )
+
+    def with_train(**train):
+        recipe = load_recipe("glm53_flash_tiny")
+        return recipe.model_copy(update={"train": recipe.train.model_copy(update=train)})
+
+    constant = with_train(lr=3e-3, min_lr=3e-3, steps=4)
+    saved = {**constant.train.schedule(), "train.steps": 2}
+    assert extends(saved, constant)
+    assert not extends(constant.train.schedule(), constant)  # nothing differs: a plain load
+    assert not extends({**saved, "train.lr": 1e-3}, constant)  # another LR too
+    decaying = with_train(lr=3e-3, min_lr=0.0, steps=4)  # steps shape a decaying schedule
+    assert not extends({**decaying.train.schedule(), "train.steps": 2}, decaying)

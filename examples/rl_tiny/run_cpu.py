@@ -21,12 +21,16 @@ sampling from the weights the worker publishes on disk after every step
    log-probs of the same tokens, with the same weights), ...
 
 Usage: ``python examples/rl_tiny/run_cpu.py WORKDIR [--steps 2] [--mesh tp1|tp2cp2] [KEY=VALUE ...]``.
-Nothing is downloaded.
+Nothing is downloaded. SkyRL's own settings checkpoint and resume the job
+(``trainer.ckpt_interval``, ``trainer.resume_mode=from_path``, ``trainer.resume_path``) and
+colocate it (``trainer.placement.colocate_all=true``: the client then starts asleep, as SkyRL's
+own colocated engines do); README.md has the commands.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import random
@@ -156,8 +160,13 @@ def make_experiment_class():
             super().__init__(cfg)
 
         def get_inference_client(self):
-            return CPUInferenceClient(self.work / "weights", self.tokenizer,
-                                      model_name=self.cfg.trainer.policy.model.path)
+            client = CPUInferenceClient(self.work / "weights", self.tokenizer,
+                                        model_name=self.cfg.trainer.policy.model.path)
+            if self.cfg.trainer.placement.colocate_all:
+                # as SkyRL's own get_inference_client: colocated engines start asleep, and the
+                # trainer wakes them around each weight sync
+                asyncio.run(client.sleep())
+            return client
 
         def get_tracker(self):
             t = self.cfg.trainer

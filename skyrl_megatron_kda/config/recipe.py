@@ -160,7 +160,7 @@ class Recipe(MeshRecipe):
         return self
 
     @model_validator(mode="after")
-    def _kernel_fits_device(self) -> Recipe:
+    def _gpu_settings_fit_device(self) -> Recipe:
         if self.run.device == "cpu" and self.kda.kernel == "fla":
             raise ValueError(
                 "kda.kernel=fla needs run.device=gpu (fla's kernels are Triton on CUDA); "
@@ -171,6 +171,9 @@ class Recipe(MeshRecipe):
                 "model.dsa.kernel=fused needs run.device=gpu (TileLang kernels on CUDA); "
                 "use model.dsa.kernel=torch or auto on CPU"
             )
+        if self.run.device == "cpu" and self.run.memory_report:
+            raise ValueError("run.memory_report needs run.device=gpu (it reads CUDA's allocator "
+                             "history); leave it false on CPU")
         return self
 
     @model_validator(mode="after")

@@ -24,6 +24,10 @@ class RunConfig(_Config):
     cluster for this command, never joining a running one."""
     resume: bool = Field(default=False, strict=True)
     """Continue from the latest checkpoint under output_dir/checkpoints (error if there is none)."""
+    memory_report: bool = Field(default=False, strict=True)
+    """GPU: record the allocator over the first step and write what is alive at its peak (or at
+    an out-of-memory error), by the line that allocated it, to memory_report_rank<r>.txt in
+    output_dir (``train/memory_report.py``)."""
     init_from_hf: str | None = None
     """Hugging Face glm5_next safetensors folder whose weights start the run (None: random init).
     Every rank reads it, so it must exist on every node when the run starts; with ``resume`` the

@@ -45,9 +45,10 @@ class TrainConfig(_Config):
     """The layer types ``recompute`` applies to; layers of the other type keep their activations."""
     offload_activations: bool = Field(default=False, strict=True)
     """Keep the tensors saved for backward in host memory instead of the GPU (pinned,
-    model/host_offload.py; parameters stay): under full recompute the layer inputs and the
-    head's tensors, else every kept activation. Each is copied to the host in forward and back
-    in backward; ``skyrl-kda plan`` shows the host memory per GPU and per node."""
+    model/host_offload.py; parameters stay): under full recompute the token ids and the layer
+    inputs, else every activation the layers keep; the head's tensors stay (saved last and read
+    first, they would lower no peak). Each is copied to the host in forward and back in
+    backward; ``skyrl-kda plan`` shows the host memory per GPU and per node."""
     loss_chunk_tokens: PositiveInt | None = None
     """Compute the output layer and cross entropy in chunks of this many tokens of the CP rank,
     never forming the [tokens, vocab/tp] logits (model/fused_loss.py: kept per token are two fp32

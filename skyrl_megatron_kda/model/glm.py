@@ -264,6 +264,8 @@ class GLMModel(MegatronModule):
         if (temperature != 1.0 or entropy) and (labels is None or self.loss_chunk_tokens is None):
             raise ValueError("temperature and entropy are options of the chunked loss: pass labels "
                              "with train.loss_chunk_tokens set (else divide the logits yourself)")
+        # The head's saved tensors stay on the device: saved last and read first in backward,
+        # in host memory they would lower no peak and cost two copies.
         with self._saved_tensors_home():
             hidden = self.embedding(input_ids)  # SP: [s/tp, b, D]; else [b, s, D]
             if not self.config.sequence_parallel:
@@ -276,22 +278,22 @@ class GLMModel(MegatronModule):
                     streams = checkpoint(layer, streams, packed_seq_params, use_reentrant=True)
                 else:
                     streams = layer(streams, packed_seq_params)
-            hidden = self.final_norm(reduce_streams(streams))
-            if labels is not None and self.loss_chunk_tokens is not None:
-                out = chunked_linear_cross_entropy(
-                    hidden, self._vocab_weight(),
-                    labels.transpose(0, 1).contiguous(), chunk=self.loss_chunk_tokens,
-                    tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel,
-                    temperature=temperature, entropy=entropy)
-                if entropy:
-                    return tuple(t.transpose(0, 1).contiguous() for t in out)
-                return out.transpose(0, 1).contiguous()
-            logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
-            if labels is None:
-                return logits.transpose(0, 1).contiguous()
-            loss = tensor_parallel.vocab_parallel_cross_entropy(
-                logits.float(), labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp)
-            return loss.transpose(0, 1).contiguous()
+        hidden = self.final_norm(reduce_streams(streams))
+        if labels is not None and self.loss_chunk_tokens is not None:
+            out = chunked_linear_cross_entropy(
+                hidden, self._vocab_weight(),
+                labels.transpose(0, 1).contiguous(), chunk=self.loss_chunk_tokens,
+                tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel,
+                temperature=temperature, entropy=entropy)
+            if entropy:
+                return tuple(t.transpose(0, 1).contiguous() for t in out)
+            return out.transpose(0, 1).contiguous()
+        logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(
+            logits.float(), labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()
 
     def _saved_tensors_home(self):
         """Where autograd keeps the tensors saved for backward: host memory under

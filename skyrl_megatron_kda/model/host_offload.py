@@ -10,8 +10,11 @@ host allocator rounds pinned blocks (``pinned_block_bytes``), so the plan's host
 checked against it.
 
 Under ``train.recompute=full`` what autograd saves outside the rebuilt layers is each layer's
-input streams (the reentrant checkpoint's one saved tensor) and the head's tensors, so those are
-what moves; each is copied to the host in forward and back to its device in the layer's backward.
+input streams (the reentrant checkpoint's one saved tensor), the token ids and the head's
+tensors. The model applies the hooks to the embedding and the layers only (``GLMModel.forward``):
+the head's tensors are saved last and read first, so on the host they would lower no peak and
+cost two copies. Each copy goes to the host in forward and back to its device in the layer's
+backward.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from megatron.core.utils import get_model_config
 from ..config import Recipe
 from ..distributed.cpu import cuda_names_cpu
 from ..model.hf_io import load_hf_checkpoint
-from . import checkpoint, manifest
+from . import checkpoint, manifest, memory_report
 from .data import (
     PackedLoader,
     PackedRow,
@@ -174,6 +175,7 @@ class RankTrainer(RankModel):
             recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.kda.cp_layout,
             vocab_size=recipe.model.vocab_size)
         self.step = 0
+        self._memory_report_due = recipe.run.memory_report  # the first step of this process
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -221,7 +223,17 @@ class RankTrainer(RankModel):
         return float(grad_norm), lr
 
     def train_step(self) -> dict:
-        """One optimizer step; returns this rank's metrics (loss and counts are global)."""
+        """One optimizer step; returns this rank's metrics (loss and counts are global). With
+        ``run.memory_report`` the first one also writes what held the GPU at its peak."""
+        if not self._memory_report_due:
+            return self._train_step()
+        self._memory_report_due = False
+        path = Path(self.recipe.run.output_dir) / f"memory_report_rank{dist.get_rank()}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with memory_report.recording(path):
+            return self._train_step()
+
+    def _train_step(self) -> dict:
         start = time.perf_counter()
         self.model.module.reset_cp_bytes()
         self.model.zero_grad_buffer()

@@ -3,8 +3,18 @@ policy worker publishes on disk (``weight_sync.DiskPublisher``).
 
 It stands where SkyRL's HTTP client over vLLM servers stands (``BasePPOExp.get_inference_client``
 returns it): the generator calls ``generate``; the trainer brackets each weight sync with
-``pause_generation`` / ``resume_generation``, and ``resume_generation`` loads the newest published
-version. Sampling follows vLLM's semantics for what it supports (temperature, ``max_tokens``,
+``pause_generation`` / ``resume_generation``, or, under ``trainer.placement.colocate_all``, with
+``wake_up(tags=["weights"])`` / ``wake_up(tags=["kv_cache"])`` after a ``sleep``. Generation
+resumes, or the client becomes fully awake, on the newest published version; it refuses to
+generate while paused or asleep, as a colocated vLLM engine cannot.
+
+Randomness: each ``generate`` call draws from its own generator, seeded from the client's seed,
+the optimizer steps of the weights it samples (``weight_sync.TRAIN_STEP``, which a checkpoint
+restores) and the call's index among the calls on those weights. So a job resumed from a
+checkpoint samples what the uninterrupted job sampled at the same step (one generator for the
+client's life would restart at the seed). A request's own ``seed`` replaces that, as in vLLM.
+
+Sampling follows vLLM's semantics for what it supports (temperature, ``max_tokens``,
 ``min_tokens``, EOS stop, the sampled token's log-prob of the temperature-scaled distribution when
 ``logprobs`` is set); other sampling settings are refused by name. One sequence at a time, the
 whole prefix recomputed per token (no KV cache): it is for tiny models on a laptop.
@@ -15,6 +25,7 @@ policy workers, which only read ``weight_sync_dir``) carries no weights.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import sys
@@ -28,7 +39,7 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
     InferenceEngineOutput,
 )
 
-from .weight_sync import DiskSyncTarget, latest_version
+from .weight_sync import DiskSyncTarget, latest_version, published_train_step
 
 _NEUTRAL = {"top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0), "stop": (None, [], ()),
             "n": (None, 1)}
@@ -37,6 +48,9 @@ _HONOURED = {"skip_special_tokens", "include_stop_str_in_output", "temperature",
             "min_tokens", "logprobs", "seed"}
 """Settings it honours (or, for the two text flags, that change nothing for token-level use)."""
 
+
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What ``sleep`` / ``wake_up`` move (vLLM's tags); no tags means both."""
 
 GLM5_NEXT = "transformers.models.glm5_next.modeling_glm5_next"
 
@@ -67,6 +81,23 @@ def load_glm5_next(folder: str | Path) -> torch.nn.Module:
     """transformers' glm5_next from a published folder, fp32, eval."""
     model = _glm5_next_class().from_pretrained(folder, attn_implementation="eager")
     return model.float().eval()
+
+
+def call_seed(seed: int, train_step: int, call: int) -> int:
+    """The generator seed of one ``generate`` call: a hash of the client's ``seed``, the optimizer
+    steps of the weights it samples and the call's index on those weights (63 bits, a valid
+    torch seed). A hash, not a sum, so that neighbouring steps draw unrelated streams."""
+    digest = hashlib.sha256(f"{seed}/{train_step}/{call}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _tags(tags: Optional[List[str]]) -> set:
+    chosen = set(SLEEP_TAGS if tags is None else tags)
+    unknown = sorted(chosen - set(SLEEP_TAGS))
+    if unknown:
+        raise ValueError(f"CPUInferenceClient: unknown sleep tags {unknown} "
+                         f"(known: {', '.join(SLEEP_TAGS)})")
+    return chosen
 
 
 def sampled_tokens(model: torch.nn.Module, prompt: List[int], *, temperature: float, max_tokens: int,
@@ -101,15 +132,17 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         self._model_name = model_name
         self.seed = seed
         self.loaded_version: Optional[int] = None
+        self.loaded_train_step: Optional[int] = None
         self._model: Optional[torch.nn.Module] = None
-        self._generator = torch.Generator().manual_seed(seed)
+        self._calls = 0  # generate calls on the loaded version
         self._weight_version = 0
         self.paused = False
-        self.sleeping = False
+        self.asleep: set = set()  # the SLEEP_TAGS that are asleep
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        state["_model"], state["loaded_version"] = None, None  # weights stay with the sampler
+        # weights stay with the sampler
+        state["_model"], state["loaded_version"], state["loaded_train_step"] = None, None, None
         return state
 
     # -- weights -----------------------------------------------------------------------------
@@ -123,6 +156,7 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         version, folder = latest
         if version != self.loaded_version:
             self._model, self.loaded_version = load_glm5_next(folder), version
+            self.loaded_train_step, self._calls = published_train_step(folder), 0
         return version
 
     @property
@@ -149,6 +183,10 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         if self.paused:
             raise RuntimeError("CPUInferenceClient.generate while generation is paused for a "
                                "weight sync")
+        if self.asleep:
+            asleep = ", ".join(sorted(self.asleep))
+            raise RuntimeError(f"CPUInferenceClient.generate while asleep ({asleep}): under "
+                               "colocate_all SkyRL wakes the engine before generating")
         if input_batch.get("prompt_token_ids") is None:
             raise ValueError("CPUInferenceClient.generate needs prompt_token_ids (SkyRL's "
                              "token-in-token-out path); text prompts are not supported")
@@ -162,15 +200,18 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
                                  "supported")
         if float(params.get("temperature", 1.0)) < 0:
             raise ValueError(f"CPUInferenceClient: temperature={params['temperature']} is negative")
-        if params.get("seed") is not None:
-            self._generator.manual_seed(int(params["seed"]))
+        model = self.model  # loads the newest version if none is loaded yet
+        seed = (int(params["seed"]) if params.get("seed") is not None
+                else call_seed(self.seed, self.loaded_train_step, self._calls))
+        self._calls += 1
+        generator = torch.Generator().manual_seed(seed)
         want_logprobs = params.get("logprobs") is not None
         responses, response_ids, stop_reasons, logprobs = [], [], [], []
         for prompt in input_batch["prompt_token_ids"]:
             tokens, logps, reason = sampled_tokens(
-                self.model, list(prompt), temperature=float(params.get("temperature", 1.0)),
+                model, list(prompt), temperature=float(params.get("temperature", 1.0)),
                 max_tokens=int(params["max_tokens"]), min_tokens=int(params.get("min_tokens") or 0),
-                eos_token_id=self.tokenizer.eos_token_id, generator=self._generator)
+                eos_token_id=self.tokenizer.eos_token_id, generator=generator)
             response_ids.append(tokens)
             responses.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
             stop_reasons.append(reason)
@@ -188,14 +229,21 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         self.reload()
         self.paused = False
 
-    async def sleep(self, *args: Any, **kwargs: Any) -> None:
-        self.sleeping = True
+    async def sleep(self, level: int = 2, tags: Optional[List[str]] = None) -> None:
+        """Colocation: the engine gives the GPU to the trainer (its weights stay loaded here:
+        there is nothing to free on a CPU); it generates nothing until woken."""
+        self.asleep |= _tags(tags)
 
-    async def wake_up(self, *args: Any, **kwargs: Any) -> None:
-        self.sleeping = False
+    async def wake_up(self, tags: Optional[List[str]] = None) -> None:
+        """SkyRL wakes ``weights`` before a sync writes them and ``kv_cache`` after; once nothing
+        is asleep the engine serves the newest published version."""
+        was_asleep = bool(self.asleep)
+        self.asleep -= _tags(tags)
+        if was_asleep and not self.asleep:
+            self.reload()
 
     async def is_sleeping(self) -> bool:
-        return self.sleeping
+        return bool(self.asleep)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         """Nothing to reset: every token recomputes its whole prefix."""

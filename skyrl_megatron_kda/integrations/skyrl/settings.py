@@ -102,6 +102,19 @@ def reference_settings(t, recipe: Recipe, model_path: str | None) -> tuple[Recip
     return recipe, decided
 
 
+def steps_only_extend_a_constant_schedule(saved: Mapping[str, Any], recipe: Recipe) -> bool:
+    """Whether a checkpoint whose manifest recorded schedule ``saved`` may load into ``recipe``'s
+    trainer with this run's schedule (``override_schedule``) although they differ: only when
+    ``train.steps`` alone differs and the schedule is SkyRL's (``min_lr == lr``: constant after
+    the warm-up), where the step count, which follows SkyRL's ``num_training_steps`` and so
+    ``trainer.max_training_steps``, changes no LR and no weight decay. That is a SkyRL resume that
+    trains further (or stops sooner). Any other change is left to the load, which refuses it by
+    name."""
+    current = recipe.train.schedule()
+    changed = {key for key, value in current.items() if saved.get(key) != value}
+    return changed == {"train.steps"} and recipe.train.min_lr == recipe.train.lr
+
+
 def check_weights_folder(decided: list[Decided]) -> None:
     """Refuse a model path that is not a folder on this node, naming the SkyRL setting: the KDA
     workers load a glm5_next HF folder (``model.hf_io``) and download nothing."""

@@ -11,9 +11,11 @@ then one ``engine.send_weights()`` between the trainer's ``pause_generation`` an
   ``nccl`` and ``ipc`` engines send (``vllm_weight_source`` puts vLLM's base class under it).
 - ``DiskPublisher``: an engine with the same ``send_weights()`` that publishes the weights as a
   versioned Hugging Face folder (``<dir>/v000001``, ...), atomically: the folder is written under
-  a temporary name, renamed into place, and only then named in ``<dir>/LATEST``. An inference
-  client that is a ``DiskSyncTarget`` (``cpu_inference.CPUInferenceClient``) reloads the newest
-  version when SkyRL resumes it. vLLM needs none of this, so it runs on a laptop.
+  a temporary name, renamed into place, and only then named in ``<dir>/LATEST``. Each version
+  records how many optimizer steps its weights have taken (``TRAIN_STEP``), which a restart
+  cannot renumber the way it renumbers versions. An inference client that is a
+  ``DiskSyncTarget`` (``cpu_inference.CPUInferenceClient``) reloads the newest version when SkyRL
+  resumes or wakes it. vLLM needs none of this, so it runs on a laptop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,11 @@ from ...model.hf_io import export_hf_tensors, save_hf_checkpoint
 
 LATEST = "LATEST"
 """File in a publish folder naming its newest complete version folder."""
+
+TRAIN_STEP = "TRAIN_STEP"
+"""File in a version folder: the optimizer steps its weights have taken (0: the initial weights).
+Version numbers restart with a job's publish folder; this number is the trainer's, which a
+checkpoint restores."""
 
 VLLM_BACKENDS = ("nccl", "ipc")
 """SkyRL transfer strategies this worker's source serves (``get_transfer_strategy``'s names)."""
@@ -106,6 +113,15 @@ def latest_version(root: str | os.PathLike) -> Optional[Tuple[int, Path]]:
     return int(name.lstrip("v")), Path(root) / name
 
 
+def published_train_step(folder: str | os.PathLike) -> int:
+    """The optimizer steps the weights in a published version ``folder`` have taken."""
+    marker = Path(folder) / TRAIN_STEP
+    if not marker.is_file():
+        raise FileNotFoundError(f"{folder} has no {TRAIN_STEP} file: not a version folder that "
+                                "DiskPublisher wrote")
+    return int(marker.read_text())
+
+
 def _replace_file(path: Path, text: str) -> None:
     """Write ``path`` so that a reader sees the old content or the new, never a partial one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -116,8 +132,10 @@ def _replace_file(path: Path, text: str) -> None:
 
 class DiskPublisher:
     """A trainer-side engine (``send_weights()``, as vLLM's) that publishes the model as the next
-    version folder under ``root``. Collective; global rank 0 writes. ``keep`` older versions stay
-    (a reader may still be loading one); the rest are removed after the new one is named."""
+    version folder under ``root``. Collective; global rank 0 writes. ``train_step`` gives the
+    optimizer steps the model has taken, recorded in the folder (``TRAIN_STEP``). ``keep`` older
+    versions stay (a reader may still be loading one); the rest are removed after the new one is
+    named."""
 
     # The flags SkyRL's worker reads from its engines (weight_senders.SkyrlTrainerCapabilities).
     skyrl_handles_prefix_cache_reset = False
@@ -125,10 +143,11 @@ class DiskPublisher:
     skyrl_empty_cache_after_send = True
 
     def __init__(self, model: torch.nn.Module, root: str | os.PathLike, dtype: torch.dtype, *,
-                 source: Optional[str] = None, keep: int = 2):
+                 train_step: Callable[[], int], source: Optional[str] = None, keep: int = 2):
         if keep < 1:
             raise ValueError(f"DiskPublisher keep={keep}: keep at least the newest version")
         self.model, self.root, self.dtype, self.source, self.keep = model, Path(root), dtype, source, keep
+        self.train_step = train_step
 
     def send_weights(self) -> int:
         """Publish the next version; returns its number (on every rank)."""
@@ -143,6 +162,7 @@ class DiskPublisher:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a publish that was killed
         save_hf_checkpoint(self.model, tmp, source=self.source, dtype=self.dtype)
         if writer:
+            (tmp / TRAIN_STEP).write_text(str(self.train_step()))
             final = version_folder(self.root, version)
             os.rename(tmp, final)  # atomic: readers see no folder or a complete one
             _replace_file(self.root / LATEST, final.name)
@@ -170,9 +190,10 @@ async def init_weight_sync_state(worker, client, ie_cfg, inherited) -> None:
     if not isinstance(client, DiskSyncTarget):
         await inherited(client, ie_cfg)
         return
+    trainer = worker.trainer
     worker._weight_sync_engine = DiskPublisher(
-        worker.trainer.model.module, client.weight_sync_dir, inference_dtype(ie_cfg),
-        source=worker.trainer.recipe.run.init_from_hf)
+        trainer.model.module, client.weight_sync_dir, inference_dtype(ie_cfg),
+        train_step=lambda: trainer.step, source=trainer.recipe.run.init_from_hf)
     dist.barrier()
 
 

@@ -9,6 +9,7 @@ are listed in ``NOT_INTEGRATED`` and raise; the entrypoint refuses to launch a j
 is not empty.
 """
 
+import logging
 from collections import defaultdict
 from dataclasses import asdict
 from datetime import timedelta
@@ -35,12 +36,20 @@ from skyrl.train.utils.utils import ray_noset_visible_devices
 from ...distributed.cpu import redirect_cuda_device_queries
 from ...model.hf_io import save_hf_checkpoint
 from ...train.checkpoint import latest_checkpoint
+from ...train.manifest import read as read_manifest
 from ...train.rl import pack_rollout, token_logprobs
 from ...train.trainer import RankTrainer
 from . import offload, weight_sync
 from .config import unsupported_trainer_settings
 from .mesh import megatron_mesh_rank, mesh_rank
-from .settings import apply_decided, check_weights_folder, decided_settings
+from .settings import (
+    apply_decided,
+    check_weights_folder,
+    decided_settings,
+    steps_only_extend_a_constant_schedule,
+)
+
+logger = logging.getLogger(__name__)
 
 NOT_INTEGRATED: Dict[str, str] = {}
 """SkyRL worker calls the KDA policy worker cannot serve yet -> what is missing (none now: every
@@ -295,11 +304,15 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
 
     def offload_to_cpu(self, offload_optimizer: bool = True, offload_model: bool = True) -> None:
         """Model and/or gradient buffers + optimizer state off the GPU (``offload.py``)."""
+        logger.info("%s rank %d: offload_to_cpu(model=%s, optimizer=%s)", type(self).__name__,
+                    dist.get_rank(), offload_model, offload_optimizer)
         offload.offload_to_cpu(self.trainer, offload_optimizer=offload_optimizer,
                                offload_model=offload_model)
 
     def backload_to_gpu(self, backload_optimizer: bool = True, backload_model: bool = True) -> None:
         """The inverse of ``offload_to_cpu``."""
+        logger.info("%s rank %d: backload_to_gpu(model=%s, optimizer=%s)", type(self).__name__,
+                    dist.get_rank(), backload_model, backload_optimizer)
         offload.backload_to_gpu(self.trainer, backload_optimizer=backload_optimizer,
                                 backload_model=backload_model)
 
@@ -320,7 +333,14 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         if path is None:
             raise FileNotFoundError(f"{ckpt_dir} holds no checkpoint written by "
                                     "KDAPolicyWorker.save_checkpoint")
-        return self.trainer.load_checkpoint(str(path))
+        # A resume with another trainer.max_training_steps (SkyRL's "train further") changes only
+        # train.steps, which SkyRL's constant schedule does not use: this run's schedule applies.
+        extend = steps_only_extend_a_constant_schedule(read_manifest(path)["schedule"],
+                                                       self.trainer.recipe)
+        step = self.trainer.load_checkpoint(str(path), override_schedule=extend)
+        logger.info("%s rank %d: restored checkpoint step %d (model, optimizer, schedule, RNG) "
+                    "from %s", type(self).__name__, dist.get_rank(), step, path)
+        return step
 
     def finalize_pending_saves(self) -> None:
         """Nothing is pending: ``save_checkpoint`` returns once the checkpoint is written."""

@@ -1,0 +1,102 @@
+"""The CPU sampler (integrations/skyrl/cpu_inference.py) without a trainer: version folders are
+written here the way ``weight_sync.DiskPublisher`` writes them (an HF folder with ``TRAIN_STEP``,
+named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint and tokenizer.
+
+- Reproducible across a restart: a call's samples depend on the client's seed, the optimizer
+  steps of the weights (``TRAIN_STEP``) and the call's index on them, not on what the client drew
+  before; a fresh client (a resumed job) draws what a long-lived one drew. Negative controls:
+  the same weights under another ``TRAIN_STEP``, and the next call on the same weights, draw
+  other tokens.
+- Colocation: asleep (SkyRL's ``sleep``, and after ``wake_up(["weights"])`` only) it refuses to
+  generate; once ``kv_cache`` wakes too, it serves the newest published version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_tiny" / "run_cpu.py"
+PROMPTS = [[5, 9, 14, 3], [5, 9, 14, 3], [7, 7, 21]]  # a repeated prompt, as GRPO sends it
+BATCH = {"prompt_token_ids": PROMPTS,
+         "sampling_params": {"max_tokens": 6, "temperature": 1.0, "logprobs": 0}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import _glm5_next_class
+
+    _glm5_next_class()  # the client's torch-path import of glm5_next, before the example's
+    spec = importlib.util.spec_from_file_location("rl_tiny_run_cpu", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    hf = tmp_path_factory.mktemp("hf")
+    example.make_hf_checkpoint(hf)
+    example.make_tokenizer(hf)
+    return hf
+
+
+def _publish(checkpoint: Path, root: Path, version: int, train_step: int) -> None:
+    from skyrl_megatron_kda.integrations.skyrl.weight_sync import LATEST, TRAIN_STEP, version_folder
+
+    folder = version_folder(root, version)
+    shutil.copytree(checkpoint, folder)
+    (folder / TRAIN_STEP).write_text(str(train_step))
+    (root / LATEST).write_text(folder.name)
+
+
+def _client(checkpoint: Path, root: Path):
+    from transformers import AutoTokenizer
+
+    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+
+    return CPUInferenceClient(root, AutoTokenizer.from_pretrained(checkpoint), model_name="tiny")
+
+
+def _sample(client) -> list:
+    out = asyncio.run(client.generate(BATCH))
+    return list(zip(out["response_ids"], out["response_logprobs"]))
+
+
+def test_samples_depend_on_weights_step_and_call_not_on_the_clients_history(checkpoint, tmp_path):
+    long_lived = _client(checkpoint, tmp_path)
+    _publish(checkpoint, tmp_path, 1, train_step=0)
+    asyncio.run(long_lived.resume_generation())
+    at_step_0 = _sample(long_lived)
+    # The same weights published as step 1 (as after a step): only the seed's inputs change.
+    _publish(checkpoint, tmp_path, 2, train_step=1)
+    asyncio.run(long_lived.resume_generation())
+    first, second = _sample(long_lived), _sample(long_lived)
+
+    resumed = _client(checkpoint, tmp_path)  # a restarted job's client, on the same version
+    asyncio.run(resumed.resume_generation())
+    assert _sample(resumed) == first
+    assert _sample(resumed) == second
+    # Negative controls: another weights step, or the next call, draws other tokens.
+    assert [t for t, _ in at_step_0] != [t for t, _ in first]
+    assert [t for t, _ in second] != [t for t, _ in first]
+    # The two samples of the repeated prompt within one call differ too.
+    assert first[0][0] != first[1][0]
+
+
+def test_a_colocated_client_generates_only_awake_on_the_newest_weights(checkpoint, tmp_path):
+    client = _client(checkpoint, tmp_path)
+    _publish(checkpoint, tmp_path, 1, train_step=0)
+    asyncio.run(client.sleep())  # SkyRL's colocated engines start asleep
+    with pytest.raises(RuntimeError, match=r"asleep \(kv_cache, weights\)"):
+        asyncio.run(client.generate(BATCH))
+    # A sync: weights wake, the trainer publishes, then the KV cache wakes.
+    asyncio.run(client.wake_up(tags=["weights"]))
+    with pytest.raises(RuntimeError, match=r"asleep \(kv_cache\)"):
+        asyncio.run(client.generate(BATCH))
+    _publish(checkpoint, tmp_path, 2, train_step=1)
+    asyncio.run(client.wake_up(tags=["kv_cache"]))
+    assert (client.loaded_version, client.loaded_train_step) == (2, 1)
+    assert not asyncio.run(client.is_sleeping())
+    assert len(_sample(client)) == len(PROMPTS)
+    with pytest.raises(ValueError, match=r"unknown sleep tags \['gpu'\]"):
+        asyncio.run(client.sleep(tags=["gpu"]))
