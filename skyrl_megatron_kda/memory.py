@@ -507,12 +507,19 @@ def moe_transient_bytes(recipe: Recipe, rows: int) -> int:
 
 
 def moe_working_bytes(recipe: Recipe) -> int:
-    """An MoE layer's working set during its backward on top of what it keeps: one call's
-    transients (``moe_transient_bytes``) and, under ``train.moe_chunk_tokens`` = c, the
-    rebuilt tensors of one chunk (``moe_routed_bytes`` of min(c, s) rows)."""
-    sp, chunk = rows_of(recipe).sp, recipe.train.moe_chunk_tokens
+    """An MoE layer's working set during its backward on top of what it keeps, for one call on
+    r rows (all s, or under ``train.moe_chunk_tokens`` = c, r = min(c, s)): the dispatcher's
+    transients (``moe_transient_bytes``); the routed experts' output gradient gathered for
+    every assignment and their input gradient concatenated back, [assignments, D] each (the
+    unpermute's and the experts' split's backward); under chunks, one chunk's rebuilt tensors
+    (``moe_routed_bytes`` of r rows)."""
+    m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
+    sp, chunk, e = rows_of(recipe).sp, recipe.train.moe_chunk_tokens, m.moe
     rows = min(chunk, sp) if chunk else sp
-    return moe_transient_bytes(recipe, rows) + (moe_routed_bytes(recipe, rows) if chunk else 0)
+    assignments = rows * p.ep * p.etp * e.top_k * (e.num_experts // p.ep) // e.num_experts
+    gradients = 2 * assignments * m.hidden_size * w
+    rebuilt = moe_routed_bytes(recipe, rows) if chunk else 0
+    return moe_transient_bytes(recipe, rows) + gradients + rebuilt
 
 
 def head_tensor_bytes(recipe: Recipe) -> list[int]:
