@@ -18,6 +18,8 @@ tensor); nothing is fitted to a measurement.
   exp_avg_sq = 12 bytes for bf16 parameters; 8 for fp32 ones (the main copy is the parameter).
   ``train.optimizer_offload_fraction`` f moves f of it to host memory (``optimizer_split``;
   modelled only: a run refuses it, see ``train/optimizer.py``).
+- **Megatron's all-gather buffer** (``gather_buffer_bytes``): the sequence-parallel linears and
+  the MoE dispatcher gather into one global buffer, which keeps its largest size for the run.
 - **Activations**: the tensors autograd keeps for backward, per layer type, for one packed row
   of ``data.seq_len`` tokens (the trainer runs forward+backward one row at a time, so
   ``micro_batch_size`` does not multiply them). KDA is modeled on the fla (GPU) kernels;
@@ -38,8 +40,7 @@ tensor); nothing is fitted to a measurement.
   a bf16 gradient buffer also the optimizer step, when the distributed optimizer holds fp32 casts
   of the rank's gradient shard and no activation is alive.
 
-Not counted: megatron's global all-gather buffer outside the MoE phase (it keeps its largest
-size: the SP linears' [S, D] gather at least), allocator fragmentation and caching,
+Not counted: allocator fragmentation and caching,
 NCCL/communication buffers other than the KDA exchange's, CUDA context (about 0.5-1 GiB),
 gradients of activations other than fla's kernel backward (for example the MLPs' and the
 projections' input gradients).
@@ -495,15 +496,32 @@ def moe_routed_bytes(recipe: Recipe, rows: int) -> int:
 def moe_transient_bytes(recipe: Recipe, rows: int) -> int:
     """The allgather dispatcher's token-sized transients for one call on ``rows`` rows, per
     rank (g = rows * ep * etp gathered rows): the expert outputs scattered back to the gathered
-    rows [g, D] and, when the dispatch gathers (ep * etp > 1), megatron's all-gather buffer of
-    the inputs [g, D] and the fp32 copy the combine reduce-scatters [g, D] (a bf16 model; the
-    backward mirrors them: the all-gathered fp32 output gradient, its cast, the buffer)."""
+    rows [g, D] and, when the dispatch gathers (ep * etp > 1), the fp32 copy the combine
+    reduce-scatters [g, D] (a bf16 model; the backward mirrors them: the all-gathered fp32
+    output gradient, its cast). The gathered inputs land in megatron's all-gather buffer, a
+    state of its own (``gather_buffer_bytes``)."""
     m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
     g = rows * p.ep * p.etp
     per_row = w
     if p.ep * p.etp > 1:
-        per_row += w + (4 if w != 4 else 0)
+        per_row += 4 if w != 4 else 0
     return g * m.hidden_size * per_row
+
+
+def gather_buffer_bytes(recipe: Recipe) -> int:
+    """Megatron's global all-gather buffer ("mpu", ``get_global_memory_buffer``), per rank. The
+    sequence-parallel linears gather their input [S, D] into it (TP > 1 with SP) and the MoE
+    dispatcher its tokens [g, D] over EP x ETP (g = rows per call * ep * etp, a chunk's rows
+    under ``train.moe_chunk_tokens``); it grows to the largest request and stays allocated
+    for the rest of the run, so it counts like a state."""
+    m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
+    sp_gather = r.cp * m.hidden_size * w if p.sequence_parallel and p.tp > 1 else 0
+    moe_gather = 0
+    if "moe" in m.mlp_types() and p.ep * p.etp > 1:
+        chunk = recipe.train.moe_chunk_tokens
+        rows = min(chunk, r.sp) if chunk else r.sp
+        moe_gather = rows * p.ep * p.etp * m.hidden_size * w
+    return max(sp_gather, moe_gather)
 
 
 def moe_working_bytes(recipe: Recipe) -> int:
@@ -722,10 +740,12 @@ class MemoryEstimate:
     dsa_layer: int = 0  # the largest DSA layer's own tensors + working set (its phase without
     # what the layers before it keep)
     host_optimizer: int = 0  # optimizer state in host memory (train.optimizer_offload_fraction)
+    gather_buffer: int = 0  # megatron's global all-gather buffer at its largest
 
     @property
     def states(self) -> int:
-        return sum(self.params.values()) + self.buffers + self.grads + self.optimizer
+        return (sum(self.params.values()) + self.buffers + self.grads + self.optimizer
+                + self.gather_buffer)
 
     @property
     def peak_phase(self) -> tuple[str, int]:
@@ -848,7 +868,8 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
     return MemoryEstimate(params=params, buffers=rank_buffers_bytes(recipe), grads=grads,
                           optimizer=split.gpu, activations=activations, exchange=exchange,
                           exchange_buffers=per_layer_extra, phases=phases, recompute=recipe.train.recompute,
-                          offloaded=offload, dsa_layer=dsa_layer, host_optimizer=split.host)
+                          offloaded=offload, dsa_layer=dsa_layer, host_optimizer=split.host,
+                          gather_buffer=gather_buffer_bytes(recipe))
 
 
 def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
@@ -877,6 +898,7 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
     table += rows([
         (f"gradients ({grad_dtype} DDP buffer)", est.grads),
         (f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard}{on_host})", est.optimizer),
+        ("megatron's all-gather buffer (its largest gather)", est.gather_buffer),
         ("activations kept for backward", sum(est.activations.values())),
     ])
     # Offloaded: the layers' tensors (and the token ids) are in host memory, the head's are not.

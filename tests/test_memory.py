@@ -406,12 +406,16 @@ def test_peak_is_the_largest_phase_and_the_head_is_freed_before_layers():
 
 def test_kda_backward_working_set_is_per_head_token():
     """fla's chunk_kda_bwd allocations: linear in the rank's tokens and in its heads (TP halves
-    them), 6,664 bytes per head-token at GLM's K = 128, chunk 64, bf16."""
-    one = memory.kda_backward_bytes(_full("data.seq_len=262144", "parallel.cp=1"))
-    assert memory.kda_backward_bytes(_full("data.seq_len=524288", "parallel.cp=1")) == 2 * one
-    assert memory.kda_backward_bytes(_full("data.seq_len=524288", "parallel.cp=2")) == one
-    tp8 = _full("data.seq_len=262144", "parallel.cp=1")
+    them), 6,664 bytes per head-token at GLM's K = 128, chunk 64, bf16; with
+    ``kda.kernel_head_group`` (the 1M recipe's 4) those of the largest group."""
+    whole = "kda.kernel_head_group=null"
+    one = memory.kda_backward_bytes(_full("data.seq_len=262144", "parallel.cp=1", whole))
+    assert memory.kda_backward_bytes(_full("data.seq_len=524288", "parallel.cp=1", whole)) == 2 * one
+    assert memory.kda_backward_bytes(_full("data.seq_len=524288", "parallel.cp=2", whole)) == one
+    tp8 = _full("data.seq_len=262144", "parallel.cp=1", whole)
     assert one == 262144 * (64 // tp8.parallel.tp) * 6664
+    grouped = _full("data.seq_len=262144", "parallel.cp=1")
+    assert memory.kda_backward_bytes(grouped) == one * grouped.kda.kernel_head_group // (64 // 8)
 
 
 def test_estimate_within_15_percent_of_the_measured_device_peaks():
@@ -600,12 +604,18 @@ def test_moe_chunks_shrink_the_moe_phase():
 
 def test_1m_recipe_fits_an_h200_with_its_levers():
     """glm53_flash_1m turns on what it needs (full recompute with the layer inputs on the host,
-    the chunked loss, MoE token chunks, bf16 gradient reduction): at most 130 GiB per GPU, host
-    memory said; its peak is a KDA layer's backward, not the MoE's."""
+    the chunked loss, MoE token chunks, bf16 gradient reduction, fla's backward over groups of
+    heads): at most 130 GiB per GPU, megatron's all-gather buffer counted, host memory said; its
+    peak is a chunked MoE layer's backward. Without the head groups a KDA layer's backward is
+    the peak and the total is above 130 GiB."""
     recipe = _full()
     est = memory.estimate_memory(recipe)
     assert est.total <= 130 * memory.GiB, est.total / memory.GiB
-    assert est.peak_phase[0] == "KDA layer backward (largest)", est.phases
+    assert est.gather_buffer == memory.gather_buffer_bytes(recipe) > 0
+    assert est.peak_phase[0] == memory.moe_phase_label(recipe), est.phases
+    whole_heads = memory.estimate_memory(_full("kda.kernel_head_group=null"))
+    assert whole_heads.peak_phase[0] == "KDA layer backward (largest)", whole_heads.phases
+    assert whole_heads.total > 130 * memory.GiB
     lines = memory.memory_lines(recipe)
     assert any(line.endswith("-> fits") for line in lines)
     host, exact = memory.host_activation_bytes(recipe)
