@@ -280,7 +280,8 @@ def main() -> None:
     if args.profile:
         profile_cp1(args, single)
         return
-    results = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
+    # The output path stays out of the record: it names a folder of the machine that ran it.
+    results = {"args": {**vars(args), "json": None}, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
 
     # The floors: all heads on the whole sequence (CP1), half the heads on it (the head-parallel
     # CP2 share) and, for state, all heads on half the sequence (the local shard).

@@ -477,6 +477,20 @@ def moe_activation_bytes(recipe: Recipe) -> int:
     return total + moe_routed_bytes(recipe, r.sp)
 
 
+def moe_call_rows(recipe: Recipe) -> int:
+    """Rows of the rank's residual stream one MoE call covers: all of them, or one chunk of
+    ``train.moe_chunk_tokens``."""
+    sp, chunk = rows_of(recipe).sp, recipe.train.moe_chunk_tokens
+    return min(chunk, sp) if chunk else sp
+
+
+def local_assignments(recipe: Recipe, rows: int) -> int:
+    """Token-to-expert assignments of ``rows`` rows that land on this rank's experts, under
+    balanced routing: rows * ep * etp gathered rows, top_k each, local / E of them here."""
+    p, e = recipe.parallel, recipe.model.moe
+    return rows * p.ep * p.etp * e.top_k * (e.num_experts // p.ep) // e.num_experts
+
+
 def moe_routed_bytes(recipe: Recipe, rows: int) -> int:
     """What the dispatcher and the routed experts keep for ``rows`` rows of the rank's residual
     stream (all of them, or one chunk of ``train.moe_chunk_tokens``): the routing map and
@@ -487,9 +501,8 @@ def moe_routed_bytes(recipe: Recipe, rows: int) -> int:
     m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
     e, D = m.moe, m.hidden_size
     gathered = rows * p.ep * p.etp
-    local = e.num_experts // p.ep
-    assignments = gathered * e.top_k * local // e.num_experts
-    total = gathered * local * 5 + assignments * 8
+    assignments = local_assignments(recipe, rows)
+    total = gathered * (e.num_experts // p.ep) * 5 + assignments * 8
     return total + assignments * (D * w + 7 * e.ffn_hidden_size // p.etp * w + 4)
 
 
@@ -518,9 +531,7 @@ def gather_buffer_bytes(recipe: Recipe) -> int:
     sp_gather = r.cp * m.hidden_size * w if p.sequence_parallel and p.tp > 1 else 0
     moe_gather = 0
     if "moe" in m.mlp_types() and p.ep * p.etp > 1:
-        chunk = recipe.train.moe_chunk_tokens
-        rows = min(chunk, r.sp) if chunk else r.sp
-        moe_gather = rows * p.ep * p.etp * m.hidden_size * w
+        moe_gather = moe_call_rows(recipe) * p.ep * p.etp * m.hidden_size * w
     return max(sp_gather, moe_gather)
 
 
@@ -531,12 +542,9 @@ def moe_working_bytes(recipe: Recipe) -> int:
     every assignment and their input gradient concatenated back, [assignments, D] each (the
     unpermute's and the experts' split's backward); under chunks, one chunk's rebuilt tensors
     (``moe_routed_bytes`` of r rows)."""
-    m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
-    sp, chunk, e = rows_of(recipe).sp, recipe.train.moe_chunk_tokens, m.moe
-    rows = min(chunk, sp) if chunk else sp
-    assignments = rows * p.ep * p.etp * e.top_k * (e.num_experts // p.ep) // e.num_experts
-    gradients = 2 * assignments * m.hidden_size * w
-    rebuilt = moe_routed_bytes(recipe, rows) if chunk else 0
+    m, w, rows = recipe.model, _act_bytes(recipe), moe_call_rows(recipe)
+    gradients = 2 * local_assignments(recipe, rows) * m.hidden_size * w
+    rebuilt = moe_routed_bytes(recipe, rows) if recipe.train.moe_chunk_tokens else 0
     return moe_transient_bytes(recipe, rows) + gradients + rebuilt
 
 
