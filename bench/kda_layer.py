@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
+import re
 import socket
 import statistics
 import time
@@ -53,6 +55,9 @@ def parse_args():
                    help="only profile the CP1 layer and print the top CUDA kernels")
     p.add_argument("--profile-cp2", action="store_true",
                    help="also print the top CUDA kernels of each CP2 exchange on each rank")
+    p.add_argument("--profile-dir", default=None,
+                   help="write each profile's whole per-kernel table here (profile_<label>.txt) "
+                        "instead of printing its top rows")
     p.add_argument("--stack-dump-after", type=float, default=900, help="seconds; print stacks if still running")
     return p.parse_args()
 
@@ -280,8 +285,8 @@ def main() -> None:
     if args.profile:
         profile_cp1(args, single)
         return
-    # The output path stays out of the record: it names a folder of the machine that ran it.
-    results = {"args": {**vars(args), "json": None}, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
+    # The output paths stay out of the record: they name folders of the machine that ran it.
+    results = {"args": {**vars(args), "json": None, "profile_dir": None}, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
 
     # The floors: all heads on the whole sequence (CP1), half the heads on it (the head-parallel
     # CP2 share) and, for state, all heads on half the sequence (the local shard).
@@ -354,14 +359,27 @@ def profile_cp1(args, group) -> None:
 
 
 def profile_step(args, label: str, step) -> None:
-    """Top CUDA kernels of ``step`` over ``args.iters`` calls, after a warm-up step."""
+    """CUDA kernels of ``step`` over ``args.iters`` calls, after a warm-up step: the top rows
+    printed, or every row written under ``args.profile_dir`` (the cost model's calibration reads
+    whole tables: a cut table leaves time out)."""
     ms, _ = timed(step, args.warmup, 1)
     log(f"layer {label}: {ms:.1f} ms; profiling {args.iters} steps")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=100, max_name_column_width=60))
+    averages = prof.key_averages()
+    if args.profile_dir is None:
+        print(averages.table(sort_by="cuda_time_total", row_limit=100, max_name_column_width=60))
+        return
+    name = re.sub(r"[^0-9A-Za-z]+", "_", label).strip("_").lower()
+    path = os.path.join(args.profile_dir, f"profile_{name}_T{args.tokens}.txt")
+    os.makedirs(args.profile_dir, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"# {label}, T={args.tokens}, {args.heads} heads, {args.iters} profiled steps "
+                f"after one warm-up; layer {ms:.1f} ms per step\n")
+        f.write(averages.table(sort_by="cuda_time_total", row_limit=-1, max_name_column_width=60))
+    log(f"wrote {path}")
 
 
 def _kernel_key(heads: int, tokens: int, args) -> str:

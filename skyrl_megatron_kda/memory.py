@@ -219,6 +219,22 @@ def mhc_activation_bytes(recipe: Recipe) -> int:
     return 2 * rows_of(recipe).sp * sub
 
 
+def mhc_map_backward_bytes(recipe: Recipe) -> int:
+    """Working set of one map projection's backward (``NormalizedProjection``), per rank: the
+    gradient of its input, the rank's rows [s, N*D] in the stream dtype; per chunk of
+    ``model.hyper_connections.map_chunk_rows`` rows six fp32 tensors of that width (the rebuilt
+    upcast and its normalised copy, and autograd's gradients through the normalisation); four
+    fp32 copies of the projection weight [(2+N)N, N*D] (its gradient per chunk and their sum)
+    and of the chunk's projected rows. An upper bound, within 7% of the CPU census for bf16
+    streams (tests/test_hyper_connections.py). An FFN's map runs it after the FFN's backward
+    and before the attention block's, so it adds to what the layer holds then."""
+    m, w = recipe.model, _act_bytes(recipe)
+    N, rows = m.hyper_connections.num_streams, rows_of(recipe).sp
+    width, maps = N * m.hidden_size, (2 + N) * N
+    chunk = min(rows, m.hyper_connections.map_chunk_rows)
+    return rows * width * w + 6 * 4 * chunk * width + 4 * 4 * maps * (width + chunk)
+
+
 def norm_activation_bytes(recipe: Recipe, width: int, rows: int) -> int:
     """GLM's RMSNorm (glm.py): fp32 input copy, rsqrt, and the normalised tensor in the
     activation dtype (``width`` channels, ``rows`` rows)."""
@@ -456,6 +472,16 @@ def dense_mlp_activation_bytes(recipe: Recipe) -> int:
     the CP rank, 6 intermediates of width F/tp (fc1 output 2F, both clamps and SiLU, fc2 input)."""
     m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
     return r.sp * m.hidden_size * w + r.cp * m.dense_ffn_hidden_size // p.tp * 6 * w
+
+
+def dense_mlp_backward_bytes(recipe: Recipe) -> int:
+    """Working set of a dense MLP's backward (megatron's MLP with GLM's clamped SwiGLU), per
+    rank: four gradients of width F/tp on the rows it runs (the fc2 input's, the two halves of
+    the fc1 output's and their concatenation) and fc2's weight gradient before DDP's hook adds it
+    to the buffer. The CPU census of megatron's module equals it (tests/test_memory.py)."""
+    m, p, w, r = recipe.model, recipe.parallel, _act_bytes(recipe), rows_of(recipe)
+    width = m.dense_ffn_hidden_size // p.tp
+    return r.cp * 4 * width * w + m.hidden_size * width * w
 
 
 def moe_activation_bytes(recipe: Recipe) -> int:
@@ -702,9 +728,9 @@ def layer_backward_bytes(recipe: Recipe, index: int) -> int:
             + checkpoint_input_bytes(recipe, mode))
 
 
-def moe_backward_bytes(recipe: Recipe, index: int) -> int:
-    """What MoE layer ``index`` holds while its MoE block runs backward (first in the layer):
-    under full recompute the whole rebuilt layer and its checkpoint input; otherwise what it
+def ffn_backward_bytes(recipe: Recipe, index: int) -> int:
+    """What layer ``index`` holds while its FFN block (MoE or dense MLP) runs backward (first in
+    the layer): under full recompute the whole rebuilt layer and its checkpoint input; otherwise what it
     kept (its attention block is rebuilt only after, under selective recompute)."""
     mode = recipe.train.recompute_of(recipe.model.layer_types()[index])
     if mode == "full":
@@ -864,11 +890,19 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
             phases[label] = max(kept_below[i] + nbytes for i, nbytes in own.items())
             if kind == "dsa":
                 dsa_layer = max(own.values())
+    map_backward = mhc_map_backward_bytes(recipe)
+    phases["mHC map backward (largest)"] = max(
+        kept_below[i] + layer_backward_bytes(recipe, i) + map_backward for i in range(m.num_layers))
     moe_layers = [i for i, mlp in enumerate(m.mlp_types()) if mlp == "moe"]
     if moe_layers:
         working = moe_working_bytes(recipe)
         phases[moe_phase_label(recipe)] = max(
-            kept_below[i] + moe_backward_bytes(recipe, i) + working for i in moe_layers)
+            kept_below[i] + ffn_backward_bytes(recipe, i) + working for i in moe_layers)
+    dense_layers = [i for i, mlp in enumerate(m.mlp_types()) if mlp == "dense"]
+    if dense_layers:
+        working = dense_mlp_backward_bytes(recipe)
+        phases["dense MLP backward (largest)"] = max(
+            kept_below[i] + ffn_backward_bytes(recipe, i) + working for i in dense_layers)
     if split.step_casts:
         # The distributed optimizer casts the bf16 gradient shard to fp32 before Adam runs, when
         # every activation is freed; the casts live until the gradients are zeroed.

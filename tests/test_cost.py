@@ -130,19 +130,20 @@ def test_scenario_picks(overrides, calibration, expected):
     assert [e.name for e in table] == list(CONCRETE)
 
 
-def test_cp8_inside_a_node_allgather_ties_a2a_once_its_row_regather_hides():
+def test_cp8_inside_a_node_allgathers_row_regather_hides():
     recipe = glm(parallel={**NO_TP, "cp": 8})
     t = ms(recipe)
     serial = ms(recipe, Calibration(regather_overlap=0.0))
     # Its 1M rows gathered again in backward cost 28 ms on NVLink; behind the input-gradient
-    # GEMMs (longer than that here) all of it hides, and allgather ties a2a (within 1%).
+    # GEMMs (longer than that here) all of it hides, and allgather beats a2a, whose reorders
+    # and copies cost more per head-token (calibration.py); state is faster than both.
     again = exchanges.get("allgather")._row_gather_bytes(shape_of(recipe))["cp"]
     again_ms = again / (recipe.cluster.intra_node.bandwidth_gib_s * 2**30) * 1e3
     assert again_ms > 20
     assert serial["allgather"] - t["allgather"] == pytest.approx(again_ms)
-    assert serial["a2a"] < serial["allgather"]
-    assert abs(t["a2a"] - t["allgather"]) / t["a2a"] < 0.01
-    assert t["state"] < 0.9 * t["a2a"]
+    assert serial["a2a"] == pytest.approx(t["a2a"])  # a2a has no row re-gather over CP
+    assert t["allgather"] < serial["allgather"] < t["a2a"]
+    assert t["state"] < 0.9 * t["allgather"]
 
 
 def test_regather_hides_only_up_to_the_gemms_beside_it():
@@ -160,7 +161,12 @@ def test_regather_hides_only_up_to_the_gemms_beside_it():
         Calibration(regather_overlap=1.5)
 
 
-STORED_LAYER_RUNS = sorted((Path(__file__).parents[1] / "bench/results/h200_per_rank").glob("emulated_T*.json"))
+RESULTS = Path(__file__).parents[1] / "bench/results"
+STORED_LAYER_RUNS = [*sorted((RESULTS / "h200_kda_floor").glob("emulated_T*.json")),
+                     *sorted((RESULTS / "h200_kda_profiles").glob("emulated_T*.json"))]
+"""Layer runs per rank of the code the calibration describes: 128K, 256K and 512K in one run,
+128K and 1M (both ranks) in another (the run whose per-kernel profiles give the elementwise
+terms; its layer rows are timed separately from the profiled steps)."""
 
 
 def _against_stored_run(path: Path, calibration: Calibration):
@@ -183,23 +189,22 @@ def _pick_is_within(path: Path, calibration: Calibration, margin: float) -> bool
 
 @pytest.mark.parametrize("path", STORED_LAYER_RUNS, ids=lambda p: p.stem)
 def test_auto_against_stored_layer_runs_the_calibration_did_not_use(path):
-    """The calibration (``calibration.py``) reads kernel rows, the state recurrence rows and one
-    per-kernel profile, never these layer rows. Against them: ``auto``'s pick is within 3% of the
-    measured fastest exchange (the issue's target), every pair measured more than 5% apart is in
-    the model's order (closer pairs are within run-to-run noise: the 256K state and a2a rows
-    differ by 1.5% here and by 12% in another run, docs/benchmarks.md), and every estimate is
-    within 15% of its layer's measured time, CP1 included (the model had no elementwise term
-    before and gave 0.6-0.7x)."""
-    assert len(STORED_LAYER_RUNS) == 4
+    """The calibration (``calibration.py``) reads kernel rows, the state recurrence rows and
+    per-kernel profiles, never these layer rows. Against them: ``auto``'s pick is within 3% of
+    the measured fastest exchange (the issue's target; it is the fastest in each of them), every
+    pair measured more than 5% apart is in the model's order, and every estimate is within 20%
+    of its layer's measured time, CP1 included (the two 128K runs of the same code differ by
+    11% on the CP2 rows: machine-to-machine spread, docs/benchmarks.md)."""
+    assert len(STORED_LAYER_RUNS) == 5
     run, measured, model = _against_stored_run(path, Calibration())
     assert _pick_is_within(path, Calibration(), 0.03), (measured, model)
     for a, b in itertools.permutations(CONCRETE, 2):
         if measured[a] < 0.95 * measured[b]:
             assert model[a].total_s < model[b].total_s, (a, b, measured, model)
     for name in CONCRETE:
-        assert 0.85 < model[name].total_s * 1e3 / measured[name] < 1.15, (name, measured, model)
+        assert 0.8 < model[name].total_s * 1e3 / measured[name] < 1.2, (name, measured, model)
     cp1 = choose(glm(parallel={**NO_TP, "cp": 1}, kda={"num_heads": 8}, data={"seq_len": run["args"]["tokens"]}))
-    assert 0.85 < cp1[2][0].total_s * 1e3 / run["layer_cp1"]["ms"] < 1.15
+    assert 0.8 < cp1[2][0].total_s * 1e3 / run["layer_cp1"]["ms"] < 1.2
 
 
 def test_stored_layer_runs_can_fail_the_pick_check():
@@ -333,16 +338,38 @@ def _profile_rows(path: Path) -> tuple[list[tuple[str, float]], float]:
     return rows, total
 
 
-def test_elementwise_term_is_the_profiled_one():
-    """The per-head-token term is what the stored per-kernel profile of the CP1 layer (8 heads,
-    T = 65,536, 2 steps) spends outside the KDA kernels and the GEMMs, derived again here."""
-    rows, total = _profile_rows(Path(__file__).parents[1] / "bench/results/profile_cp1_T64K_h200.txt")
+def _elementwise_ms(path: Path) -> float:
+    """CUDA ms of a stored profile outside fla's KDA kernels and the cuBLAS GEMMs."""
+    rows, total = _profile_rows(path)
     gemm = sum(ms for name, ms in rows if name.startswith("nvjet"))
     kda = sum(ms for name, ms in rows if re.match(r"(chunk_|recompute_w_u|kda_|l2norm|solve_tril)", name))
-    rest = sum(ms for _, ms in rows) - gemm - kda
-    assert len(rows) == 30 and total == pytest.approx(62.869)
-    assert rest == pytest.approx(4.826 + 13.904, rel=1e-3)
-    assert rest * 1e-3 / 2 / (8 * 65536) == pytest.approx(Calibration().elementwise_s_per_head_token, rel=1e-3)
+    assert sum(ms for _, ms in rows) == pytest.approx(total, rel=1e-3)  # the whole table is read
+    return total - gemm - kda
+
+
+def test_elementwise_terms_are_the_profiled_ones():
+    """Each per-head-token term is what the stored per-kernel profile (8 heads, T = 131,072, 2
+    steps) spends outside the KDA kernels and the GEMMs, derived again here: CP1's over 8 x T
+    head-tokens, each CP2 exchange's (the slower rank) over the 8 x T/2 its ranks compute."""
+    profiles = RESULTS / "h200_kda_profiles"
+    tokens, steps = 131072, 2
+    cp1 = _elementwise_ms(profiles / f"profile_cp1_T{tokens}.txt")
+    assert cp1 * 1e-3 / steps / (8 * tokens) == pytest.approx(Calibration().elementwise_s_per_head_token, rel=1e-3)
+    for name in CONCRETE:
+        rank = max(_elementwise_ms(profiles / f"profile_cp2_{name}_rank_{r}_T{tokens}.txt") for r in (0, 1))
+        assert rank * 1e-3 / steps / (8 * tokens // 2) == pytest.approx(
+            Calibration().cp_elementwise_s_per_head_token[name], rel=1e-3), name
+    # What the exchanges' own copies cost beyond CP1's elementwise work, per head-token.
+    terms = Calibration().cp_elementwise_s_per_head_token
+    assert terms["a2a"] > 1.3 * max(terms["allgather"], terms["state"]) > 1.3 * Calibration().elementwise_s_per_head_token
+
+
+def test_an_exchange_without_an_elementwise_term_is_refused():
+    calibration = Calibration(cp_elementwise_s_per_head_token={"a2a": 1e-8})
+    with pytest.raises(ValueError, match="no elementwise term for cp_exchange 'allgather'"):
+        choose(glm(parallel=NO_TP, kda={"num_heads": 8}, data={"seq_len": 131072}), calibration)
+    with pytest.raises(ValueError, match=r"cp_elementwise_s_per_head_token\['a2a'\]=-1"):
+        Calibration(cp_elementwise_s_per_head_token={"a2a": -1.0})
 
 
 def test_bytes_come_from_the_exchanges_byte_model():

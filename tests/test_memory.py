@@ -623,3 +623,50 @@ def test_1m_recipe_fits_an_h200_with_its_levers():
     # Without its levers the same model does not fit.
     bare = memory.estimate_memory(_full(*ON_GPU_UNFUSED_LOSS, "train.grad_reduce_in_fp32=true"))
     assert bare.total > memory.H200_BYTES
+
+
+def _ffn_backward_census(rank, world, overrides_list):
+    """Bytes megatron's dense MLP (layer 0 of the tiny model, bf16) allocates at the highest
+    point of its backward, per recipe: LiveBytes over ``backward`` of its output."""
+    from tests.support.live_bytes import LiveBytes
+
+    peaks = []
+    for overrides in overrides_list:
+        recipe = load_recipe(TINY, SINGLE + ["model.params_dtype=bfloat16", *overrides])
+        mlp = build_on_mesh(recipe).layers[0].mlp
+        x = torch.randn(recipe.data.seq_len, 1, recipe.model.hidden_size,
+                        dtype=torch.bfloat16, requires_grad=True)
+        out, _ = mlp(x)
+        grad = torch.randn_like(out)
+        with LiveBytes() as live:
+            out.backward(grad)
+        peaks.append(live.peak)
+    return peaks
+
+
+def test_dense_mlp_backward_working_set_is_the_plans():
+    """The dense MLP's backward working set (the phase the full-width slice's GPU peak hit at
+    131,072 tokens: the rebuilt first layer with its MLP's gradients) equals
+    ``memory.dense_mlp_backward_bytes`` on three shapes (rows, FFN width, hidden each changed
+    alone), within the 2 bytes of a scalar."""
+    shapes = [[], ["data.seq_len=512"], ["model.dense_ffn_hidden_size=256"], ["model.hidden_size=128"]]
+    peaks = run_ranks(1, _ffn_backward_census, shapes)[0]
+    for overrides, peak in zip(shapes, peaks):
+        planned = memory.dense_mlp_backward_bytes(load_recipe(TINY, SINGLE + ["model.params_dtype=bfloat16", *overrides]))
+        assert 0 <= peak - planned <= 2, (overrides, peak, planned)
+    assert len(set(peaks)) == len(peaks)  # each shape moved it: the census sees the terms
+
+
+def test_slice_phases_the_gpu_measured():
+    """The full-width slice at 131,072 tokens with every lever (the GPU run of
+    docs/benchmarks.md): its peak phase is the dense first layer's MLP backward, and the mHC map
+    backward without row chunks would have been far larger (the run that ran out of memory)."""
+    levers = ["model.num_layers=4", "data.seq_len=131072", "train.recompute=full",
+              "train.offload_activations=true", "train.loss_chunk_tokens=8192",
+              "train.grad_reduce_in_fp32=false", "kda.kernel_head_group=16", "train.moe_chunk_tokens=8192"]
+    chunked = memory.estimate_memory(load_recipe("glm53_flash_slice", levers))
+    assert chunked.peak_phase[0] == "dense MLP backward (largest)", chunked.phases
+    whole = memory.estimate_memory(load_recipe(
+        "glm53_flash_slice", [*levers, "model.hyper_connections.map_chunk_rows=131072"]))
+    assert whole.peak_phase[0] == "mHC map backward (largest)", whole.phases
+    assert whole.total - chunked.total > 20 * memory.GiB

@@ -162,6 +162,12 @@ class HyperConnectionConfig(_Config):
     """Sinkhorn normalisation steps making the stream-mixing matrix doubly stochastic."""
     eps: float = Field(default=1e-6, gt=0)
     """Epsilon of the Sinkhorn normalisation (hc_eps)."""
+    map_chunk_rows: PositiveInt = 4096
+    """Rows (tokens) per chunk of the maps' normalised projection, forward and backward: its fp32
+    upcast of the N*D-wide streams and that upcast's gradients exist for one chunk at a time
+    (4096 rows of GLM's 16,384 columns: 256 MiB each) instead of for every row of the rank (at
+    131,072 rows they held 48 GiB in one backward). The numerics do not depend on it beyond
+    the weight gradient's fp32 summation order over chunks."""
 
 
 class ModelConfig(_Config):

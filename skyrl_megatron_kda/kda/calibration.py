@@ -7,7 +7,8 @@ from here without importing the cost model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 # Defaults, to override with measurements of the target cluster.
 LINK_PRESETS: dict[str, dict[str, float]] = {
@@ -78,16 +79,28 @@ STATE_CALL_OVERHEAD_S = 24.2e-3 - (1.0 + STATE_PREPASS) * 19.6e-3
 bookkeeping, the summary and chain launches): 5.2 ms, the intercept of the line above. It is
 what makes ``a2a`` the faster exchange at short sequences at CP2 inside a node."""
 
-ELEMENTWISE_S_PER_HEAD_TOKEN = (4.826 + 13.904) * 1e-3 / 2 / (8 * 65536)
-"""The layer's work that is neither the KDA kernel nor a projection GEMM, per head-token on the
-rank (the causal conv forward and backward, the gated norm, casts, concatenations, reorders):
-17.9 ns. From the per-kernel profile of the CP1 layer on one H200 (8 heads, T = 65,536, 2 steps;
-bench/results/profile_cp1_T64K_h200.txt): of 62.9 ms of CUDA time, the causal conv kernels took
-4.8 ms and the torch elementwise, copy, concatenation and reduction kernels 13.9 ms (the 4.9 ms
-not listed in the table are left out). That run still used the unfused torch gated norm (fla's
-fused one replaced it since), so the term is high by about that norm's share until a new
-profile (``bench/kda_layer.py --profile``) replaces it. ``tests/test_cost.py`` derives it from
-the stored table again."""
+# The layer's work that is neither the KDA kernel nor a projection GEMM (the causal conv forward
+# and backward, the gated norm, casts, concatenations, reorders, the exchanges' own copies), per
+# head-token on the rank, from per-kernel profiles on one H200 (8 heads, T = 131,072, 2 steps
+# after a warm-up; bench/results/h200_kda_profiles/profile_*.txt, ``bench/kda_layer.py
+# --profile`` and ``--emulate-cp2 --profile-cp2``): every CUDA kernel that is not fla's KDA
+# kernels (chunk_*, recompute_w_u, kda_*, l2norm) nor a cuBLAS GEMM (nvjet*), summed.
+# ``tests/test_cost.py`` derives each term from the stored tables again.
+
+ELEMENTWISE_S_PER_HEAD_TOKEN = 16.569e-3 / 2 / (8 * 131072)
+"""The CP1 layer: 7.9 ns per head-token (16.6 ms over 2 steps of 8 x 131,072 head-tokens)."""
+
+CP_ELEMENTWISE_S_PER_HEAD_TOKEN = {
+    "a2a": 20.016e-3 / 2 / (8 * 65536),
+    "allgather": 14.190e-3 / 2 / (8 * 65536),
+    "state": 14.310e-3 / 2 / (8 * 65536),
+}
+"""Each CP2 exchange's rank (the slower of its two ranks), per head-token it computes: ``a2a``
+19.1 ns, ``allgather`` 13.5, ``state`` 13.6, all above CP1's 7.9. ``a2a`` pays the most: its
+input and output all-to-alls need the rows reordered and the head slices of every projection
+(q, k, v, the gates, beta) made contiguous on both sides, forward and backward. ``state``'s
+also holds its summaries' small GEMMs and copies, which ``STATE_CALL_OVERHEAD_S`` counts too
+(the model is a few percent high for ``state``)."""
 
 REGATHER_OVERLAP = 1.0
 """Fraction of the backward row re-gather's last collective that hides behind the input-gradient
@@ -106,6 +119,8 @@ class Calibration:
     state_prepass: float = STATE_PREPASS
     state_call_overhead_s: float = STATE_CALL_OVERHEAD_S
     elementwise_s_per_head_token: float = ELEMENTWISE_S_PER_HEAD_TOKEN
+    cp_elementwise_s_per_head_token: Mapping[str, float] = field(
+        default_factory=lambda: dict(CP_ELEMENTWISE_S_PER_HEAD_TOKEN))
     regather_overlap: float = REGATHER_OVERLAP
 
     def __post_init__(self) -> None:
@@ -121,6 +136,9 @@ class Calibration:
         for name in ("kda_call_overhead_s", "state_call_overhead_s", "elementwise_s_per_head_token"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name, value in self.cp_elementwise_s_per_head_token.items():
+            if not value >= 0:
+                raise ValueError(f"cp_elementwise_s_per_head_token[{name!r}]={value} must be >= 0")
         if not self.state_prepass > -1:
             raise ValueError(f"state_prepass={self.state_prepass} must be > -1 (a positive kernel time)")
 

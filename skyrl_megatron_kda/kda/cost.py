@@ -18,7 +18,7 @@ code overlaps them on purpose:
   summaries and correction (a factor on its shard's kernel) and a fixed cost per call;
 - projection GEMMs: the rank's FLOPs at the measured dense bf16 rate;
 - elementwise: the rest of the layer (conv, gated norm, casts, copies, reorders) per head-token
-  on the rank, from a per-kernel profile.
+  on the rank, CP1's and each exchange's own, from per-kernel profiles.
 
 Every constant comes from kernel-level measurements (``calibration.py``), none from the layer
 rows the model predicts; ``tests/test_cost.py`` checks ``auto``'s pick and the order of clearly
@@ -46,8 +46,9 @@ from .exchanges import ExchangeMesh, ExchangeShape
 logger = logging.getLogger(__name__)
 
 __all__ = ["Calibration", "DEFAULT_CALIBRATION", "Estimate", "GEMM_FLOP_PER_S", "choose", "estimate",
-           "exclusions", "gathered_gemm_flops", "head_tokens", "kda_efficiency", "kda_kernel_s",
-           "projection_flops", "regather_hidden_s", "resolve_cp_exchange"]
+           "elementwise_s_per_head_token", "exclusions", "gathered_gemm_flops", "head_tokens",
+           "kda_efficiency", "kda_kernel_s", "projection_flops", "regather_hidden_s",
+           "resolve_cp_exchange"]
 
 GiB = 2**30
 
@@ -150,6 +151,18 @@ def head_tokens(name: str, shape: ExchangeShape) -> float:
     return local_heads * s.tokens * s.batch / s.cp
 
 
+def elementwise_s_per_head_token(name: str, cp: int, calibration: Calibration) -> float:
+    """The layer's elementwise work per head-token: CP1's, or the CP exchange's own (its
+    reorders and copies differ; ``calibration.py``)."""
+    if cp == 1:
+        return calibration.elementwise_s_per_head_token
+    per_exchange = calibration.cp_elementwise_s_per_head_token
+    if name not in per_exchange:
+        raise ValueError(f"the calibration has no elementwise term for cp_exchange {name!r} "
+                         f"(has {sorted(per_exchange)}): profile its rank (bench/kda_layer.py --profile-cp2)")
+    return per_exchange[name]
+
+
 def regather_hidden_s(name: str, shape: ExchangeShape, cp_link: LinkConfig, tp_link: LinkConfig,
                       gate_ranks: tuple[int, int], calibration: Calibration) -> tuple[str, float]:
     """The group ("cp" or "tp") and seconds of the backward row re-gather that hide behind the
@@ -206,7 +219,7 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
         if s.cp > 1:
             kernel = kernel * (1.0 + calibration.state_prepass) + calibration.state_call_overhead_s
     gemm = projection_flops(name, s, gate_ranks) / calibration.gemm_flop_per_s
-    elementwise = head_tokens(name, s) * calibration.elementwise_s_per_head_token
+    elementwise = head_tokens(name, s) * elementwise_s_per_head_token(name, s.cp, calibration)
 
     return Estimate(
         name=name, exact=exchange.exact, cp_in_bytes=cp_in, cp_out_bytes=cp_out,

@@ -135,7 +135,8 @@ class GLMDecoderLayer(MegatronModule):
         hc = m.hyper_connections
         self.recompute = recipe.train.recompute_of(self.layer_type)
         hc_args = dict(hidden_size=m.hidden_size, num_streams=hc.num_streams,
-                       sinkhorn_iters=hc.sinkhorn_iterations, hc_eps=hc.eps, norm_eps=m.rms_norm_eps)
+                       sinkhorn_iters=hc.sinkhorn_iterations, hc_eps=hc.eps, norm_eps=m.rms_norm_eps,
+                       map_chunk_rows=hc.map_chunk_rows)
         self.attn_hc = HyperConnection(**hc_args)
         self.ffn_hc = HyperConnection(**hc_args)
         self.input_layernorm = RMSNorm(config, m.hidden_size, m.rms_norm_eps)

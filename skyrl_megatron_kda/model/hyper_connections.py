@@ -73,32 +73,48 @@ def normalized_projection(flat: torch.Tensor, weight: torch.Tensor, eps: float) 
 
 
 class NormalizedProjection(torch.autograd.Function):
-    """``normalized_projection`` that keeps only its input and weight for backward.
+    """``normalized_projection`` in chunks of rows that keeps only its input and weight for
+    backward.
 
     Autograd would keep the fp32 upcast of the flattened streams and its normalised copy, two
     fp32 tensors of N*D per row (4x the bf16 streams it reads), while the streams themselves are
-    kept anyway by ``collapse`` and ``expand``. Backward rebuilds the same ops from the input and
-    differentiates them, so the gradients are bitwise those of the plain autograd graph. The
-    input goes through ``save_for_backward``, so host offload moves it like any saved tensor.
+    kept anyway by ``collapse`` and ``expand``; and its backward would hold that upcast's
+    gradients for every row at once (six fp32 copies of the input's width). Here forward and
+    backward run ``chunk_rows`` rows at a time: backward rebuilds each chunk's ops from the input
+    and differentiates them, so each row's input gradient is bitwise that of the plain autograd
+    graph and the weight gradient is its sum over chunks (one chunk: bitwise). The input goes
+    through ``save_for_backward``, so host offload moves it like any saved tensor.
     """
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, flat: torch.Tensor, weight: torch.Tensor, eps: float, chunk_rows: int) -> torch.Tensor:
         ctx.save_for_backward(flat, weight)
-        ctx.eps = eps
-        return normalized_projection(flat, weight, eps)
+        ctx.eps, ctx.chunk_rows = eps, chunk_rows
+        rows = flat.reshape(-1, flat.shape[-1])
+        out = torch.cat([normalized_projection(part, weight, eps) for part in rows.split(chunk_rows)])
+        return out.view(*flat.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         flat, weight = ctx.saved_tensors
-        flat = flat.detach().requires_grad_(ctx.needs_input_grad[0])
-        weight = weight.detach().requires_grad_(ctx.needs_input_grad[1])
-        with torch.enable_grad():
-            proj = normalized_projection(flat, weight, ctx.eps)
-        wanted = [t for t in (flat, weight) if t.requires_grad]
-        grads = iter(torch.autograd.grad(proj, wanted, grad) if wanted else ())
-        return (next(grads) if flat.requires_grad else None,
-                next(grads) if weight.requires_grad else None, None)
+        want_flat, want_weight = ctx.needs_input_grad[:2]
+        rows, grads = flat.reshape(-1, flat.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        d_rows = torch.empty_like(rows) if want_flat else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, rows.shape[0], ctx.chunk_rows):
+            part = slice(start, start + ctx.chunk_rows)
+            x = rows[part].detach().requires_grad_(want_flat)
+            w = weight.detach().requires_grad_(want_weight)
+            wanted = [t for t in (x, w) if t.requires_grad]
+            with torch.enable_grad():
+                proj = normalized_projection(x, w, ctx.eps)
+            got = iter(torch.autograd.grad(proj, wanted, grads[part]))
+            if want_flat:
+                d_rows[part] = next(got)
+            if want_weight:
+                d_weight += next(got)
+        return (d_rows.view_as(flat) if want_flat else None,
+                d_weight.to(weight.dtype) if want_weight else None, None, None)
 
 
 class HyperConnection(nn.Module):
@@ -117,6 +133,7 @@ class HyperConnection(nn.Module):
         hc_eps: float = 1e-6,
         norm_eps: float = 1e-5,
         init_std: float = 0.02,
+        map_chunk_rows: int = 4096,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -126,6 +143,7 @@ class HyperConnection(nn.Module):
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
         self.init_std = init_std
+        self.map_chunk_rows = map_chunk_rows  # rows per chunk of NormalizedProjection
         n = num_streams
         kw = dict(device=device, dtype=torch.float32)
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size, **kw))
@@ -146,7 +164,7 @@ class HyperConnection(nn.Module):
         """(pre [..., N], post [..., N], comb [..., N, N]), fp32, from ``streams`` [..., N, D]."""
         n = self.num_streams
         # [..., N*D] stream-major like the reference's view -> [..., (2+N)*N]
-        proj = NormalizedProjection.apply(streams.flatten(-2), self.fn, self.norm_eps)
+        proj = NormalizedProjection.apply(streams.flatten(-2), self.fn, self.norm_eps, self.map_chunk_rows)
         pre_w, post_w, comb_w = proj.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
