@@ -5,7 +5,7 @@ import pytest
 
 from skyrl_megatron_kda.console import error_lines
 from skyrl_megatron_kda.train.data import RecordRules, parse_record
-from skyrl_megatron_kda.workers.group import ActorGroup, WorkerError
+from skyrl_megatron_kda.workers.group import ALLOCATOR_CONF, ActorGroup, WorkerError
 
 
 def _sum_of_ranks(rank, world):
@@ -15,6 +15,12 @@ def _sum_of_ranks(rank, world):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     return world, float(t)
+
+
+def _allocator_conf(rank, world):
+    import os
+
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
 
 
 def _rank_one_fails(rank, world):
@@ -47,6 +53,18 @@ def test_ranks_form_one_world(ray_cluster):
     group = ActorGroup(2, "cpu")
     try:
         assert group.run(_sum_of_ranks) == [(2, 1.0), (2, 1.0)]
+    finally:
+        group.shutdown()
+
+
+def test_ranks_get_the_allocator_setting(ray_cluster):
+    """Each rank's process starts with CUDA's allocator setting (expandable segments) unless the
+    driver's environment chose one."""
+    import os
+
+    group = ActorGroup(2, "cpu")
+    try:
+        assert group.run(_allocator_conf) == [os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF)] * 2
     finally:
         group.shutdown()
 

@@ -81,9 +81,10 @@ class NormalizedProjection(torch.autograd.Function):
     kept anyway by ``collapse`` and ``expand``; and its backward would hold that upcast's
     gradients for every row at once (six fp32 copies of the input's width). Here forward and
     backward run ``chunk_rows`` rows at a time: backward rebuilds each chunk's ops from the input
-    and differentiates them, so each row's input gradient is bitwise that of the plain autograd
-    graph and the weight gradient is its sum over chunks (one chunk: bitwise). The input goes
-    through ``save_for_backward``, so host offload moves it like any saved tensor.
+    and differentiates them, and the weight gradient is the sum over chunks. In one chunk that
+    is bitwise the plain autograd graph; over several, each chunk's GEMMs have fewer rows and
+    round differently (within 1e-6 in fp32). The input goes through ``save_for_backward``, so
+    host offload moves it like any saved tensor.
     """
 
     @staticmethod
