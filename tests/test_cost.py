@@ -20,6 +20,7 @@ from skyrl_megatron_kda.kda.cost import (
     estimate,
     exclusions,
     gathered_gemm_flops,
+    head_tokens,
     kda_efficiency,
     kda_kernel_s,
     regather_hidden_s,
@@ -364,10 +365,16 @@ def test_elementwise_terms_are_the_profiled_ones():
     assert terms["a2a"] > 1.3 * max(terms["allgather"], terms["state"]) > 1.3 * Calibration().elementwise_s_per_head_token
 
 
-def test_an_exchange_without_an_elementwise_term_is_refused():
+def test_an_exchange_without_a_profile_gets_cp1s_elementwise_term_and_the_reason_says_so():
+    recipe = glm(parallel=NO_TP, kda={"num_heads": 8}, data={"seq_len": 131072})
     calibration = Calibration(cp_elementwise_s_per_head_token={"a2a": 1e-8})
-    with pytest.raises(ValueError, match="no elementwise term for cp_exchange 'allgather'"):
-        choose(glm(parallel=NO_TP, kda={"num_heads": 8}, data={"seq_len": 131072}), calibration)
+    _, reason, table = choose(recipe, calibration)
+    by_name = {e.name: e for e in table}
+    assert by_name["a2a"].elementwise_profiled and not by_name["state"].elementwise_profiled
+    per_head_token = by_name["state"].elementwise_s / head_tokens("state", shape_of(recipe))
+    assert per_head_token == pytest.approx(calibration.elementwise_s_per_head_token)
+    assert reason.endswith("; elementwise term of CP1 for allgather, state (not profiled))"), reason
+    assert "not profiled" not in choose(recipe)[1]
     with pytest.raises(ValueError, match=r"cp_elementwise_s_per_head_token\['a2a'\]=-1"):
         Calibration(cp_elementwise_s_per_head_token={"a2a": -1.0})
 

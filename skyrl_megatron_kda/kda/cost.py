@@ -129,6 +129,7 @@ class Estimate:
     elementwise_s: float  # the layer's other work (conv, norm, copies), per head-token on the rank
     extra_memory_bytes: int  # buffers only this exchange allocates (see ``extra_memory_bytes``)
     total_s: float  # comm + kernel + GEMMs + elementwise: the quantity auto minimises
+    elementwise_profiled: bool = True  # False: no profile of this exchange, CP1's term used
 
     @property
     def comm_s(self) -> float:
@@ -151,16 +152,17 @@ def head_tokens(name: str, shape: ExchangeShape) -> float:
     return local_heads * s.tokens * s.batch / s.cp
 
 
-def elementwise_s_per_head_token(name: str, cp: int, calibration: Calibration) -> float:
-    """The layer's elementwise work per head-token: CP1's, or the CP exchange's own (its
-    reorders and copies differ; ``calibration.py``)."""
+def elementwise_s_per_head_token(name: str, cp: int, calibration: Calibration) -> tuple[float, bool]:
+    """The layer's elementwise work per head-token, and whether it was profiled for this case:
+    CP1's, or the CP exchange's own (its reorders and copies differ; ``calibration.py``). An
+    exchange whose rank has no profile (one registered later) gets CP1's term, flagged, and
+    ``choose`` says so in its reason."""
     if cp == 1:
-        return calibration.elementwise_s_per_head_token
-    per_exchange = calibration.cp_elementwise_s_per_head_token
-    if name not in per_exchange:
-        raise ValueError(f"the calibration has no elementwise term for cp_exchange {name!r} "
-                         f"(has {sorted(per_exchange)}): profile its rank (bench/kda_layer.py --profile-cp2)")
-    return per_exchange[name]
+        return calibration.elementwise_s_per_head_token, True
+    own = calibration.cp_elementwise_s_per_head_token.get(name)
+    if own is None:
+        return calibration.elementwise_s_per_head_token, False
+    return own, True
 
 
 def regather_hidden_s(name: str, shape: ExchangeShape, cp_link: LinkConfig, tp_link: LinkConfig,
@@ -219,12 +221,14 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
         if s.cp > 1:
             kernel = kernel * (1.0 + calibration.state_prepass) + calibration.state_call_overhead_s
     gemm = projection_flops(name, s, gate_ranks) / calibration.gemm_flop_per_s
-    elementwise = head_tokens(name, s) * elementwise_s_per_head_token(name, s.cp, calibration)
+    per_head_token, profiled = elementwise_s_per_head_token(name, s.cp, calibration)
+    elementwise = head_tokens(name, s) * per_head_token
 
     return Estimate(
         name=name, exact=exchange.exact, cp_in_bytes=cp_in, cp_out_bytes=cp_out,
         tp_bytes=tp_bytes, cp_comm_s=cp_comm, tp_comm_s=tp_comm, kernel_s=kernel, gemm_s=gemm,
-        elementwise_s=elementwise, extra_memory_bytes=exchange.extra_memory_bytes(s),
+        elementwise_s=elementwise, elementwise_profiled=profiled,
+        extra_memory_bytes=exchange.extra_memory_bytes(s),
         total_s=cp_comm + tp_comm + kernel + gemm + elementwise,
     )
 
@@ -267,8 +271,10 @@ def choose(recipe: MeshRecipe, calibration: Calibration = DEFAULT_CALIBRATION
     best = min(allowed, key=lambda e: (e.total_s, not e.exact))
     others = [f"{e.name} {e.total_s * 1e3:.1f} ms" for e in allowed if e is not best]
     others += [f"{name} excluded ({why})" for name, why in excluded.items()]
+    unprofiled = [e.name for e in allowed if not e.elementwise_profiled]
+    note = f"; elementwise term of CP1 for {', '.join(unprofiled)} (not profiled)" if unprofiled else ""
     reason = (f"{best.name}: {best.total_s * 1e3:.1f} ms vs {', '.join(others)} "
-              f"({_where(recipe, spans)}, T={recipe.data.seq_len})")
+              f"({_where(recipe, spans)}, T={recipe.data.seq_len}{note})")
     return best.name, reason, table
 
 
