@@ -730,8 +730,8 @@ def layer_backward_bytes(recipe: Recipe, index: int) -> int:
 
 def ffn_backward_bytes(recipe: Recipe, index: int) -> int:
     """What layer ``index`` holds while its FFN block (MoE or dense MLP) runs backward (first in
-    the layer): under full recompute the whole rebuilt layer and its checkpoint input; otherwise what it
-    kept (its attention block is rebuilt only after, under selective recompute)."""
+    the layer): under full recompute the whole rebuilt layer and its checkpoint input; otherwise
+    what it kept (its attention block is rebuilt only after, under selective recompute)."""
     mode = recipe.train.recompute_of(recipe.model.layer_types()[index])
     if mode == "full":
         return layer_activation_bytes(recipe, index) + checkpoint_input_bytes(recipe, mode)
@@ -893,16 +893,12 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
     map_backward = mhc_map_backward_bytes(recipe)
     phases["mHC map backward (largest)"] = max(
         kept_below[i] + layer_backward_bytes(recipe, i) + map_backward for i in range(m.num_layers))
-    moe_layers = [i for i, mlp in enumerate(m.mlp_types()) if mlp == "moe"]
-    if moe_layers:
-        working = moe_working_bytes(recipe)
-        phases[moe_phase_label(recipe)] = max(
-            kept_below[i] + ffn_backward_bytes(recipe, i) + working for i in moe_layers)
-    dense_layers = [i for i, mlp in enumerate(m.mlp_types()) if mlp == "dense"]
-    if dense_layers:
-        working = dense_mlp_backward_bytes(recipe)
-        phases["dense MLP backward (largest)"] = max(
-            kept_below[i] + ffn_backward_bytes(recipe, i) + working for i in dense_layers)
+    for mlp, working, label in (("moe", moe_working_bytes, moe_phase_label(recipe)),
+                                ("dense", dense_mlp_backward_bytes, "dense MLP backward (largest)")):
+        layers = [i for i, kind in enumerate(m.mlp_types()) if kind == mlp]
+        if layers:
+            phases[label] = max(kept_below[i] + ffn_backward_bytes(recipe, i) + working(recipe)
+                                for i in layers)
     if split.step_casts:
         # The distributed optimizer casts the bf16 gradient shard to fp32 before Adam runs, when
         # every activation is freed; the casts live until the gradients are zeroed.
