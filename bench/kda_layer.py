@@ -48,15 +48,17 @@ def parse_args():
     p.add_argument("--skip-recurrence", action="store_true",
                    help="no CP2 recurrence-alone rows (state exchange, fla cp_context)")
     p.add_argument("--emulate-cp2", action="store_true",
-                   help="with one GPU: run each CP2 rank's work on it in turn, collectives not run "
-                        "(torch's fake process group); the report adds the cost model's comm time")
+                   help="with one GPU: run each CP2 rank's work on it in turn, no data crossing GPUs "
+                        "(torch's fake process group, which still copies the local shard into every "
+                        "slot of an all-gather); the report adds the cost model's comm time")
     p.add_argument("--json", default=None, help="write all measurements here")
     p.add_argument("--profile", action="store_true",
                    help="only profile the CP1 layer and print the top CUDA kernels")
     p.add_argument("--profile-cp2", action="store_true",
                    help="also print the top CUDA kernels of each CP2 exchange on each rank")
     p.add_argument("--profile-dir", default=None,
-                   help="write each profile's whole per-kernel table here (profile_<label>.txt) "
+                   help="write each profile's whole per-kernel table here (profile_<label>.txt), "
+                        "and the torch ops of one step with their input shapes (ops_<label>.txt), "
                         "instead of printing its top rows")
     p.add_argument("--stack-dump-after", type=float, default=900, help="seconds; print stacks if still running")
     return p.parse_args()
@@ -380,6 +382,25 @@ def profile_step(args, label: str, step) -> None:
                 f"after one warm-up; layer {ms:.1f} ms per step\n")
         f.write(averages.table(sort_by="cuda_time_total", row_limit=-1, max_name_column_width=60))
     log(f"wrote {path}")
+    write_op_table(args, label, name, step)
+
+
+def write_op_table(args, label: str, name: str, step) -> None:
+    """The torch ops of one ``step`` by their own CUDA time, with their input shapes: which op
+    launched a copy, which the kernel table cannot tell. A separate pass, so that the kernel
+    table holds CUDA kernels alone."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    path = os.path.join(args.profile_dir, f"ops_{name}_T{args.tokens}.txt")
+    with open(path, "w") as f:
+        f.write(f"# {label}, T={args.tokens}: aten ops of one step by their own CUDA time (us), with input shapes\n")
+        for e in ops[:60]:
+            f.write(f"{e.self_device_time_total:10.0f} {e.count:4d}  {e.key:28s} {e.input_shapes}\n")
+    log(f"wrote {path}")
 
 
 def _kernel_key(heads: int, tokens: int, args) -> str:
@@ -452,7 +473,7 @@ def report(args, results) -> None:
         r["comm_ms_modeled"] = comm
     print(f"\nKDA layer fwd+bwd, T={args.tokens}, {args.heads} heads x {args.head_dim}, hidden {args.hidden}, bf16")
     if emulated:
-        print("CP2 rows: one rank's work measured on one GPU (fake process group: collectives not run) "
+        print("CP2 rows: one rank's work measured on one GPU (fake process group: no data crosses GPUs) "
               "+ the cost model's NVLink comm time for that exchange")
     print(f"{'run':<16}{'ms':>9}{'floor ms':>10}{'x floor':>9}{'speedup vs CP1':>16}{'peak GiB':>10}"
           f"{'mem vs CP1':>11}{'model ms':>10}")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from skyrl_megatron_kda.kda.kernel import (
     gated_rms_norm,
     causal_conv_silu,
+    causal_conv_silu_backward,
     chunk_kda_torch,
     kda,
     kda_gate,
@@ -371,6 +372,19 @@ def test_causal_conv_varlen_no_leak():
     assert not torch.equal(y2[:, ~outside], y[:, ~outside])
 
 
+def test_causal_conv_backward_equals_autograd():
+    gen = torch.Generator().manual_seed(19)
+    x = torch.randn(1, 11, 2 * CONV_C, generator=gen, dtype=torch.float64)[..., :CONV_C]  # strided
+    w = torch.randn(CONV_C, CONV_W, generator=gen, dtype=torch.float64)
+    dy = torch.randn(1, 11, CONV_C, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    causal_conv_silu(*leaves, backend="torch").backward(dy)
+    ours = causal_conv_silu_backward(x, w, dy, backend="torch")
+    for got, leaf in zip(ours, leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=0, atol=0)
+    assert rel_err(causal_conv_silu_backward(x, w.flip(-1), dy, backend="torch")[0], ours[0]) > 1e-2
+
+
 def test_resolve_backend():
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "torch"
@@ -482,6 +496,20 @@ def test_gpu_causal_conv_fla_vs_torch(varlen):
         (y.float() * dy.float()).sum().backward()
         outs.append((y, x.grad, w.grad))
     checks = [_err_msg(n, a, b) for n, a, b in zip(["y", "dx", "dweight"], outs[0], outs[1])]
+    assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_causal_conv_backward_fla_vs_torch():
+    """The conv's backward called directly, as the state exchange's conv does, on a strided view."""
+    gen = torch.Generator(device="cuda").manual_seed(24)
+    T, C, W = 300, 96, 4
+    x = torch.randn(1, T, 2 * C, generator=gen, device="cuda").to(torch.bfloat16)[..., :C]
+    w = (torch.randn(C, W, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    dy = torch.randn(1, T, C, generator=gen, device="cuda").to(torch.bfloat16)
+    outs = [causal_conv_silu_backward(x, w, dy, backend=backend) for backend in ("fla", "torch")]
+    checks = [_err_msg(n, a, b) for n, a, b in zip(["dx", "dweight"], outs[0], outs[1])]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)
 
 

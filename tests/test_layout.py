@@ -35,7 +35,7 @@ def test_take_rows_equals_index_select_forward_and_backward(kind):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(12, 2, 5, generator=g, dtype=torch.float64)
     index = torch.randperm(12, generator=g)
-    if kind == "subset":  # rows dropped, as the state conv drops its halo rows
+    if kind == "subset":  # some rows dropped
         index = index[:7]
     dy = torch.randn(index.numel(), 2, 5, generator=g, dtype=torch.float64)
     ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()

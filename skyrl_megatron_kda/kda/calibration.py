@@ -59,48 +59,51 @@ layer's projections ran at this floor (8.8 ms measured vs 9.0 ms predicted at T 
 
 # The state exchange's recurrence per rank (``bench/kda_layer.py --emulate-cp2``, the recurrence
 # alone: its pieces, summaries, chain and correction; the few-MiB all-gathers not run), against
-# the segmented kernel on the same T/2 shard in the same run (bench/results/h200_per_rank/
-# emulated_T*.json, ``state_recurrence_cp2`` and ``segmented_kernel_8h_T*``):
-#   T         128K   256K   512K    1M
-#   state     14.1   24.2   43.6   76.2 ms
-#   shard     11.7   19.6   37.9   73.1 ms
-# A line through 256K and 1M (the lengths the kernel rate is fitted on) gives the two terms below.
+# the segmented kernel on the same T/2 shard in the same run (bench/results/
+# h200_kda_after_copy_fixes/emulated_T*.json, ``state_recurrence_cp2`` and
+# ``segmented_kernel_8h_T*``; the slower rank):
+#   T         256K    1M
+#   state     20.5   72.2 ms
+#   shard     20.3   72.7 ms
+# The line through them gives the two terms below. (Before the chain selected its pieces by
+# index instead of by a mask, four device syncs per call, an earlier run measured 24.2 and
+# 76.2 ms: a 5.2 ms intercept; bench/results/h200_per_rank/.)
 
-STATE_PREPASS = (76.2 - 24.2) / (73.1 - 19.6) - 1.0
-"""Extra kernel time of ``state`` per unit of its shard's kernel time: -0.03, i.e. the summaries
+STATE_PREPASS = (72.2 - 20.5) / (72.7 - 20.3) - 1.0
+"""Extra kernel time of ``state`` per unit of its shard's kernel time: -0.01, i.e. the summaries
 and the correction for the incoming state cost nothing that grows with T beyond the shard's own
 kernel (the table above). On two H200s with NCCL at 1M the recurrence took 82.7 ms against 73.5
-(session 3): this model gives 76.2 there, 8% under. fla 0.6.0's own state passing
+(session 3, with the syncs): this model gives 72.2 there. fla 0.6.0's own state passing
 (``cp_context``) took 246.3 ms, +2.35x over the shard's kernel; ``skyrl-kda plan
 --state-prepass 2.35`` prices it."""
 
-STATE_CALL_OVERHEAD_S = 24.2e-3 - (1.0 + STATE_PREPASS) * 19.6e-3
-"""Fixed cost of one ``state`` recurrence beyond its kernel (host-side piece and segment
-bookkeeping, the summary and chain launches): 5.2 ms, the intercept of the line above. It is
-what makes ``a2a`` the faster exchange at short sequences at CP2 inside a node."""
+STATE_CALL_OVERHEAD_S = 20.5e-3 - (1.0 + STATE_PREPASS) * 20.3e-3
+"""Fixed cost of one ``state`` recurrence beyond its kernel (the summary and chain launches):
+0.5 ms, the intercept of the line above."""
 
 # The layer's work that is neither the KDA kernel nor a projection GEMM (the causal conv forward
 # and backward, the gated norm, casts, concatenations, reorders, the exchanges' own copies), per
 # head-token on the rank, from per-kernel profiles on one H200 (8 heads, T = 131,072, 2 steps
-# after a warm-up; bench/results/h200_kda_profiles/profile_*.txt, ``bench/kda_layer.py
+# after a warm-up; bench/results/h200_kda_after_copy_fixes/profile_*.txt, ``bench/kda_layer.py
 # --profile`` and ``--emulate-cp2 --profile-cp2``): every CUDA kernel that is not fla's KDA
 # kernels (chunk_*, recompute_w_u, kda_*, l2norm) nor a cuBLAS GEMM (nvjet*), summed.
 # ``tests/test_cost.py`` derives each term from the stored tables again.
 
-ELEMENTWISE_S_PER_HEAD_TOKEN = 16.569e-3 / 2 / (8 * 131072)
-"""The CP1 layer: 7.9 ns per head-token (16.6 ms over 2 steps of 8 x 131,072 head-tokens)."""
+ELEMENTWISE_S_PER_HEAD_TOKEN = 16.491e-3 / 2 / (8 * 131072)
+"""The CP1 layer: 7.9 ns per head-token (16.5 ms over 2 steps of 8 x 131,072 head-tokens)."""
 
 CP_ELEMENTWISE_S_PER_HEAD_TOKEN = {
-    "a2a": 20.016e-3 / 2 / (8 * 65536),
-    "allgather": 14.190e-3 / 2 / (8 * 65536),
-    "state": 14.310e-3 / 2 / (8 * 65536),
+    "a2a": 18.489e-3 / 2 / (8 * 65536),
+    "allgather": 14.106e-3 / 2 / (8 * 65536),
+    "state": 9.591e-3 / 2 / (8 * 65536),
 }
 """Each CP2 exchange's rank (the slower of its two ranks), per head-token it computes: ``a2a``
-19.1 ns, ``allgather`` 13.5, ``state`` 13.6, all above CP1's 7.9. ``a2a`` pays the most: its
+17.6 ns, ``allgather`` 13.5, ``state`` 9.1, all above CP1's 7.9. ``a2a`` pays the most: its
 input and output all-to-alls need the rows reordered and the head slices of every projection
-(q, k, v, the gates, beta) made contiguous on both sides, forward and backward. ``state``'s
-also holds its summaries' small GEMMs and copies, which ``STATE_CALL_OVERHEAD_S`` counts too
-(the model is a few percent high for ``state``)."""
+(q, k, v, the gates, beta) made contiguous on both sides, forward and backward (profiled
+before its send buffer lost one of its copies, ~1 ns per head-token); ``allgather`` reorders
+the gathered rows of each projection. ``state`` moves no rows: its term is CP1's plus the halo
+rows' recomputation and its summaries' small GEMMs."""
 
 REGATHER_OVERLAP = 1.0
 """Fraction of the backward row re-gather's last collective that hides behind the input-gradient

@@ -274,6 +274,21 @@ def causal_conv_silu(
     return F.silu(y).to(x.dtype)
 
 
+def causal_conv_silu_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, *,
+                              backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) of :func:`causal_conv_silu` without cu_seqlens, for an autograd Function that
+    calls it in its forward: fla's backward kernel directly (it recomputes the activation as fla's
+    own autograd does), autograd over the torch path on CPU."""
+    if backend == "fla":
+        from fla.modules.causal_conv1d import causal_conv1d_bwd
+
+        dx, dweight, _, _, _ = causal_conv1d_bwd(x=x, dy=dy, dht=None, weight=weight, activation="silu")
+        return dx, dweight
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(), weight.detach().requires_grad_()]
+        return torch.autograd.grad(causal_conv_silu(*leaves, backend=backend), leaves, dy)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
                    backend: Backend) -> torch.Tensor:
     """Per-head RMSNorm of ``x`` [..., K], times ``weight`` [K], times sigmoid(``gate``); fp32 inside,

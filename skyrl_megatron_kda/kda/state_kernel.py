@@ -78,23 +78,27 @@ class Segments:
 
 
 def _compose_entries(summaries: torch.Tensor, segments: Segments, link: Link) -> tuple[torch.Tensor, torch.Tensor]:
-    """Segment summaries -> piece summaries -> (link) -> every segment's entry state; also M."""
+    """Segment summaries -> piece summaries -> (link) -> every segment's entry state; also M.
+
+    Each step is one kernel per [H, K, K] product (``baddbmm`` adds the local part in the same
+    kernel): at 128K tokens a step of the layer is short enough that the host's launches of
+    these small kernels, not the GPU, set its pace."""
     V = summaries.shape[-1] - summaries.shape[-2]
     local, M = summaries[..., :V], summaries[..., V:]
     pieces = []
     for segs in segments.of_piece:
-        acc = summaries[segs[0]]
+        acc_local, acc_M = local[segs[0]], M[segs[0]]
         for j in segs[1:]:
-            acc = M[j] @ acc + torch.cat([local[j], torch.zeros_like(M[j])], dim=-1)
-        pieces.append(acc)
+            acc_local, acc_M = torch.baddbmm(local[j], M[j], acc_local), M[j] @ acc_M
+        pieces.append(torch.cat([acc_local, acc_M], dim=-1))
     entry = link.entry_states(torch.stack(pieces))
-    seg_entry = torch.empty_like(local)
+    seg_entry = [None] * local.shape[0]
     for p, segs in enumerate(segments.of_piece):
         state = entry[p]
         for j in segs:
             seg_entry[j] = state
-            state = M[j] @ state + local[j]
-    return seg_entry, M
+            state = torch.baddbmm(local[j], M[j], state)
+    return torch.stack(seg_entry), M
 
 
 def _compose_exit_grads(local_grads: torch.Tensor, M: torch.Tensor, segments: Segments, link: Link) -> torch.Tensor:
@@ -104,16 +108,16 @@ def _compose_exit_grads(local_grads: torch.Tensor, M: torch.Tensor, segments: Se
     for segs in segments.of_piece:
         acc = local_grads[segs[-1]]
         for j in reversed(segs[:-1]):
-            acc = local_grads[j] + Mt[j] @ acc
+            acc = torch.baddbmm(local_grads[j], Mt[j], acc)
         pieces.append(acc)
     exits = link.exit_grads(torch.stack(pieces))
-    seg_exit = torch.empty_like(local_grads)
+    seg_exit = [None] * local_grads.shape[0]
     for p, segs in enumerate(segments.of_piece):
         grad = exits[p]
         for j in reversed(segs):
             seg_exit[j] = grad
-            grad = local_grads[j] + Mt[j] @ grad
-    return seg_exit
+            grad = torch.baddbmm(local_grads[j], Mt[j], grad)
+    return torch.stack(seg_exit)
 
 
 def identity_summaries(count: int, heads: int, K: int, V: int, device) -> torch.Tensor:

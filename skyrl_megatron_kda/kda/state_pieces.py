@@ -50,6 +50,16 @@ class Pieces:
     def count(self) -> int:
         return self.cu.numel() - 1
 
+    def occupied(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indices of the slots that hold rows, and the boundaries of those slots alone: what
+        a kernel runs on (an empty slot has no rows to run). Built once per batch layout: the
+        layer then selects slots by index, never by a mask (a mask costs a device sync)."""
+        lengths = self.cu.diff()
+        present = (lengths > 0).nonzero().squeeze(1)
+        cu = torch.zeros(present.numel() + 1, dtype=torch.long, device=lengths.device)
+        cu[1:] = lengths[present].cumsum(0)
+        return present, cu
+
 
 def rank_pieces(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, batch: int, kind: str) -> Pieces:
     """The pieces ``cp_rank`` holds of ``batch`` rows of sequences ``cu_seqlens`` in the CP layout
@@ -132,23 +142,35 @@ def piece_tails(x: torch.Tensor, pieces: Pieces, width: int) -> torch.Tensor:
     return x[rows.clamp_min(0).reshape(-1)] * valid.reshape(-1, 1)
 
 
+def add_tail_grads(x_grad: torch.Tensor, tails_grad: torch.Tensor, pieces: Pieces, width: int) -> torch.Tensor:
+    """``piece_tails``' backward, added into ``x_grad`` [rows, C] in place: a handful of rows,
+    where autograd would build a zero gradient the size of ``x`` and add it."""
+    rows, valid, _, _ = _tail_rows(pieces, width)
+    return x_grad.index_add_(0, rows.clamp_min(0).reshape(-1), tails_grad * valid.reshape(-1, 1))
+
+
 @dataclass(frozen=True)
 class HaloPlan:
-    """Where the conv halo of each of this rank's pieces comes from and where the padded rows go:
-    a function of the layout alone, built once per batch layout (``halo_plan``).
+    """How the conv of this rank's rows gets its halo: a function of the layout alone, built once
+    per batch layout (``halo_plan``).
 
-    ``source[p, i]`` is the row of the all-gathered tails (every rank's ``piece_tails``) that
-    precedes piece ``p`` by ``width - i`` rows, ``inside[p, i]`` whether that row is in the
-    sequence (else the conv sees a zero); ``cu`` bounds the pieces with their halos in front and
-    ``keep`` picks this rank's own rows out of the padded conv output."""
+    The conv runs over all of this rank's rows at once as if they were one sequence; only the
+    first ``width`` rows of each piece read taps from before the piece start, and those ``F``
+    rows are computed again from their true window. ``source[p, i]`` is the row of the
+    all-gathered tails (every rank's ``piece_tails``) that precedes piece ``p`` by
+    ``width - i`` rows, ``inside[p, i]`` whether that row is in the sequence (else the conv sees
+    a zero). ``head_rows`` [F] are the rows to compute again; tap ``s`` of row ``r`` (``s`` rows
+    back, ``width + 1`` taps) reads ``window[f, s] = r - s``, which the whole-rank conv read
+    where ``window >= 0`` (zero before row 0), and which truly lies before the piece start where
+    ``from_halo[f, s] >= 0``: then it is halo row ``from_halo`` of [P * width]."""
 
     pieces: Pieces
     width: int
     source: torch.Tensor
     inside: torch.Tensor
-    bounds: tuple[int, ...]  # ``pieces.cu`` on the host
-    cu: torch.Tensor
-    keep: torch.Tensor
+    head_rows: torch.Tensor
+    window: torch.Tensor
+    from_halo: torch.Tensor
 
 
 def halo_plan(mine: Pieces, every_rank: list[Pieces], width: int) -> HaloPlan:
@@ -162,14 +184,16 @@ def halo_plan(mine: Pieces, every_rank: list[Pieces], width: int) -> HaloPlan:
     found = sorted_pos[idx] == wanted
     if bool((inside & ~found).any()):
         raise RuntimeError("conv halo rows missing from the gathered piece tails (layout bug)")
-    bounds = tuple(mine.cu.tolist())
+    # Row j < width of piece p (that exists), its taps s = 0..width: before the start when s > j.
     lengths = mine.cu.diff()
-    cu = torch.zeros(mine.count + 1, dtype=torch.long, device=mine.cu.device)
-    cu[1:] = (lengths + width).cumsum(0)
-    padded = [start + width * (p + 1) for p, start in enumerate(bounds)]
-    keep = torch.cat([torch.arange(padded[p], padded[p] + bounds[p + 1] - bounds[p], device=mine.cu.device)
-                      for p in range(mine.count)])
-    return HaloPlan(mine, width, order[idx], inside & found, bounds, cu, keep)
+    j = torch.arange(width, device=lengths.device)
+    piece, offset = (t[j.unsqueeze(0) < lengths.unsqueeze(1)]
+                     for t in torch.broadcast_tensors(torch.arange(mine.count, device=j.device).unsqueeze(1), j))
+    rows = mine.cu[:-1][piece] + offset
+    taps = torch.arange(width + 1, device=j.device)
+    before = taps > offset.unsqueeze(1)
+    from_halo = torch.where(before, piece.unsqueeze(1) * width + width - taps + offset.unsqueeze(1), -1)
+    return HaloPlan(mine, width, order[idx], inside & found, rows, rows.unsqueeze(1) - taps, from_halo)
 
 
 def halo_rows(tails: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
@@ -179,9 +203,22 @@ def halo_rows(tails: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
     return rows * plan.inside.unsqueeze(-1)
 
 
-def with_halo(x: torch.Tensor, halo: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
-    """Interleave ``halo`` [P, w, C] before each piece of ``x`` [rows, C] (bounds ``plan.cu``)."""
-    rows = []
-    for p in range(plan.pieces.count):
-        rows += [halo[p], x[plan.bounds[p]: plan.bounds[p + 1]]]
-    return torch.cat(rows)
+def window_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Causal conv + SiLU of the rows whose taps are ``window`` [F, W, C] (tap ``s``: the row ``s``
+    steps back), weight [C, W] as in ``kernel.causal_conv_silu``; fp32 [F, C]."""
+    return torch.nn.functional.silu(torch.einsum("fsc,cs->fc", window.float(), weight.float().flip(-1)))
+
+
+def window_rows(x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+    """The rows of ``x`` [rows, C] that the taps of ``plan.head_rows`` read: [F, width + 1, C]
+    (row 0 where a tap lies before row 0; ``head_windows`` masks it)."""
+    return x.index_select(0, plan.window.flatten().clamp_min(0)).view(plan.window.shape + x.shape[1:])
+
+
+def head_windows(rows: torch.Tensor, halo: torch.Tensor, plan: HaloPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows [F, width + 1, C] of the rows ``plan.head_rows``, from their ``window_rows``:
+    as the conv over all of the rank's rows read them (zero before row 0), and as they truly are
+    (with ``halo`` [P, width, C] before each piece start)."""
+    read = rows * (plan.window >= 0).unsqueeze(-1)
+    before_start = halo.reshape(-1, halo.shape[-1])[plan.from_halo.clamp_min(0)]
+    return read, torch.where((plan.from_halo >= 0).unsqueeze(-1), before_start, read)

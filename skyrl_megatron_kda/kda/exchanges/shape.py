@@ -70,3 +70,10 @@ class ExchangeShape:
 
     def rows_bytes(self, rows: int, width: int) -> int:
         return rows * self.batch * width * self.element_size
+
+
+def whole_vectors(width: int, element_size: int) -> int:
+    """``width`` columns rounded up to whole 16-byte vectors: torch reorders rows (index_select)
+    with its vectorised gather only when a row is a multiple of 16 bytes, and with a generic
+    kernel several times slower otherwise."""
+    return width + (-width) % max(1, 16 // element_size)

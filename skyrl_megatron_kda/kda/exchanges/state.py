@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.cp_layout import CPLayout, layout_kind, take_rows
+from ...distributed.cp_layout import CPLayout, layout_kind
 from .. import state_pieces
-from ..kernel import causal_conv_silu
+from ..kernel import causal_conv_silu, causal_conv_silu_backward
 from ..state_kernel import Segments, identity_summaries, state_passing_kda_on_segments
 from .base import ComputeRows, CPExchange, KernelArgs, Projection
 from .ledger import CountedRowGather
@@ -88,43 +88,36 @@ class StateExchange(CPExchange):
             self._pieces(layout, batch, self.cp_rank),
             [self._pieces(layout, batch, r) for r in range(self.cp)], width))
 
-    def _kernel_pieces(self, layout: CPLayout, batch: int, kernel: KernelArgs) -> tuple[torch.Tensor, Segments]:
-        """Which of this rank's slots hold rows, and those pieces cut into the kernel's segments
-        (the kernel only sees non-empty pieces: a sequence that misses this rank in the contiguous
-        layout has an empty slot, whose summary is the identity map)."""
+    def _kernel_pieces(self, layout: CPLayout, batch: int, kernel: KernelArgs) -> tuple[int, torch.Tensor, Segments]:
+        """How many slots this rank has, the indices of those that hold rows, and those pieces cut
+        into the kernel's segments (the kernel only sees non-empty pieces: a sequence that misses
+        this rank in the contiguous layout has an empty slot, whose summary is the identity map)."""
         def build():
-            lengths = self._pieces(layout, batch, self.cp_rank).cu.diff()
-            present = lengths > 0
-            cu = torch.zeros(int(present.sum()) + 1, dtype=torch.long, device=lengths.device)
-            cu[1:] = lengths[present].cumsum(0)
-            return present, Segments.cut(cu, kernel.segments, kernel.chunk_size)
+            pieces = self._pieces(layout, batch, self.cp_rank)
+            present, cu = pieces.occupied()
+            return pieces.count, present, Segments.cut(cu, kernel.segments, kernel.chunk_size)
         key = ("state kernel pieces", batch, self.cp_rank, kernel.segments, kernel.chunk_size)
         return layout.derived(key, build)
 
     def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout,
              kernel: KernelArgs) -> list[torch.Tensor]:
-        """One conv of q|k|v on this rank's pieces with their halos (one halo exchange for all
-        three), then each of q, k, v taken out of it on its own."""
+        """q, k and v each convolved on this rank's pieces, each piece starting from its halo (one
+        halo exchange for all three)."""
         if self.cp == 1:
             return super().conv(qkv, weight, layout, kernel)
         batch, rows, channels = qkv.shape
-        width = weight.shape[-1] - 1
-        x = qkv.reshape(batch * rows, channels)
-        plan = self._halo_plan(layout, batch, width)
-        all_tails = self._gather_rows(state_pieces.piece_tails(x, plan.pieces, width), self.groups.cp, "cp")
-        halo = state_pieces.halo_rows(all_tails, plan)
-        padded = state_pieces.with_halo(x, halo, plan)
-        y = causal_conv_silu(padded.unsqueeze(0), weight.flatten(0, 1), cu_seqlens=plan.cu,
-                             backend=kernel.backend)[0]
-        return [take_rows(part, plan.keep).reshape(batch, rows, -1) for part in y.chunk(3, dim=-1)]
+        plan = self._halo_plan(layout, batch, weight.shape[-1] - 1)
+        tails = CountedRowGather([(self.groups.cp, "cp")], self.ledger)
+        outs = _HaloConv.apply(qkv.reshape(batch * rows, channels), weight, plan, tails, kernel.backend)
+        return [out.reshape(batch, rows, -1) for out in outs]
 
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
         if self.cp == 1:
             return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, kernel)
         batch, rows, heads, K = q.shape
-        present, segments = self._kernel_pieces(layout, batch, kernel)
+        slots, present, segments = self._kernel_pieces(layout, batch, kernel)
         q, k, v, f, b = (t.reshape((1, batch * rows) + t.shape[2:]) for t in (q, k, v, f, b))
-        link = _CPChain(self, present, layout.kind)
+        link = _CPChain(self, slots, present, layout.kind)
         o = state_passing_kda_on_segments(q, k, v, f, b, A_log, dt_bias, pieces=segments, link=link,
                                           **kernel.kernel_kwargs())
         return o.reshape(batch, rows, heads, -1)
@@ -132,10 +125,12 @@ class StateExchange(CPExchange):
 
 class _CPChain:
     """The state exchange's link between pieces on different CP ranks: one all-gather of the
-    fp32 summaries forward, one of the entry-state gradients backward (both counted)."""
+    fp32 summaries forward, one of the entry-state gradients backward (both counted). ``slots``
+    is how many pieces this rank has, ``present`` the indices of those that hold rows (the
+    kernel's pieces)."""
 
-    def __init__(self, exchange: StateExchange, present: torch.Tensor, kind: str):
-        self.exchange, self.present, self.kind = exchange, present, kind
+    def __init__(self, exchange: StateExchange, slots: int, present: torch.Tensor, kind: str):
+        self.exchange, self.slots, self.present, self.kind = exchange, slots, present, kind
         self.M = None
 
     def _all_gather(self, x: torch.Tensor, phase: str) -> torch.Tensor:
@@ -146,18 +141,65 @@ class _CPChain:
     def entry_states(self, summaries: torch.Tensor) -> torch.Tensor:
         heads, K = summaries.shape[1:3]
         V = summaries.shape[-1] - K
-        mine = identity_summaries(self.present.numel(), heads, K, V, summaries.device)
-        mine[self.present] = summaries
+        mine = identity_summaries(self.slots, heads, K, V, summaries.device).index_copy_(0, self.present, summaries)
         gathered = self._all_gather(mine, "fwd")
         self.M = gathered[..., V:]
         entry = state_pieces.chain_entry_states(self.M, gathered[..., :V], self.exchange.cp,
                                                 self.exchange.cp_rank, self.kind)
-        return entry[self.present]
+        return entry.index_select(0, self.present)
 
     def exit_grads(self, entry_grads: torch.Tensor) -> torch.Tensor:
-        mine = entry_grads.new_zeros((self.present.numel(),) + entry_grads.shape[1:])
-        mine[self.present] = entry_grads
+        mine = entry_grads.new_zeros((self.slots,) + entry_grads.shape[1:]).index_copy_(0, self.present, entry_grads)
         gathered = self._all_gather(mine, "bwd")
         exits = state_pieces.chain_exit_grads(self.M, gathered, self.exchange.cp, self.exchange.cp_rank,
                                               self.kind)
-        return exits[self.present]
+        return exits.index_select(0, self.present)
+
+
+class _HaloConv(torch.autograd.Function):
+    """Causal conv + SiLU of q, k and v ([rows, 3C] side by side, a strided view read in place;
+    weight [3, C, W]) on this rank's pieces, each piece's first taps reading its halo.
+
+    Each of q, k, v is convolved over all of the rank's rows at once, as one sequence: fla's
+    fastest call (``bench/conv_layouts.py``: cutting the rows into the pieces, or starting each
+    from its halo as fla's initial state, cost 1.1-1.4x). That is right except for the first
+    ``W - 1`` rows of each piece, whose taps reach before the piece start; those few rows are
+    computed again from their true window, the halo being the piece tails all-gathered over CP.
+    Backward runs the whole-rank conv's backward, then swaps those rows' contribution for their
+    true window's, reduce-scatters the halos' gradients to their owners and adds them into the
+    tail rows in place."""
+
+    @staticmethod
+    def forward(ctx, qkv, weight, plan: state_pieces.HaloPlan, tails: CountedRowGather, backend: str):
+        all_tails = tails.start_gather(state_pieces.piece_tails(qkv, plan.pieces, plan.width), "fwd")()
+        outs = [causal_conv_silu(x.unsqueeze(0), w, backend=backend)[0]
+                for x, w in zip(qkv.chunk(3, dim=-1), weight.unbind(0))]
+        _, true = state_pieces.head_windows(state_pieces.window_rows(qkv, plan),
+                                            state_pieces.halo_rows(all_tails, plan), plan)
+        heads = state_pieces.window_conv_silu(true, weight.flatten(0, 1)).to(qkv.dtype)
+        for out, head in zip(outs, heads.chunk(3, dim=-1)):
+            out.index_copy_(0, plan.head_rows, head)
+        ctx.save_for_backward(qkv, weight, all_tails)
+        ctx.plan, ctx.tails, ctx.backend = plan, tails, backend
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *out_grads):
+        qkv, weight, all_tails = ctx.saved_tensors
+        plan = ctx.plan
+        grads = [causal_conv_silu_backward(x.unsqueeze(0), w, dy.unsqueeze(0), backend=ctx.backend)
+                 for x, w, dy in zip(qkv.chunk(3, dim=-1), weight.unbind(0), out_grads)]
+        qkv_grad = torch.cat([dx[0] for dx, _ in grads], dim=-1)
+        weight_grad = torch.stack([dw for _, dw in grads])
+        heads_grad = torch.cat([dy.index_select(0, plan.head_rows) for dy in out_grads], dim=-1)
+        with torch.enable_grad():  # the head rows are few: their correction by autograd
+            leaves = [t.detach().requires_grad_() for t in (state_pieces.window_rows(qkv, plan), all_tails, weight)]
+            rows, tails_leaf, weight_leaf = leaves
+            read, true = state_pieces.head_windows(rows, state_pieces.halo_rows(tails_leaf, plan), plan)
+            w = weight_leaf.flatten(0, 1)
+            change = state_pieces.window_conv_silu(true, w) - state_pieces.window_conv_silu(read, w)
+            rows_grad, all_tails_grad, weight_change = torch.autograd.grad(change, leaves, heads_grad.float())
+        tails_grad = ctx.tails.start_reduce_scatter(all_tails_grad)
+        qkv_grad.index_add_(0, plan.window.flatten().clamp_min(0), rows_grad.flatten(0, 1).to(qkv_grad.dtype))
+        state_pieces.add_tail_grads(qkv_grad, tails_grad(), plan.pieces, plan.width)
+        return qkv_grad, weight_grad + weight_change.to(weight_grad.dtype), None, None, None
