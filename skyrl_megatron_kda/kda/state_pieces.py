@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed.cp_layout import layout_kind
+from .kernel import causal_conv_silu
 
 
 @dataclass(frozen=True)
@@ -135,42 +136,34 @@ def tail_positions(pieces: Pieces, width: int) -> torch.Tensor:
     return torch.where(valid, pieces.natural_start.unsqueeze(1) + lengths - back, -1).reshape(-1)
 
 
-def piece_tails(x: torch.Tensor, pieces: Pieces, width: int) -> torch.Tensor:
-    """The last ``width`` rows of every piece of ``x`` [rows, C] ([P*width, C]; zero rows where a
-    piece is shorter than ``width``), in the order of ``tail_positions``."""
-    rows, valid, _, _ = _tail_rows(pieces, width)
-    return x[rows.clamp_min(0).reshape(-1)] * valid.reshape(-1, 1)
-
-
-def add_tail_grads(x_grad: torch.Tensor, tails_grad: torch.Tensor, pieces: Pieces, width: int) -> torch.Tensor:
-    """``piece_tails``' backward, added into ``x_grad`` [rows, C] in place: a handful of rows,
-    where autograd would build a zero gradient the size of ``x`` and add it."""
-    rows, valid, _, _ = _tail_rows(pieces, width)
-    return x_grad.index_add_(0, rows.clamp_min(0).reshape(-1), tails_grad * valid.reshape(-1, 1))
-
-
 @dataclass(frozen=True)
 class HaloPlan:
     """How the conv of this rank's rows gets its halo: a function of the layout alone, built once
-    per batch layout (``halo_plan``).
+    per batch layout (``halo_plan``), indices and masks included, so that a layer's step only
+    gathers and scatters rows.
 
-    The conv runs over all of this rank's rows at once as if they were one sequence; only the
-    first ``width`` rows of each piece read taps from before the piece start, and those ``F``
-    rows are computed again from their true window. ``source[p, i]`` is the row of the
-    all-gathered tails (every rank's ``piece_tails``) that precedes piece ``p`` by
+    ``tail_rows`` [P * width] are the last ``width`` rows of every piece, in the order of
+    ``tail_positions`` (``tail_valid`` false where a piece is shorter). ``source[p, i]`` is the
+    row of the all-gathered tails (every rank's ``piece_tails``) that precedes piece ``p`` by
     ``width - i`` rows, ``inside[p, i]`` whether that row is in the sequence (else the conv sees
-    a zero). ``head_rows`` [F] are the rows to compute again; tap ``s`` of row ``r`` (``s`` rows
-    back, ``width + 1`` taps) reads ``window[f, s] = r - s``, which the whole-rank conv read
-    where ``window >= 0`` (zero before row 0), and which truly lies before the piece start where
-    ``from_halo[f, s] >= 0``: then it is halo row ``from_halo`` of [P * width]."""
+    a zero). The conv runs over all of this rank's rows at once as if they were one sequence;
+    only the first ``width`` rows of each piece, ``head_rows`` [F], read taps from before the
+    piece start, and they are computed again from their true window. Tap ``s`` of head row ``r``
+    (``s`` rows back, ``width + 1`` taps) read row ``window[f, s] = r - s`` where ``window_read``
+    (zero before row 0), and truly lies before the piece start where ``before_start``: then it
+    is halo row ``from_halo[f, s]`` of [P * width]."""
 
     pieces: Pieces
     width: int
+    tail_rows: torch.Tensor
+    tail_valid: torch.Tensor
     source: torch.Tensor
     inside: torch.Tensor
     head_rows: torch.Tensor
     window: torch.Tensor
+    window_read: torch.Tensor
     from_halo: torch.Tensor
+    before_start: torch.Tensor
 
 
 def halo_plan(mine: Pieces, every_rank: list[Pieces], width: int) -> HaloPlan:
@@ -184,6 +177,7 @@ def halo_plan(mine: Pieces, every_rank: list[Pieces], width: int) -> HaloPlan:
     found = sorted_pos[idx] == wanted
     if bool((inside & ~found).any()):
         raise RuntimeError("conv halo rows missing from the gathered piece tails (layout bug)")
+    tail_rows, tail_valid, _, _ = _tail_rows(mine, width)
     # Row j < width of piece p (that exists), its taps s = 0..width: before the start when s > j.
     lengths = mine.cu.diff()
     j = torch.arange(width, device=lengths.device)
@@ -191,9 +185,24 @@ def halo_plan(mine: Pieces, every_rank: list[Pieces], width: int) -> HaloPlan:
                      for t in torch.broadcast_tensors(torch.arange(mine.count, device=j.device).unsqueeze(1), j))
     rows = mine.cu[:-1][piece] + offset
     taps = torch.arange(width + 1, device=j.device)
+    window = rows.unsqueeze(1) - taps
     before = taps > offset.unsqueeze(1)
-    from_halo = torch.where(before, piece.unsqueeze(1) * width + width - taps + offset.unsqueeze(1), -1)
-    return HaloPlan(mine, width, order[idx], inside & found, rows, rows.unsqueeze(1) - taps, from_halo)
+    from_halo = piece.unsqueeze(1) * width + width - taps + offset.unsqueeze(1)
+    return HaloPlan(mine, width, tail_rows.clamp_min(0).reshape(-1), tail_valid.reshape(-1, 1), order[idx],
+                    inside & found, rows, window.clamp_min(0), (window >= 0).unsqueeze(-1),
+                    torch.where(before, from_halo, 0), before.unsqueeze(-1))
+
+
+def piece_tails(x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+    """The last ``width`` rows of every piece of ``x`` [rows, C] ([P*width, C]; zero rows where a
+    piece is shorter than ``width``), in the order of ``tail_positions``."""
+    return x[plan.tail_rows] * plan.tail_valid
+
+
+def add_tail_grads(x_grad: torch.Tensor, tails_grad: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+    """``piece_tails``' backward, added into ``x_grad`` [rows, C] in place: a handful of rows,
+    where autograd would build a zero gradient the size of ``x`` and add it."""
+    return x_grad.index_add_(0, plan.tail_rows, tails_grad * plan.tail_valid)
 
 
 def halo_rows(tails: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
@@ -205,20 +214,20 @@ def halo_rows(tails: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
 
 def window_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Causal conv + SiLU of the rows whose taps are ``window`` [F, W, C] (tap ``s``: the row ``s``
-    steps back), weight [C, W] as in ``kernel.causal_conv_silu``; fp32 [F, C]."""
-    return torch.nn.functional.silu(torch.einsum("fsc,cs->fc", window.float(), weight.float().flip(-1)))
+    steps back), weight [C, W]: the kernel's torch conv on each window in time order, its last
+    row [F, C]."""
+    return causal_conv_silu(window.flip(1), weight, backend="torch")[:, -1]
 
 
 def window_rows(x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
     """The rows of ``x`` [rows, C] that the taps of ``plan.head_rows`` read: [F, width + 1, C]
     (row 0 where a tap lies before row 0; ``head_windows`` masks it)."""
-    return x.index_select(0, plan.window.flatten().clamp_min(0)).view(plan.window.shape + x.shape[1:])
+    return x.index_select(0, plan.window.flatten()).view(plan.window.shape + x.shape[1:])
 
 
 def head_windows(rows: torch.Tensor, halo: torch.Tensor, plan: HaloPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """The windows [F, width + 1, C] of the rows ``plan.head_rows``, from their ``window_rows``:
     as the conv over all of the rank's rows read them (zero before row 0), and as they truly are
     (with ``halo`` [P, width, C] before each piece start)."""
-    read = rows * (plan.window >= 0).unsqueeze(-1)
-    before_start = halo.reshape(-1, halo.shape[-1])[plan.from_halo.clamp_min(0)]
-    return read, torch.where((plan.from_halo >= 0).unsqueeze(-1), before_start, read)
+    read = rows * plan.window_read
+    return read, torch.where(plan.before_start, halo.reshape(-1, halo.shape[-1])[plan.from_halo], read)

@@ -171,21 +171,21 @@ class _HaloConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, weight, plan: state_pieces.HaloPlan, tails: CountedRowGather, backend: str):
-        all_tails = tails.start_gather(state_pieces.piece_tails(qkv, plan.pieces, plan.width), "fwd")()
+        all_tails = tails.start_gather(state_pieces.piece_tails(qkv, plan), "fwd")()
         outs = [causal_conv_silu(x.unsqueeze(0), w, backend=backend)[0]
                 for x, w in zip(qkv.chunk(3, dim=-1), weight.unbind(0))]
-        _, true = state_pieces.head_windows(state_pieces.window_rows(qkv, plan),
-                                            state_pieces.halo_rows(all_tails, plan), plan)
-        heads = state_pieces.window_conv_silu(true, weight.flatten(0, 1)).to(qkv.dtype)
+        rows = state_pieces.window_rows(qkv, plan)
+        _, true = state_pieces.head_windows(rows, state_pieces.halo_rows(all_tails, plan), plan)
+        heads = state_pieces.window_conv_silu(true, weight.flatten(0, 1))
         for out, head in zip(outs, heads.chunk(3, dim=-1)):
             out.index_copy_(0, plan.head_rows, head)
-        ctx.save_for_backward(qkv, weight, all_tails)
+        ctx.save_for_backward(qkv, weight, all_tails, rows)
         ctx.plan, ctx.tails, ctx.backend = plan, tails, backend
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *out_grads):
-        qkv, weight, all_tails = ctx.saved_tensors
+        qkv, weight, all_tails, rows = ctx.saved_tensors
         plan = ctx.plan
         grads = [causal_conv_silu_backward(x.unsqueeze(0), w, dy.unsqueeze(0), backend=ctx.backend)
                  for x, w, dy in zip(qkv.chunk(3, dim=-1), weight.unbind(0), out_grads)]
@@ -193,13 +193,13 @@ class _HaloConv(torch.autograd.Function):
         weight_grad = torch.stack([dw for _, dw in grads])
         heads_grad = torch.cat([dy.index_select(0, plan.head_rows) for dy in out_grads], dim=-1)
         with torch.enable_grad():  # the head rows are few: their correction by autograd
-            leaves = [t.detach().requires_grad_() for t in (state_pieces.window_rows(qkv, plan), all_tails, weight)]
-            rows, tails_leaf, weight_leaf = leaves
-            read, true = state_pieces.head_windows(rows, state_pieces.halo_rows(tails_leaf, plan), plan)
+            leaves = [t.detach().requires_grad_() for t in (rows, all_tails, weight)]
+            rows_leaf, tails_leaf, weight_leaf = leaves
+            read, true = state_pieces.head_windows(rows_leaf, state_pieces.halo_rows(tails_leaf, plan), plan)
             w = weight_leaf.flatten(0, 1)
             change = state_pieces.window_conv_silu(true, w) - state_pieces.window_conv_silu(read, w)
-            rows_grad, all_tails_grad, weight_change = torch.autograd.grad(change, leaves, heads_grad.float())
+            rows_grad, all_tails_grad, weight_change = torch.autograd.grad(change, leaves, heads_grad)
         tails_grad = ctx.tails.start_reduce_scatter(all_tails_grad)
-        qkv_grad.index_add_(0, plan.window.flatten().clamp_min(0), rows_grad.flatten(0, 1).to(qkv_grad.dtype))
-        state_pieces.add_tail_grads(qkv_grad, tails_grad(), plan.pieces, plan.width)
-        return qkv_grad, weight_grad + weight_change.to(weight_grad.dtype), None, None, None
+        qkv_grad.index_add_(0, plan.window.flatten(), rows_grad.flatten(0, 1))
+        state_pieces.add_tail_grads(qkv_grad, tails_grad(), plan)
+        return qkv_grad, weight_grad + weight_change, None, None, None
