@@ -16,6 +16,9 @@
 # every .tcache/*.tgz, then the older split archive .tcache/triton.tgz.part*. After it, the
 # autotuning results the run added (none of the restored ones) come back as $OUT/triton-added.tgz:
 # copy that into .tcache/ under a new name (e.g. triton-added-<date>.tgz) for the next call.
+# fla's conv autotunes per channel count, not per length: whatever runs a channel count first
+# picks its config for every length after it. Run the GPU tests (few thousand rows) after the
+# benchmarks, not before, or their choices serve the benchmarks' 128K-1M rows (docs/benchmarks.md).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target .site "${WHEELS:-.whl-gpu}"/*.whl || exit 1

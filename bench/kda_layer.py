@@ -286,6 +286,7 @@ def main() -> None:
     single = dist.new_group([0])
     if args.profile:
         profile_cp1(args, single)
+        dist.destroy_process_group()
         return
     # The output paths stay out of the record: they name folders of the machine that ran it.
     results = {"args": {**vars(args), "json": None, "profile_dir": None}, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
@@ -356,12 +357,12 @@ def main() -> None:
 
 
 def profile_cp1(args, group) -> None:
-    """Where the CP1 layer's fwd+bwd time goes, by CUDA kernel (after a warm-up step)."""
+    """Where the CP1 layer's fwd+bwd time goes, by CUDA kernel (after the warm-up steps)."""
     profile_step(args, "CP1", layer_fwd_bwd(args, "a2a", group, group)[0])
 
 
 def profile_step(args, label: str, step) -> None:
-    """CUDA kernels of ``step`` over ``args.iters`` calls, after a warm-up step: the top rows
+    """CUDA kernels of ``step`` over ``args.iters`` calls, after the warm-up steps: the top rows
     printed, or every row written under ``args.profile_dir`` (the cost model's calibration reads
     whole tables: a cut table leaves time out)."""
     ms, _ = timed(step, args.warmup, 1)
@@ -379,7 +380,7 @@ def profile_step(args, label: str, step) -> None:
     os.makedirs(args.profile_dir, exist_ok=True)
     with open(path, "w") as f:
         f.write(f"# {label}, T={args.tokens}, {args.heads} heads, {args.iters} profiled steps "
-                f"after one warm-up; layer {ms:.1f} ms per step\n")
+                f"after {args.warmup} warm-up and one timed; layer {ms:.1f} ms per step\n")
         f.write(averages.table(sort_by="cuda_time_total", row_limit=-1, max_name_column_width=60))
     log(f"wrote {path}")
     write_op_table(args, label, name, step)

@@ -246,9 +246,10 @@ def kda_activation_bytes(recipe: Recipe) -> int:
 
     Kept for backward: the projection's input, this rank's SP shard [s, D] (the rows gathered
     from it are gathered again in backward, kda/rows.py), and the low-rank gate outputs
-    [S, rf + rg]; the concatenated projection weights; per head-token
-    (S * H / tp of them, for every exchange): the fused projection [q|k|v|f|g|beta] (5K + 1,
-    alive as the conv's saved input), fla's L2-normalised q and k (2K) with fp32 rstds, the
+    [S, rf + rg]; the concatenated low-rank and beta weights (q, k and v project with views of
+    their parameters); per head-token (S * H / tp of them, for every exchange): the projections
+    q, k, v, f, g and beta (5K + 1, alive as the conv's saved input; beta shares the low-rank
+    GEMM's output), fla's L2-normalised q and k (2K) with fp32 rstds, the
     contiguous copies fla's ``input_guard`` makes of v, the raw gate and beta (K + K + 1) and
     fp32 beta, the intra-chunk matrices Aqk and Akk (chunk_size each), the kernel output and
     the copied output gate the gated norm keeps (2K) with its rstd, and the normalised output
@@ -259,7 +260,7 @@ def kda_activation_bytes(recipe: Recipe) -> int:
     low = k.gate_low_rank + k.output_gate_low_rank
     head_tokens = r.cp * h
     per_head_token = w * (5 * K + 1 + 2 * K + 2 * K + 1 + 2 * k.chunk_size + 3 * K) + 4 * 4
-    weights = w * (3 * h * K + h + low) * D
+    weights = w * (h + low) * D
     return (r.sp * D + r.cp * low) * w + weights + head_tokens * per_head_token
 
 

@@ -59,12 +59,12 @@ def _run(fn, leaves, do):
     return out.detach().float(), [t.grad.detach().float().clone() for t in leaves]
 
 
-def _errors(T, piece_cu, H, K, device, dtype, backend, link, segments):
+def _errors(T, piece_cu, H, K, device, dtype, backend, link, segments, lower_bound=-5.0):
     leaves, do = _inputs(T, H, K, device, dtype)
-    whole = _run(lambda *t: kda(*t, lower_bound=-5.0, backend=backend)[0], leaves, do)
+    whole = _run(lambda *t: kda(*t, lower_bound=lower_bound, backend=backend)[0], leaves, do)
     cu = torch.tensor(piece_cu, device=device)
-    pieces = _run(lambda *t: state_passing_kda(*t, piece_cu=cu, link=link, lower_bound=-5.0, backend=backend,
-                                               segments=segments), leaves, do)
+    pieces = _run(lambda *t: state_passing_kda(*t, piece_cu=cu, link=link, lower_bound=lower_bound,
+                                               backend=backend, segments=segments), leaves, do)
     errors = {"out": relative_error(pieces[0], whole[0])}
     errors.update({f"d{n}": relative_error(a, b) for n, a, b in zip(NAMES, pieces[1], whole[1])})
     return errors
@@ -74,6 +74,7 @@ def test_segments_are_whole_chunks():
     cut = Segments.cut(torch.tensor([0, 100, 333, 700]), target=6, chunk_size=64)
     assert cut.cu.tolist() == [0, 100, 228, 333, 461, 589, 700]
     assert cut.of_piece == [[0], [1, 2], [3, 4, 5]]
+    assert cut.first.tolist() == [0, 1, 3] and cut.last.tolist() == [0, 2, 5]
 
 
 CPU_PIECES = [0, 100, 333, 700]  # uneven pieces, not chunk aligned; the last cut into 3 segments
@@ -88,6 +89,33 @@ def test_chained_pieces_equal_whole_sequence_cpu():
 def test_unchained_pieces_are_caught_cpu():
     errors = _errors(700, CPU_PIECES, 2, 16, "cpu", torch.float32, "torch", IsolatedPieces(), segments=6)
     assert errors["out"] > 1e-2, f"dropping the chain went unnoticed: {errors}"
+
+
+class PiecesWithoutTransitions(PiecesInOrder):
+    """The chain with every transition ``M`` taken as zero: only each predecessor's local state."""
+
+    def entry_states(self, summaries):
+        V = summaries.shape[-1] - summaries.shape[-2]
+        return PiecesInOrder.entry_states(self, torch.cat([summaries[..., :V], 0 * summaries[..., V:]], -1))
+
+
+# Each token's log decay in (-0.005, 0): a segment's transition M is far from zero, so a chain
+# step that used the wrong segment's M shows (at -5 a 100-token segment all but forgets its entry:
+# there, M[j] for M[j-1] in a step of ``_compose_entries`` passed; here it fails at 7e-2).
+SLOW_DECAY = -0.005
+
+
+def test_chained_pieces_with_slow_decay_equal_whole_sequence_cpu():
+    errors = _errors(700, CPU_PIECES, 2, 16, "cpu", torch.float32, "torch", PiecesInOrder(), segments=6,
+                     lower_bound=SLOW_DECAY)
+    bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+    assert not bad, f"state passing vs whole sequence (fp32, slow decay) above 1e-5: {bad}"
+
+
+def test_dropped_transitions_are_caught_with_slow_decay_cpu():
+    errors = _errors(700, CPU_PIECES, 2, 16, "cpu", torch.float32, "torch", PiecesWithoutTransitions(),
+                     segments=6, lower_bound=SLOW_DECAY)
+    assert errors["out"] > 1e-3 and errors["dv"] > 1e-3, f"dropping M went unnoticed: {errors}"
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: fla's KDA kernels are Triton GPU kernels")

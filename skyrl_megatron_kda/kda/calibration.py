@@ -59,51 +59,53 @@ layer's projections ran at this floor (8.8 ms measured vs 9.0 ms predicted at T 
 
 # The state exchange's recurrence per rank (``bench/kda_layer.py --emulate-cp2``, the recurrence
 # alone: its pieces, summaries, chain and correction; the few-MiB all-gathers not run), against
-# the segmented kernel on the same T/2 shard in the same run (bench/results/
-# h200_kda_after_copy_fixes/emulated_T*.json, ``state_recurrence_cp2`` and
-# ``segmented_kernel_8h_T*``; the slower rank):
+# the segmented kernel on the same T/2 shard in the same run (bench/results/h200_kda_own_gemms/
+# emulated_T*.json, ``state_recurrence_cp2`` and ``segmented_kernel_8h_T*``; the slower rank):
 #   T         256K    1M
-#   state     20.5   72.2 ms
-#   shard     20.3   72.7 ms
-# The line through them gives the two terms below. (Before the chain selected its pieces by
-# index instead of by a mask, four device syncs per call, an earlier run measured 24.2 and
-# 76.2 ms: a 5.2 ms intercept; bench/results/h200_per_rank/.)
+#   state     19.0   71.8 ms
+#   shard     19.6   72.3 ms
+# Through them a line from the origin gives the first term below, and the second is zero: the
+# free line meets T = 0 at -0.7 ms (at 256K the recurrence ran 0.6 ms faster than its shard's
+# kernel alone, its segments cut from two pieces instead of one sequence), and a fixed cost is
+# not negative. (An earlier run, before each chain step became one in-place GEMM, measured 20.5
+# and 72.2 against 20.3 and 72.7, and 0.5 ms per call; one before the chain selected its pieces
+# by index instead of by a mask, four device syncs per call, 24.2 and 76.2 ms.)
 
-STATE_PREPASS = (72.2 - 20.5) / (72.7 - 20.3) - 1.0
-"""Extra kernel time of ``state`` per unit of its shard's kernel time: -0.01, i.e. the summaries
+STATE_PREPASS = (18.982 + 71.814) / (19.593 + 72.259) - 1.0
+"""Extra kernel time of ``state`` per unit of its shard's kernel time: -0.011, i.e. the summaries
 and the correction for the incoming state cost nothing that grows with T beyond the shard's own
 kernel (the table above). On two H200s with NCCL at 1M the recurrence took 82.7 ms against 73.5
-(session 3, with the syncs): this model gives 72.2 there. fla 0.6.0's own state passing
+(session 3, with the syncs): this model gives 73.0 there. fla 0.6.0's own state passing
 (``cp_context``) took 246.3 ms, +2.35x over the shard's kernel; ``skyrl-kda plan
 --state-prepass 2.35`` prices it."""
 
-STATE_CALL_OVERHEAD_S = 20.5e-3 - (1.0 + STATE_PREPASS) * 20.3e-3
-"""Fixed cost of one ``state`` recurrence beyond its kernel (the summary and chain launches):
-0.5 ms, the intercept of the line above."""
+STATE_CALL_OVERHEAD_S = 0.0
+"""Fixed cost of one ``state`` recurrence beyond its kernel (the summary and chain launches): none
+measurable (the table above)."""
 
 # The layer's work that is neither the KDA kernel nor a projection GEMM (the causal conv forward
 # and backward, the gated norm, casts, concatenations, reorders, the exchanges' own copies), per
-# head-token on the rank, from per-kernel profiles on one H200 (8 heads, T = 131,072, 2 steps
-# after a warm-up; bench/results/h200_kda_after_copy_fixes/profile_*.txt, ``bench/kda_layer.py
+# head-token on the rank, from per-kernel profiles on one H200 (8 heads, T = 131,072, 3 steps
+# after the warm-up; bench/results/h200_kda_own_gemms/profile_*.txt, ``bench/kda_layer.py
 # --profile`` and ``--emulate-cp2 --profile-cp2``): every CUDA kernel that is not fla's KDA
 # kernels (chunk_*, recompute_w_u, kda_*, l2norm) nor a cuBLAS GEMM (nvjet*), summed.
 # ``tests/test_cost.py`` derives each term from the stored tables again.
 
-ELEMENTWISE_S_PER_HEAD_TOKEN = 16.491e-3 / 2 / (8 * 131072)
-"""The CP1 layer: 7.9 ns per head-token (16.5 ms over 2 steps of 8 x 131,072 head-tokens)."""
+ELEMENTWISE_S_PER_HEAD_TOKEN = 16.313e-3 / 3 / (8 * 131072)
+"""The CP1 layer: 5.2 ns per head-token (16.3 ms over 3 steps of 8 x 131,072 head-tokens)."""
 
 CP_ELEMENTWISE_S_PER_HEAD_TOKEN = {
-    "a2a": 18.489e-3 / 2 / (8 * 65536),
-    "allgather": 14.106e-3 / 2 / (8 * 65536),
-    "state": 9.591e-3 / 2 / (8 * 65536),
+    "a2a": 21.963e-3 / 3 / (8 * 65536),
+    "allgather": 15.934e-3 / 3 / (8 * 65536),
+    "state": 9.960e-3 / 3 / (8 * 65536),
 }
 """Each CP2 exchange's rank (the slower of its two ranks), per head-token it computes: ``a2a``
-17.6 ns, ``allgather`` 13.5, ``state`` 9.1, all above CP1's 7.9. ``a2a`` pays the most: its
+14.0 ns, ``allgather`` 10.1, ``state`` 6.3, all above CP1's 5.2. ``a2a`` pays the most: its
 input and output all-to-alls need the rows reordered and the head slices of every projection
-(q, k, v, the gates, beta) made contiguous on both sides, forward and backward (profiled
-before its send buffer lost one of its copies, ~1 ns per head-token); ``allgather`` reorders
-the gathered rows of each projection. ``state`` moves no rows: its term is CP1's plus the halo
-rows' recomputation and its summaries' small GEMMs."""
+(q, k, v, the gates, beta) made contiguous on both sides, forward and backward; ``allgather``
+reorders the gathered rows of each projection (and its emulation copies the shard into every
+slot of its all-gather, about 2 ns of its term). ``state`` moves no rows: its term is CP1's
+plus the halo rows' recomputation and its summaries' small GEMMs."""
 
 REGATHER_OVERLAP = 1.0
 """Fraction of the backward row re-gather's last collective that hides behind the input-gradient

@@ -233,6 +233,12 @@ def chunk_kda_torch(
     return o, (S if output_final_state else None)
 
 
+def taps_by_lag(weight: torch.Tensor) -> torch.Tensor:
+    """The conv weight [C, W] with column ``s`` the tap of the token ``s`` steps back (fla's
+    ``causal_conv1d`` stores the current token's tap last)."""
+    return weight.flip(-1)
+
+
 def causal_conv_silu(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -243,7 +249,8 @@ def causal_conv_silu(
     """Depthwise causal conv over time, then SiLU. x [B,T,C], weight [C,W], no bias.
 
     weight[:, W-1] multiplies the current token and weight[:, W-1-s] the token s steps back (fla's
-    causal_conv1d convention, and nn.Conv1d(padding=W-1) truncated to T as in transformers' glm5_next).
+    causal_conv1d convention, ``taps_by_lag``; nn.Conv1d(padding=W-1) truncated to T as in
+    transformers' glm5_next).
     With cu_seqlens (B == 1) no tap reaches across a sequence start.
     """
     if cu_seqlens is not None and x.shape[0] != 1:
@@ -258,7 +265,7 @@ def causal_conv_silu(
 
     _, T, _ = x.shape
     W = weight.shape[-1]
-    x32, w32 = x.float(), weight.float()
+    x32, taps = x.float(), taps_by_lag(weight.float())
     t_T = torch.arange(T, device=x.device)
     if cu_seqlens is None:
         pos_T = t_T
@@ -266,11 +273,11 @@ def causal_conv_silu(
         cu = cu_seqlens.to(device=x.device, dtype=torch.long)
         start_T = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=T)
         pos_T = t_T - start_T  # position inside the own sequence
-    y = x32 * w32[:, W - 1]
+    y = x32 * taps[:, 0]
     for s in range(1, W):
         shifted = F.pad(x32, (0, 0, s, 0))[:, :T]  # x[t - s], zeros before t = 0
         reaches_T1 = (pos_T >= s).unsqueeze(-1)
-        y = y + torch.where(reaches_T1, shifted, 0.0) * w32[:, W - 1 - s]
+        y = y + torch.where(reaches_T1, shifted, 0.0) * taps[:, s]
     return F.silu(y).to(x.dtype)
 
 

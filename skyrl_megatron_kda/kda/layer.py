@@ -167,19 +167,22 @@ class KimiDeltaAttention(MegatronModule):
         return copy_to_tensor_model_parallel_region(param, group=self.tp_group)
 
     def project(self, shard: torch.Tensor, rows: RowGather | None, heads: slice) -> list[torch.Tensor]:
-        """[qkv, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
-        ``rows`` gathers from ``shard``, as views of three GEMM outputs (``exchanges.Projection``)."""
+        """[q, k, v, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
+        ``rows`` gathers from ``shard`` (``exchanges.Projection``). q, k and v are each their own
+        GEMM's output, contiguous, so the conv reads them as they are and hands its gradients
+        back without a concatenation (fla's conv on the column views of one q|k|v GEMM took
+        1.33x as long at 512K rows: ``bench/conv_layouts.py``); beta rides in the low-rank GEMM."""
         hk = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
-        qkvb, low = project_rows(
+        cfg = self.kda_config
+        q, k, v, low = project_rows(
             shard, rows,
-            (self.q_proj.weight[hk], self.k_proj.weight[hk], self.v_proj.weight[hk], self.b_proj.weight[heads]),
-            (self._dup(torch.cat([self.f_a_weight, self.g_a_weight])),),
+            (self.q_proj.weight[hk],), (self.k_proj.weight[hk],), (self.v_proj.weight[hk],),
+            (self._dup(torch.cat([self.f_a_weight, self.g_a_weight])), self.b_proj.weight[heads]),
         )
-        f_low, g_low = low.split([self.kda_config.gate_low_rank, self.kda_config.output_gate_low_rank], -1)
+        f_low, g_low, beta = low.split([cfg.gate_low_rank, cfg.output_gate_low_rank, heads.stop - heads.start], -1)
         f = F.linear(f_low, self.f_b_proj.weight[hk])
         g = F.linear(g_low, self.g_b_proj.weight[hk])
-        qkv, beta = qkvb.split([3 * (hk.stop - hk.start), heads.stop - heads.start], dim=-1)
-        return [qkv, f, g, beta]
+        return [q, k, v, f, g, beta]
 
     def _recurrence_in_head_groups(self, q, k, v, f, b, A_log, dt_bias, layout) -> torch.Tensor:
         """The exchange's recurrence over ``kda.kernel_head_group`` heads at a time ([b, T, H, K]
@@ -228,10 +231,10 @@ class KimiDeltaAttention(MegatronModule):
         heads = computed.heads
         nh, K = heads.stop - heads.start, self.head_dim
         hk = slice(heads.start * K, heads.stop * K)
-        qkv, f, g, b = (s.transpose(0, 1) for s in computed.sections)  # [b, T, w]: the kernels' layout
-        batch, seq_len = qkv.shape[:2]
+        q, k, v, f, g, b = (s.transpose(0, 1) for s in computed.sections)  # [b, T, w]: the kernels' layout
+        batch, seq_len = q.shape[:2]
         q, k, v = (t.reshape(batch, seq_len, nh, K)
-                   for t in self.exchange.conv(qkv, self.conv_weight[:, hk], layout, self.kernel_args))
+                   for t in self.exchange.conv([q, k, v], self.conv_weight[:, hk], layout, self.kernel_args))
         o = self._recurrence_in_head_groups(q, k, v, f.reshape(batch, seq_len, nh, K), b,
                                             self.A_log[heads], self.dt_bias[hk], layout)
         o = gated_rms_norm(o, g.reshape(batch, seq_len, nh, K), self._dup(self.o_norm_weight),

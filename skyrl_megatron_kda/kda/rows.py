@@ -49,20 +49,24 @@ class _GatheredLinears(torch.autograd.Function):
         shard, *weights = ctx.saved_tensors
         rows = ctx.rows
         gathered = (lambda: shard) if rows is None else rows.start_gather(shard, "bwd")
-        full_grad = grads[0].matmul(weights[0])
+        rows_shape = grads[0].shape[:-1] + weights[0].shape[1:]
+        grads = [grad.flatten(0, -2) for grad in grads]
+        # Each output's share accumulates in its GEMM's epilogue: no temporary, no extra add pass.
+        full_grad = grads[0].mm(weights[0])
         for grad, weight in zip(grads[1:], weights[1:]):
-            full_grad.add_(grad.matmul(weight))
+            full_grad.addmm_(grad, weight)
+        full_grad = full_grad.view(rows_shape)
         shard_grad = (lambda: full_grad) if rows is None else rows.start_reduce_scatter(full_grad)
         flat = gathered().flatten(0, -2)
-        weight_grads = [grad.flatten(0, -2).t().mm(flat) for grad in grads]
+        weight_grads = [grad.t().mm(flat) for grad in grads]
         return (shard_grad(), None, *weight_grads)
 
 
 def _aligned(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
     """The weight ``parts`` stacked by rows, padded with zero rows to a multiple of 8 in the same
     concatenation (the padding's outputs are sliced off): cuBLAS runs its fast Hopper kernels only
-    on 16-byte aligned bf16 widths; q|k|v|beta of 4 heads (1540 columns) otherwise ran at a third
-    of the GEMM rate in forward and backward."""
+    on 16-byte aligned bf16 widths; a 1540-column output otherwise ran at a third of the GEMM
+    rate in forward and backward."""
     pad = -sum(p.shape[0] for p in parts) % 8
     if pad:
         parts = (*parts, parts[0].new_zeros(pad, parts[0].shape[1]))

@@ -57,10 +57,13 @@ class IsolatedPieces:
 class Segments:
     """Pieces cut into segments of at most ``length`` rows (a multiple of the chunk size, so the
     kernel's chunks do not move). ``cu`` are segment boundaries; ``of_piece[p]`` the segment
-    indices of piece ``p`` in order."""
+    indices of piece ``p`` in order, and ``first`` / ``last`` each piece's first and last segment
+    on the device (an index from a host list would cost a copy that waits for the GPU)."""
 
     cu: torch.Tensor
     of_piece: list[list[int]]
+    first: torch.Tensor
+    last: torch.Tensor
 
     @classmethod
     def cut(cls, piece_cu: torch.Tensor, target: int, chunk_size: int) -> Segments:
@@ -74,50 +77,59 @@ class Segments:
             cu.extend(range(start + length, end, length))
             cu.append(end)
             of_piece.append(list(range(first, len(cu) - 1)))
-        return cls(torch.tensor(cu, dtype=torch.long, device=piece_cu.device), of_piece)
+        def on_device(values):
+            return torch.tensor(values, dtype=torch.long, device=piece_cu.device)
+
+        return cls(on_device(cu), of_piece, on_device([segs[0] for segs in of_piece]),
+                   on_device([segs[-1] for segs in of_piece]))
 
 
 def _compose_entries(summaries: torch.Tensor, segments: Segments, link: Link) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment summaries -> piece summaries -> (link) -> every segment's entry state; also M.
 
-    Each step is one kernel per [H, K, K] product (``baddbmm`` adds the local part in the same
-    kernel): at 128K tokens a step of the layer is short enough that the host's launches of
-    these small kernels, not the GPU, set its pace."""
+    Every step of a chain is one in-place ``baddbmm_`` on a buffer that already holds the part
+    it adds (one kernel, where the out-of-place form copies that part first): at 128K tokens a
+    step of the layer is short enough that the host's launches of these small kernels, not the
+    GPU, set its pace."""
     V = summaries.shape[-1] - summaries.shape[-2]
-    local, M = summaries[..., :V], summaries[..., V:]
-    pieces = []
+    M = summaries[..., V:]
+    # A piece's summary composes its segments': [L | M] <- [L_j | 0] + M_j [L | M].
+    composed = torch.cat([summaries[..., :V], torch.zeros_like(M)], dim=-1)
+    composed.index_copy_(0, segments.first, summaries.index_select(0, segments.first))
     for segs in segments.of_piece:
-        acc_local, acc_M = local[segs[0]], M[segs[0]]
-        for j in segs[1:]:
-            acc_local, acc_M = torch.baddbmm(local[j], M[j], acc_local), M[j] @ acc_M
-        pieces.append(torch.cat([acc_local, acc_M], dim=-1))
-    entry = link.entry_states(torch.stack(pieces))
-    seg_entry = [None] * local.shape[0]
-    for p, segs in enumerate(segments.of_piece):
-        state = entry[p]
-        for j in segs:
-            seg_entry[j] = state
-            state = torch.baddbmm(local[j], M[j], state)
-    return torch.stack(seg_entry), M
+        for prev, j in zip(segs[:-1], segs[1:]):
+            composed[j].baddbmm_(M[j], composed[prev])
+    entry = link.entry_states(composed.index_select(0, segments.last))
+    # Segment j + 1 enters with segment j's exit, L_j + M_j (entry of j); a piece's first segment
+    # with the piece's entry state.
+    seg_entry = torch.empty_like(summaries[..., :V])
+    seg_entry[1:] = summaries[:-1, ..., :V]
+    seg_entry.index_copy_(0, segments.first, entry)
+    for segs in segments.of_piece:
+        for prev, j in zip(segs[:-1], segs[1:]):
+            seg_entry[j].baddbmm_(M[prev], seg_entry[prev])
+    return seg_entry, M
 
 
 def _compose_exit_grads(local_grads: torch.Tensor, M: torch.Tensor, segments: Segments, link: Link) -> torch.Tensor:
-    """Each segment's entry gradient with no exit gradient -> (link) -> every segment's exit gradient."""
+    """Each segment's entry gradient with no exit gradient -> (link) -> every segment's exit
+    gradient, by the same in-place steps as ``_compose_entries`` run backwards through ``M^T``."""
     Mt = M.transpose(-1, -2)
-    pieces = []
+    # A piece's entry gradient with none at its exit: D <- D_j + M_j^T D, from its last segment.
+    composed = local_grads.clone()
     for segs in segments.of_piece:
-        acc = local_grads[segs[-1]]
-        for j in reversed(segs[:-1]):
-            acc = torch.baddbmm(local_grads[j], Mt[j], acc)
-        pieces.append(acc)
-    exits = link.exit_grads(torch.stack(pieces))
-    seg_exit = [None] * local_grads.shape[0]
-    for p, segs in enumerate(segments.of_piece):
-        grad = exits[p]
-        for j in reversed(segs):
-            seg_exit[j] = grad
-            grad = torch.baddbmm(local_grads[j], Mt[j], grad)
-    return torch.stack(seg_exit)
+        for j, nxt in zip(reversed(segs[:-1]), reversed(segs[1:])):
+            composed[j].baddbmm_(Mt[j], composed[nxt])
+    exits = link.exit_grads(composed.index_select(0, segments.first))
+    # Segment j - 1 exits with segment j's entry gradient, D_j + M_j^T (exit of j); a piece's last
+    # segment with the gradient the link sends it.
+    seg_exit = torch.empty_like(local_grads)
+    seg_exit[:-1] = local_grads[1:]
+    seg_exit.index_copy_(0, segments.last, exits)
+    for segs in segments.of_piece:
+        for j, nxt in zip(reversed(segs[:-1]), reversed(segs[1:])):
+            seg_exit[j].baddbmm_(Mt[nxt], seg_exit[nxt])
+    return seg_exit
 
 
 def identity_summaries(count: int, heads: int, K: int, V: int, device) -> torch.Tensor:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed.cp_layout import layout_kind
-from .kernel import causal_conv_silu
+from .kernel import taps_by_lag
 
 
 @dataclass(frozen=True)
@@ -213,10 +213,11 @@ def halo_rows(tails: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
 
 
 def window_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Causal conv + SiLU of the rows whose taps are ``window`` [F, W, C] (tap ``s``: the row ``s``
-    steps back), weight [C, W]: the kernel's torch conv on each window in time order, its last
-    row [F, C]."""
-    return causal_conv_silu(window.flip(1), weight, backend="torch")[:, -1]
+    """Causal conv + SiLU of the rows whose taps are ``window`` [..., W, C] (tap ``s``: the row ``s``
+    steps back), weight [C, W]: [..., C], fp32 inside as the kernel's torch conv, in the window's
+    dtype. A few kernels for all the rows: they are only the pieces' first rows."""
+    y = (window.float() * taps_by_lag(weight.float()).T).sum(-2)
+    return torch.nn.functional.silu(y).to(window.dtype)
 
 
 def window_rows(x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:

@@ -37,37 +37,34 @@ class A2AExchange(HeadParallelExchange):
 
     def to_compute_layout(self, x: torch.Tensor, layout: CPLayout, project: Projection,
                           num_local_heads: int) -> ComputeRows:
-        qkv, *rest = project(*self._rows(x), slice(0, num_local_heads))
+        sections = project(*self._rows(x), slice(0, num_local_heads))
         heads = self.heads(num_local_heads)
         if self.cp == 1:
-            return ComputeRows([qkv, *rest], heads)
-        widths = section_widths(heads.stop - heads.start, qkv.shape[-1] // (3 * num_local_heads))
-        pad = whole_vectors(sum(widths), qkv.element_size()) - sum(widths)
-        send = _PeerBlocks.apply(self.cp, pad, qkv, *rest)
+            return ComputeRows(sections, heads)
+        widths = section_widths(heads.stop - heads.start, sections[0].shape[-1] // num_local_heads)
+        pad = whole_vectors(sum(widths), sections[0].element_size()) - sum(widths)
+        send = _PeerBlocks.apply(self.cp, pad, *sections)
         received = self._a2a(send.flatten(0, 1), to_heads=True)  # rows CP-rank major
         natural = layout.from_rank_major.apply(received)  # [T, b, block]
         return ComputeRows(list(natural.split([*widths, pad], -1)[:len(widths)]), heads)
 
 
 class _PeerBlocks(torch.autograd.Function):
-    """The all-to-all's send buffer [cp, S, b, block] from the projected sections [qkv, f, g,
-    beta] ([S, b, w] each, q|k|v side by side): block j holds the j-th 1/cp of the heads of every
-    section (of q, k and v each), in section order, then ``pad`` zero columns (whole 16-byte
-    vectors), so one all-to-all hands rank j its heads of all of them. Each section is copied
-    once, straight into its place (a concatenation of the head-split views copied q|k|v twice:
-    its view cannot be flattened without a copy). Backward hands each section its columns of
-    the gradient back in its own layout."""
+    """The all-to-all's send buffer [cp, S, b, block] from the projected sections ([S, b, w]
+    each): block j holds the j-th 1/cp of the heads of every section, in section order, then
+    ``pad`` zero columns (whole 16-byte vectors), so one all-to-all hands rank j its heads of all
+    of them. Each section is copied once, straight into its place (a concatenation of the
+    head-split views would copy them into one tensor first). Backward hands each section its
+    columns of the gradient back as a view."""
 
     @staticmethod
-    def forward(ctx, cp: int, pad: int, qkv: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        sections = [qkv.unflatten(-1, (3, cp, -1)).movedim(3, 0)]  # [cp, S, b, 3, w/cp]
-        sections += [s.unflatten(-1, (cp, -1)).movedim(2, 0) for s in rest]  # [cp, S, b, w/cp]
-        widths = [sections[0].shape[-2:].numel(), *(s.shape[-1] for s in sections[1:])]
-        send = qkv.new_empty(sections[0].shape[:3] + (sum(widths) + pad,))
+    def forward(ctx, cp: int, pad: int, *sections: torch.Tensor) -> torch.Tensor:
+        blocks = [s.unflatten(-1, (cp, -1)).movedim(2, 0) for s in sections]  # [cp, S, b, w/cp]
+        widths = [b.shape[-1] for b in blocks]
+        send = sections[0].new_empty(blocks[0].shape[:3] + (sum(widths) + pad,))
         parts = send.split([*widths, pad], dim=-1)
-        parts[0].unflatten(-1, sections[0].shape[-2:]).copy_(sections[0])
-        for part, section in zip(parts[1:], sections[1:]):
-            part.copy_(section)
+        for part, block in zip(parts, blocks):
+            part.copy_(block)
         parts[-1].zero_()
         ctx.split = [*widths, pad]
         return send
@@ -75,6 +72,4 @@ class _PeerBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         parts = grad.split(ctx.split, dim=-1)[:-1]  # the pad's columns have no source
-        qkv = parts[0].unflatten(-1, (3, -1)).movedim(0, 3).flatten(-3)
-        rest = [part.movedim(0, 2).flatten(-2) for part in parts[1:]]
-        return None, None, qkv, *rest
+        return None, None, *(part.movedim(0, 2).flatten(-2) for part in parts)

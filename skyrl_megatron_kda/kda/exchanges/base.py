@@ -29,9 +29,8 @@ from ..state_kernel import IsolatedPieces, Segments, state_passing_kda_on_segmen
 from .ledger import CommLedger, CountedRowGather, counted, nbytes
 from .shape import ExchangeMesh, ExchangeShape
 
-# project(shard [s, b, D], rows, heads) -> sections [qkv, f, g, beta] of those heads, each
-# [s', b, w] (qkv: q|k|v side by side), for the rows that ``rows`` gathers from this rank's shard
-# (None: the shard itself).
+# project(shard [s, b, D], rows, heads) -> sections [q, k, v, f, g, beta] of those heads, each
+# [s', b, w], for the rows that ``rows`` gathers from this rank's shard (None: the shard itself).
 Projection = Callable[[torch.Tensor, RowGather | None, slice], list[torch.Tensor]]
 
 
@@ -62,7 +61,7 @@ class KernelArgs:
 
 @dataclass(frozen=True)
 class ComputeRows:
-    """What ``to_compute_layout`` hands the layer: the projected sections ``[qkv, f, g, beta]``
+    """What ``to_compute_layout`` hands the layer: the projected sections ``[q, k, v, f, g, beta]``
     (each ``[s, b, w]``) of the rows this rank computes, and which TP-local heads they hold.
 
     The sections may be strided views (of the GEMM outputs, or of the exchanged rows): the conv
@@ -73,8 +72,8 @@ class ComputeRows:
 
 
 def section_widths(heads: int, head_dim: int) -> list[int]:
-    """Widths of the sections [qkv, f, g, beta] of ``heads`` heads."""
-    return [3 * heads * head_dim, heads * head_dim, heads * head_dim, heads]
+    """Widths of the sections [q, k, v, f, g, beta] of ``heads`` heads."""
+    return [heads * head_dim] * 5 + [heads]
 
 
 class CPExchange(ABC):
@@ -158,14 +157,13 @@ class CPExchange(ABC):
     def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
         """The computed output back to this rank's rows, all local heads: [s, b, local_heads*V]."""
 
-    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout,
+    def conv(self, qkv: list[torch.Tensor], weight: torch.Tensor, layout: CPLayout,
              kernel: KernelArgs) -> list[torch.Tensor]:
         """Causal short conv + SiLU of q, k and v on whole sequences in natural order: ``qkv``
-        [b, T, 3C] (q|k|v side by side, possibly a strided view), ``weight`` [3, C, W] -> [q, k, v],
-        each [b, T, C] and contiguous, so that the kernel reads them without copying them first
-        (one conv of the three side by side would leave three strided views to copy)."""
+        [q, k, v], each [b, T, C] (contiguous, or a strided view read in place), ``weight``
+        [3, C, W] -> [q, k, v], each [b, T, C] and contiguous."""
         return [causal_conv_silu(x, w, cu_seqlens=layout.kernel_cu_seqlens, backend=kernel.backend)
-                for x, w in zip(qkv.chunk(3, dim=-1), weight.unbind(0))]
+                for x, w in zip(qkv, weight.unbind(0))]
 
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
         """The KDA recurrence on whole sequences in natural order ([b, T, H, K]); on the fla

@@ -99,16 +99,17 @@ class StateExchange(CPExchange):
         key = ("state kernel pieces", batch, self.cp_rank, kernel.segments, kernel.chunk_size)
         return layout.derived(key, build)
 
-    def conv(self, qkv: torch.Tensor, weight: torch.Tensor, layout: CPLayout,
+    def conv(self, qkv: list[torch.Tensor], weight: torch.Tensor, layout: CPLayout,
              kernel: KernelArgs) -> list[torch.Tensor]:
         """q, k and v each convolved on this rank's pieces, each piece starting from its halo (one
         halo exchange for all three)."""
         if self.cp == 1:
             return super().conv(qkv, weight, layout, kernel)
-        batch, rows, channels = qkv.shape
+        batch, rows, channels = qkv[0].shape
         plan = self._halo_plan(layout, batch, weight.shape[-1] - 1)
         tails = CountedRowGather([(self.groups.cp, "cp")], self.ledger)
-        outs = _HaloConv.apply(qkv.reshape(batch * rows, channels), weight, plan, tails, kernel.backend)
+        outs = _HaloConv.apply(weight, plan, tails, kernel.backend,
+                               *(x.reshape(batch * rows, channels) for x in qkv))
         return [out.reshape(batch, rows, -1) for out in outs]
 
     def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
@@ -157,39 +158,38 @@ class _CPChain:
 
 
 class _HaloConv(torch.autograd.Function):
-    """Causal conv + SiLU of q, k and v ([rows, 3C] side by side, a strided view read in place;
-    weight [3, C, W]) on this rank's pieces, each piece's first taps reading its halo.
+    """Causal conv + SiLU of q, k and v ([rows, C] each, read in place; weight [3, C, W]) on this
+    rank's pieces, each piece's first taps reading its halo.
 
     Each of q, k, v is convolved over all of the rank's rows at once, as one sequence: fla's
     fastest call (``bench/conv_layouts.py``: cutting the rows into the pieces, or starting each
     from its halo as fla's initial state, cost 1.1-1.4x). That is right except for the first
     ``W - 1`` rows of each piece, whose taps reach before the piece start; those few rows are
-    computed again from their true window, the halo being the piece tails all-gathered over CP.
-    Backward runs the whole-rank conv's backward, then swaps those rows' contribution for their
-    true window's, reduce-scatters the halos' gradients to their owners and adds them into the
-    tail rows in place."""
+    computed again from their true window, the halo being the piece tails all-gathered over CP
+    (q|k|v side by side: one gather for the three). Backward runs the whole-rank conv's
+    backward, then swaps those rows' contribution for their true window's, reduce-scatters the
+    halos' gradients to their owners and adds them into the tail rows in place."""
 
     @staticmethod
-    def forward(ctx, qkv, weight, plan: state_pieces.HaloPlan, tails: CountedRowGather, backend: str):
-        all_tails = tails.start_gather(state_pieces.piece_tails(qkv, plan), "fwd")()
-        outs = [causal_conv_silu(x.unsqueeze(0), w, backend=backend)[0]
-                for x, w in zip(qkv.chunk(3, dim=-1), weight.unbind(0))]
-        rows = state_pieces.window_rows(qkv, plan)
+    def forward(ctx, weight, plan: state_pieces.HaloPlan, tails: CountedRowGather, backend: str, *qkv):
+        mine = torch.cat([state_pieces.piece_tails(x, plan) for x in qkv], dim=-1)
+        all_tails = tails.start_gather(mine, "fwd")()
+        outs = [causal_conv_silu(x.unsqueeze(0), w, backend=backend)[0] for x, w in zip(qkv, weight.unbind(0))]
+        rows = torch.cat([state_pieces.window_rows(x, plan) for x in qkv], dim=-1)
         _, true = state_pieces.head_windows(rows, state_pieces.halo_rows(all_tails, plan), plan)
         heads = state_pieces.window_conv_silu(true, weight.flatten(0, 1))
         for out, head in zip(outs, heads.chunk(3, dim=-1)):
             out.index_copy_(0, plan.head_rows, head)
-        ctx.save_for_backward(qkv, weight, all_tails, rows)
+        ctx.save_for_backward(weight, all_tails, rows, *qkv)
         ctx.plan, ctx.tails, ctx.backend = plan, tails, backend
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *out_grads):
-        qkv, weight, all_tails, rows = ctx.saved_tensors
+        weight, all_tails, rows, *qkv = ctx.saved_tensors
         plan = ctx.plan
         grads = [causal_conv_silu_backward(x.unsqueeze(0), w, dy.unsqueeze(0), backend=ctx.backend)
-                 for x, w, dy in zip(qkv.chunk(3, dim=-1), weight.unbind(0), out_grads)]
-        qkv_grad = torch.cat([dx[0] for dx, _ in grads], dim=-1)
+                 for x, w, dy in zip(qkv, weight.unbind(0), out_grads)]
         weight_grad = torch.stack([dw for _, dw in grads])
         heads_grad = torch.cat([dy.index_select(0, plan.head_rows) for dy in out_grads], dim=-1)
         with torch.enable_grad():  # the head rows are few: their correction by autograd
@@ -197,9 +197,13 @@ class _HaloConv(torch.autograd.Function):
             rows_leaf, tails_leaf, weight_leaf = leaves
             read, true = state_pieces.head_windows(rows_leaf, state_pieces.halo_rows(tails_leaf, plan), plan)
             w = weight_leaf.flatten(0, 1)
-            change = state_pieces.window_conv_silu(true, w) - state_pieces.window_conv_silu(read, w)
+            true_y, read_y = state_pieces.window_conv_silu(torch.stack([true, read]), w)
+            change = true_y - read_y
             rows_grad, all_tails_grad, weight_change = torch.autograd.grad(change, leaves, heads_grad)
         tails_grad = ctx.tails.start_reduce_scatter(all_tails_grad)
-        qkv_grad.index_add_(0, plan.window.flatten(), rows_grad.flatten(0, 1))
-        state_pieces.add_tail_grads(qkv_grad, tails_grad(), plan)
-        return qkv_grad, weight_grad + weight_change, None, None, None
+        x_grads = [dx[0] for dx, _ in grads]
+        for x_grad, row_grad in zip(x_grads, rows_grad.chunk(3, dim=-1)):
+            x_grad.index_add_(0, plan.window.flatten(), row_grad.flatten(0, 1))
+        for x_grad, tail_grad in zip(x_grads, tails_grad().chunk(3, dim=-1)):
+            state_pieces.add_tail_grads(x_grad, tail_grad, plan)
+        return weight_grad + weight_change, None, None, None, *x_grads
