@@ -96,7 +96,7 @@ class PiecesWithoutTransitions(PiecesInOrder):
 
     def entry_states(self, summaries):
         V = summaries.shape[-1] - summaries.shape[-2]
-        return PiecesInOrder.entry_states(self, torch.cat([summaries[..., :V], 0 * summaries[..., V:]], -1))
+        return super().entry_states(torch.cat([summaries[..., :V], 0 * summaries[..., V:]], -1))
 
 
 # Each token's log decay in (-0.005, 0): a segment's transition M is far from zero, so a chain

@@ -77,11 +77,22 @@ class Segments:
             cu.extend(range(start + length, end, length))
             cu.append(end)
             of_piece.append(list(range(first, len(cu) - 1)))
+
         def on_device(values):
             return torch.tensor(values, dtype=torch.long, device=piece_cu.device)
 
         return cls(on_device(cu), of_piece, on_device([segs[0] for segs in of_piece]),
                    on_device([segs[-1] for segs in of_piece]))
+
+
+def _chain(buffer: torch.Tensor, step: Callable[[int, int], torch.Tensor], segments: Segments,
+           backwards: bool = False) -> None:
+    """Walk each piece's segments in order (or backwards), ``buffer[to] += step(frm, to) @
+    buffer[frm]`` in place: one kernel per step, ``buffer[to]`` already holding the part it adds."""
+    for segs in segments.of_piece:
+        order = segs[::-1] if backwards else segs
+        for frm, to in zip(order[:-1], order[1:]):
+            buffer[to].baddbmm_(step(frm, to), buffer[frm])
 
 
 def _compose_entries(summaries: torch.Tensor, segments: Segments, link: Link) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,18 +107,14 @@ def _compose_entries(summaries: torch.Tensor, segments: Segments, link: Link) ->
     # A piece's summary composes its segments': [L | M] <- [L_j | 0] + M_j [L | M].
     composed = torch.cat([summaries[..., :V], torch.zeros_like(M)], dim=-1)
     composed.index_copy_(0, segments.first, summaries.index_select(0, segments.first))
-    for segs in segments.of_piece:
-        for prev, j in zip(segs[:-1], segs[1:]):
-            composed[j].baddbmm_(M[j], composed[prev])
+    _chain(composed, lambda frm, to: M[to], segments)
     entry = link.entry_states(composed.index_select(0, segments.last))
     # Segment j + 1 enters with segment j's exit, L_j + M_j (entry of j); a piece's first segment
     # with the piece's entry state.
     seg_entry = torch.empty_like(summaries[..., :V])
     seg_entry[1:] = summaries[:-1, ..., :V]
     seg_entry.index_copy_(0, segments.first, entry)
-    for segs in segments.of_piece:
-        for prev, j in zip(segs[:-1], segs[1:]):
-            seg_entry[j].baddbmm_(M[prev], seg_entry[prev])
+    _chain(seg_entry, lambda frm, to: M[frm], segments)
     return seg_entry, M
 
 
@@ -117,18 +124,14 @@ def _compose_exit_grads(local_grads: torch.Tensor, M: torch.Tensor, segments: Se
     Mt = M.transpose(-1, -2)
     # A piece's entry gradient with none at its exit: D <- D_j + M_j^T D, from its last segment.
     composed = local_grads.clone()
-    for segs in segments.of_piece:
-        for j, nxt in zip(reversed(segs[:-1]), reversed(segs[1:])):
-            composed[j].baddbmm_(Mt[j], composed[nxt])
+    _chain(composed, lambda frm, to: Mt[to], segments, backwards=True)
     exits = link.exit_grads(composed.index_select(0, segments.first))
     # Segment j - 1 exits with segment j's entry gradient, D_j + M_j^T (exit of j); a piece's last
     # segment with the gradient the link sends it.
     seg_exit = torch.empty_like(local_grads)
     seg_exit[:-1] = local_grads[1:]
     seg_exit.index_copy_(0, segments.last, exits)
-    for segs in segments.of_piece:
-        for j, nxt in zip(reversed(segs[:-1]), reversed(segs[1:])):
-            seg_exit[j].baddbmm_(Mt[nxt], seg_exit[nxt])
+    _chain(seg_exit, lambda frm, to: Mt[frm], segments, backwards=True)
     return seg_exit
 
 
