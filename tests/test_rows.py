@@ -74,3 +74,17 @@ def test_odd_widths_are_padded_to_a_multiple_of_8(monkeypatch):
     out12, out16 = project_rows(x, None, (w12,), (w16,))
     assert widths == [16, 16]
     assert torch.equal(out12, linear(x, w12)) and torch.equal(out16, linear(x, w16))
+
+
+def test_a_single_unpadded_weight_is_saved_as_the_parameters_view():
+    """q, k and v project with row slices of their parameters (``KimiDeltaAttention.project``):
+    autograd keeps those views, no copy; only a stacked (or padded) weight is a new tensor, which
+    is why memory.py counts the low-rank | beta stack alone."""
+    shard = torch.randn(6, 2, 64, dtype=torch.float64, requires_grad=True)
+    param = torch.nn.Parameter(torch.randn(32, 64, dtype=torch.float64))
+    other = torch.nn.Parameter(torch.randn(8, 64, dtype=torch.float64))
+    _, saved = saved_bytes(lambda: project_rows(shard, None, (param[8:24],)), exclude=[param, other])
+    assert saved == shard.numel() * 8
+    # Control: the same rows stacked with another weight are a new [24, 64] tensor.
+    _, stacked = saved_bytes(lambda: project_rows(shard, None, (param[8:24], other)), exclude=[param, other])
+    assert stacked == shard.numel() * 8 + 24 * 64 * 8
