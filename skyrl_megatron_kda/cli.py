@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--override-schedule", action="store_true",
                        help="with --resume: apply changed train.steps, lr, min_lr, warmup_steps or "
                             "weight_decay from the checkpoint's step on (refused without it)")
+    train.add_argument("--from-step", type=int, default=None, metavar="N",
+                       help="with --resume: continue from checkpoints/step_N instead of the one "
+                            "checkpoints/latest names (later saves move latest as usual)")
     export = command("export",
                      "a run's latest checkpoint as a Hugging Face glm5_next safetensors folder")
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
@@ -173,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         lines, status = error_lines(err, args.command)
+        # Ray's driver prints a dead worker's account to stdout (from a thread that its shutdown
+        # joins, so all of it is written by now): flushed first, the error is the last line of a
+        # console or log that takes both streams.
+        sys.stdout.flush()
         print("\n".join(lines), file=sys.stderr)
         return status
 
@@ -182,14 +189,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args)
 
     if args.command == "checkpoint":
+        _note_live_run(args.run_dir)
         return _verify_checkpoint(args.run_dir)
 
     if args.command == "export":
+        _note_live_run(args.run_dir)
         return _export(args)
 
     if args.command == "report":
         from .train.report import write_report
 
+        _note_live_run(args.run_dir)
         for path in write_report(args.run_dir):
             print(path)
         return 0
@@ -250,7 +260,7 @@ def load_recipe(name: str, overrides: list[str]) -> Recipe:
 
 
 def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
-                     override_schedule: bool = False) -> RunStart:
+                     override_schedule: bool = False, from_step: int | None = None) -> RunStart:
     """Refuse, before Ray starts, the inputs of a run that this machine can see are missing or
     wrong: on a local cluster (whose ranks read this machine's files) ``data.path`` and
     ``run.init_from_hf``; then the output folder (``train.run_folder.prepare``: a used one, the
@@ -272,18 +282,29 @@ def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
             raise FileNotFoundError(f"run.init_from_hf={hf!r} is not a folder")
     from .train.run_folder import prepare
 
-    return prepare(recipe, overwrite=overwrite, override_schedule=override_schedule)
+    return prepare(recipe, overwrite=overwrite, override_schedule=override_schedule,
+                   from_step=from_step)
 
 
 def _run(args: argparse.Namespace) -> int:
     """``skyrl-kda run``: exit 0 when done (or already finished), 1 when a rank failed,
     128+signal when interrupted."""
-    import logging
+    from .train.run_lock import hold
 
     resume = ["run.resume=true"] if args.resume else []
     recipe = load_recipe(args.recipe, [*args.overrides, *resume])
+    # One run per folder (train.run_lock): the lock is taken here, before check_run_inputs looks
+    # at the folder or --overwrite moves it, and held until train.run.run has shut Ray down.
+    # train.run.run takes it itself for Python callers; here it finds it held and keeps it.
+    with hold(recipe.run.output_dir, say=lambda line: print(line, file=sys.stderr)):
+        return _run_holding_folder(args, recipe)
+
+
+def _run_holding_folder(args: argparse.Namespace, recipe: Recipe) -> int:
+    import logging
+
     start = check_run_inputs(recipe, overwrite=args.overwrite,
-                             override_schedule=args.override_schedule)
+                             override_schedule=args.override_schedule, from_step=args.from_step)
     for note in start.notes:
         print(note, file=sys.stderr)
     finished = start.finished_line(recipe)
@@ -312,12 +333,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _note_live_run(run_dir: str) -> None:
+    """Readers take no lock; they say when a run is live in the folder they read."""
+    from .train.run_lock import note_if_live
+
+    note_if_live(run_dir)
+
+
 def _verify_checkpoint(run_dir: str) -> int:
-    """``skyrl-kda checkpoint verify``: exit 0 with one line when every file matches."""
-    from .train.checkpoint import checkpoints_dir, latest_checkpoint
+    """``skyrl-kda checkpoint verify``: exit 0 with one line when every file matches; a missing,
+    empty or broken ``latest`` names the step folder that verifies (``LatestError``)."""
+    from .train.checkpoint import checkpoints_dir, resume_checkpoint
     from .train.manifest import summary, verify
 
-    path = latest_checkpoint(run_dir)
+    path = resume_checkpoint(run_dir)
     if path is None:
         raise FileNotFoundError(f"{checkpoints_dir(run_dir)} has no checkpoint to verify")
     print(summary(path, verify(path)))

@@ -68,6 +68,11 @@ RUNTIME_ERROR = 1
 """Exit status for a failure while running (a rank failed, an unexpected exception)."""
 
 
+class RunFailure(RuntimeError):
+    """A failure while running whose message says all a user needs (what happened, what was
+    kept, how to go on): shown as ``error: <message>``, exit 1."""
+
+
 def error_lines(err: BaseException, command: str | None = None) -> tuple[list[str], int]:
     """The lines ``error: ...`` that describe ``err``, raised by ``command``, to a user, and the
     exit status.
@@ -81,6 +86,8 @@ def error_lines(err: BaseException, command: str | None = None) -> tuple[list[st
         return [f"error: {err.title}: {line}" for line in validation_lines(err)], USAGE_ERROR
     if errors is not None and isinstance(err, errors.WorkerError):
         return [f"error: {worker_message(err, command)}"], RUNTIME_ERROR
+    if isinstance(err, RunFailure):
+        return [f"error: {message(err)}"], RUNTIME_ERROR
     if isinstance(err, yaml.YAMLError):
         return [f"error: {yaml_message(err)}"], USAGE_ERROR
     if isinstance(err, (ValueError, KeyError, OSError)):

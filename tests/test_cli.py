@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from skyrl_megatron_kda import cli
 from skyrl_megatron_kda.config import CP_EXCHANGE_ENV
 from skyrl_megatron_kda.console import error_lines
-from skyrl_megatron_kda.recipes import BUILTIN_RECIPES, RECIPES_DIR, get_recipe
-from skyrl_megatron_kda.train import manifest
+from skyrl_megatron_kda.recipes import BUILTIN_RECIPES, RECIPES_DIR, get_recipe, load_recipe
+from skyrl_megatron_kda.train import manifest, run_folder
 from tests.support import cli_runs
 
 TINY = "glm53_flash_tiny"
@@ -168,20 +168,31 @@ def test_demo_with_unknown_exchange(capsys, no_ray):
 
 
 def fake_run(out, steps: int = 4, saved_at: int = 2):
-    """A run folder as ``skyrl-kda run`` leaves it, without training: ``saved_at`` metrics lines
-    and one checkpoint (a 16 KiB stand-in shard with a real manifest) of a ``steps``-step run of
-    the tiny recipe. Returns the shard's path."""
+    """A run folder as ``skyrl-kda run`` leaves it, without training: the ``recipe.yaml`` it
+    wrote, ``saved_at`` metrics lines and one checkpoint (a 16 KiB stand-in shard with a real
+    manifest) of a ``steps``-step run of the tiny recipe. Returns the shard's path."""
     out.mkdir(parents=True)
+    recipe = load_recipe(TINY, [f"train.steps={steps}", f"run.output_dir={out}"], environ={})
+    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"),
+                                                    sort_keys=False))  # as train/run.py does
     (out / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 5.0}}\n'
                                                for s in range(1, saved_at + 1)))
-    ckpt = out / "checkpoints" / f"step_{saved_at:08d}"
+    shard = fake_checkpoint(out, saved_at, steps)
+    (out / "checkpoints" / "latest").write_text(shard.parent.name)
+    return shard
+
+
+def fake_checkpoint(out, step: int, steps: int = 4, with_manifest: bool = True):
+    """``checkpoints/step_<step>`` of ``fake_run``'s run (``latest`` untouched); without its
+    manifest it is a save that did not finish. Returns the shard's path."""
+    ckpt = out / "checkpoints" / f"step_{step:08d}"
     ckpt.mkdir(parents=True)
     shard = ckpt / "__0_0.distcp"
     shard.write_bytes(bytes(range(256)) * 64)
     schedule = get_recipe(TINY, [f"train.steps={steps}"], environ={}).train.schedule()
-    manifest.write(ckpt, step=saved_at, mesh={"world": 4, "tp": 2, "cp": 2, "ep": 2, "etp": 1},
-                   schedule=schedule, recipe_sha256="0" * 64)
-    (out / "checkpoints" / "latest").write_text(ckpt.name)
+    if with_manifest:
+        manifest.write(ckpt, step=step, mesh={"world": 4, "tp": 2, "cp": 2, "ep": 2, "etp": 1},
+                       schedule=schedule, recipe_sha256="0" * 64)
     return shard
 
 
@@ -232,6 +243,89 @@ def test_resume_from_a_checkpoint_without_manifest_is_refused(capsys, tmp_path, 
     (shard.parent / manifest.MANIFEST).unlink()
     line = refused(capsys, run_in(tmp_path / "run", "--resume"))
     assert f"checkpoint {shard.parent} has no manifest.json: its save did not finish" in line
+
+
+@pytest.mark.parametrize("pair, named", [
+    ("model.hidden_size=32", "model.hidden_size 64 -> 32"),
+    ("model.moe.num_experts=4", "model.moe.num_experts 8 -> 4"),
+])
+def test_resume_with_a_changed_model_is_refused_before_ray(capsys, tmp_path, no_ray, pair, named):
+    fake_run(tmp_path / "run")
+    line = refused(capsys, run_in(tmp_path / "run", "--resume", "--set", pair))
+    assert line == (f"error: --resume: the model differs from the run's recipe.yaml: {named} (a "
+                    "checkpoint loads only into the model it saved; start a new run.output_dir)")
+
+
+def test_a_mesh_or_memory_change_passes_the_model_check(tmp_path):
+    """The control: another mesh (CP2 -> CP1 on 2 ranks), another exchange and memory levers are
+    free on a resume; the run continues from the saved checkpoint."""
+    shard = fake_run(tmp_path / "run")
+    recipe = get_recipe(TINY, [f"run.output_dir={tmp_path / 'run'}", "train.steps=4",
+                               "run.resume=true", "parallel.cp=1", "run.num_workers=2",
+                               "kda.cp_exchange=allgather", "train.recompute=full",
+                               "model.hyper_connections.map_chunk_rows=64",
+                               "model.dsa.attention_block=16"], environ={})
+    start = run_folder.prepare(recipe)
+    assert start.resume_from == shard.parent and start.step == 2 and start.notes == []
+
+
+def test_resume_with_an_empty_latest_names_the_step_to_continue_from(capsys, tmp_path, no_ray):
+    fake_run(tmp_path / "run")
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    latest.write_text("")
+    advice = (f"error: {latest} is empty; step_00000002 verifies: continue with skyrl-kda run "
+              "RECIPE --resume --from-step 2")
+    assert refused(capsys, run_in(tmp_path / "run", "--resume")) == advice
+    assert refused(capsys, ["checkpoint", "verify", str(tmp_path / "run")]) == advice
+
+
+def test_latest_naming_a_missing_folder_names_the_step_to_continue_from(capsys, tmp_path, no_ray):
+    fake_run(tmp_path / "run")
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    latest.write_text("step_00000003")
+    assert refused(capsys, run_in(tmp_path / "run", "--resume")) == (
+        f"error: {latest} names step_00000003, which does not exist; step_00000002 verifies: "
+        "continue with skyrl-kda run RECIPE --resume --from-step 2")
+
+
+def test_missing_latest_names_the_newest_step_that_verifies(capsys, tmp_path, no_ray):
+    """``latest`` is gone, and the newest step folder is a save that did not finish (no
+    manifest): --resume picks nothing silently, and names the older one."""
+    fake_run(tmp_path / "run")
+    fake_checkpoint(tmp_path / "run", 4, with_manifest=False)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    latest.unlink()
+    advice = (f"error: {latest} is missing; step_00000002 verifies: continue with skyrl-kda run "
+              "RECIPE --resume --from-step 2 (newer: step_00000004 has no manifest.json: its save "
+              "did not finish)")
+    assert refused(capsys, run_in(tmp_path / "run", "--resume")) == advice
+    assert refused(capsys, ["checkpoint", "verify", str(tmp_path / "run")]) == advice
+
+
+def test_from_step_resumes_from_that_step_folder(tmp_path):
+    shard = fake_run(tmp_path / "run", saved_at=3)
+    older = fake_checkpoint(tmp_path / "run", 2)
+    recipe = get_recipe(TINY, [f"run.output_dir={tmp_path / 'run'}", "train.steps=4",
+                               "run.resume=true"], environ={})
+    assert run_folder.prepare(recipe).resume_from == shard.parent  # latest
+    start = run_folder.prepare(recipe, from_step=2)
+    assert start.resume_from == older.parent and start.step == 2
+
+
+def test_from_step_needs_resume(capsys, tmp_path, no_ray):
+    fake_run(tmp_path / "run")
+    line = refused(capsys, run_in(tmp_path / "run", "--from-step", "2"))
+    assert line == "error: --from-step applies to a resumed run only (add --resume)"
+
+
+def test_from_step_of_a_missing_or_unfinished_folder_is_refused(capsys, tmp_path, no_ray):
+    fake_run(tmp_path / "run")
+    missing = tmp_path / "run" / "checkpoints" / "step_00000003"
+    assert refused(capsys, run_in(tmp_path / "run", "--resume", "--from-step", "3")) == (
+        f"error: --from-step 3: {missing} does not exist")
+    unfinished = fake_checkpoint(tmp_path / "run", 3, with_manifest=False).parent
+    line = refused(capsys, run_in(tmp_path / "run", "--resume", "--from-step", "3"))
+    assert f"checkpoint {unfinished} has no manifest.json: its save did not finish" in line
 
 
 def test_checkpoint_verify_of_a_good_checkpoint(capsys, tmp_path):

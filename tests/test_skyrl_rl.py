@@ -19,6 +19,7 @@ process's output to files and reads Ray's GPU ids; everything the RL calls use i
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -590,3 +591,41 @@ def test_gpu_offload_frees_memory_and_continues_bit_identically():
     assert out[True]["grad_norm"] == out[False]["grad_norm"]
     for name, w in out[False]["after"].items():
         assert torch.equal(out[True]["after"][name], w), name
+
+
+def _nonfinite_optim_step(rank, world, mode: str) -> dict:
+    """SkyRL's calls with one NaN advantage: the gradient norm is NaN at ``optim_step``."""
+    from skyrl_megatron_kda.train.step_guard import NonFiniteStep
+
+    worker = _worker([*CP1, f"train.on_nonfinite={mode}"])
+    batch = _batch()
+    batch["action_log_probs"] = torch.tensor(
+        [s["logprobs"] for s in worker.forward(batch).loss_fn_outputs])
+    batch["advantages"][0, -1] = float("nan")
+    before = _weights(worker)
+    worker.forward_backward(batch)
+    try:
+        out = {"grad_norm": worker.optim_step(), "error": None}
+    except NonFiniteStep as err:
+        out = {"grad_norm": None, "error": str(err)}
+    after = _weights(worker)
+    # The routers' expert-bias (load balancing from the routed token counts, not a gradient)
+    # is updated by megatron's finalize_model_grads, before any optimizer step decides.
+    out["changed"] = [k for k in before if not torch.equal(before[k], after[k])
+                      and not k.endswith("e_score_correction_bias")]
+    out["step"] = worker.trainer.step
+    worker.trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_optim_step_applies_no_nonfinite_gradient(mode):
+    """The policy worker's ``optim_step`` runs the recipe's ``train.on_nonfinite``: ``stop``
+    raises with nothing applied, ``skip`` returns the NaN norm (SkyRL's ``grad_norm`` metric)
+    and leaves the weights as they were."""
+    out = run_ranks(1, _nonfinite_optim_step, mode)[0]
+    assert out["changed"] == []
+    if mode == "stop":
+        assert out["error"].startswith("step 1: gradient norm nan: not finite"), out["error"]
+    else:
+        assert out["error"] is None and math.isnan(out["grad_norm"]) and out["step"] == 1

@@ -38,6 +38,10 @@ import sys
 from pathlib import Path
 from typing import List
 
+import yaml
+
+from skyrl_megatron_kda.console import USAGE_ERROR, error_lines, quiet_warnings
+
 HERE = Path(__file__).resolve().parent
 RECIPE = "glm53_flash_tiny"
 ENV = "rl_tiny_words"
@@ -176,26 +180,55 @@ def make_experiment_class():
     return RLTinyExp
 
 
-def run_job(work: Path, args: List[str]) -> None:
-    """SkyRL's job from its command line ``args``, on a local Ray with one logical GPU per
-    policy and reference rank, the experiment in a Ray task as SkyRL's own entrypoint runs it."""
+def check_overrides(overrides: List[str]) -> None:
+    """Each extra argument is one SkyRL setting ``KEY=VALUE`` with a dotted ``KEY``: SkyRL's
+    parser reads ``trainer.epochs`` as ``trainer.epochs=None`` (the job then fails inside SkyRL's
+    trainer) and ``=3`` as a key named ''."""
+    for arg in overrides:
+        key, eq, _ = arg.partition("=")
+        if not eq:
+            why = "has no =VALUE"
+        elif not key:
+            why = "has no KEY before ="
+        elif "" in key.split(".") or "." not in key:
+            why = "has no dotted KEY"
+        else:
+            continue
+        raise ValueError(f"argument {arg!r} {why}: SkyRL settings are KEY=VALUE with a dotted "
+                         "KEY, e.g. trainer.epochs=1")
+
+
+def job_config(args: List[str]):
+    """SkyRL's config of the job from its command line ``args``, its recipe, and the settings the
+    KDA workers cannot serve (one line each): every check that needs no Ray, as SkyRL's
+    entrypoint makes them."""
+    from skyrl.train.utils import validate_cfg
+
+    from skyrl_megatron_kda.integrations.skyrl.config import apply_recipe
+    from skyrl_megatron_kda.integrations.skyrl.entrypoint import parse
+
+    cfg = parse(args)  # SkyRL's strict keys; the recipe is resolved and validated here too
+    recipe = cfg.trainer.kda.resolve()
+    # The recipe runs on CPU ranks; Ray declares a logical GPU per rank for SkyRL's placement,
+    # so the one refusal that does not apply here is the device's.
+    problems = [p for p in apply_recipe(cfg, recipe) if not p.startswith("run.device=cpu")]
+    try:
+        validate_cfg(cfg)
+    except AssertionError as err:  # SkyRL states some of its checks as asserts
+        raise ValueError(str(err)) from err
+    return cfg, recipe, problems
+
+
+def run_job(work: Path, cfg, recipe) -> None:
+    """SkyRL's job ``cfg`` (``job_config``'s), on a local Ray with one logical GPU per policy and
+    reference rank, the experiment in a Ray task as SkyRL's own entrypoint runs it."""
     import os
 
     import ray
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
-    from skyrl.train.utils import validate_cfg
 
-    from skyrl_megatron_kda.integrations.skyrl.config import apply_recipe, uses_reference
-    from skyrl_megatron_kda.integrations.skyrl.entrypoint import parse
+    from skyrl_megatron_kda.integrations.skyrl.config import uses_reference
 
-    cfg = parse(args)
-    recipe = cfg.trainer.kda.resolve()
-    # The recipe runs on CPU ranks; Ray below declares a logical GPU per rank for SkyRL's
-    # placement, so the one refusal that does not apply here is the device's.
-    problems = [p for p in apply_recipe(cfg, recipe) if not p.startswith("run.device=cpu")]
-    if problems:
-        raise SystemExit("the job cannot run:\n  - " + "\n  - ".join(problems))
-    validate_cfg(cfg)
     root = str(HERE.parents[1])  # Ray's processes import this repository's examples package
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     # address="local": a Ray of its own, never another job's cluster on the same machine. SkyRL's
@@ -213,6 +246,14 @@ def run_job(work: Path, args: List[str]) -> None:
 
 
 def main(argv: List[str] | None = None) -> int:
+    """Run the job; a refused command line prints one ``error: ...`` line per problem to stderr
+    and returns 2, before anything is written to WORKDIR or Ray starts."""
+    from loguru import logger
+
+    # Notices that say nothing about this job, so that an error is what a refused command shows:
+    # the libraries' (as the CLI hides them), and SkyRL's on importing it without vLLM.
+    quiet_warnings()
+    logger.disable("skyrl.backends.skyrl_train.patches.vllm")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--steps", type=int, default=2)
@@ -221,14 +262,27 @@ def main(argv: List[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # KEY=VALUE settings may follow the options
     work = args.workdir.resolve()
     if (work / "metrics.jsonl").exists():
-        raise SystemExit(f"{work} holds a finished job: use a fresh WORKDIR")
+        print(f"error: {work} holds a finished job: use a fresh WORKDIR", file=sys.stderr)
+        return USAGE_ERROR
+    skyrl = skyrl_args(work, args.mesh, args.steps) + args.overrides
+    # All checks come before the files below, so that a refused command leaves WORKDIR as it was:
+    # none of them reads the checkpoint or the dataset that the settings name.
+    try:
+        check_overrides(args.overrides)
+        cfg, recipe, problems = job_config(skyrl)
+    except (ValueError, KeyError, OSError, yaml.YAMLError) as err:  # error_lines' usage errors
+        lines, status = error_lines(err)
+    else:
+        lines, status = [f"error: the job cannot run: {p}" for p in problems], USAGE_ERROR
+    if lines:
+        print("\n".join(lines), file=sys.stderr)
+        return status
+    print("SkyRL settings: " + " ".join(skyrl), flush=True)
     work.mkdir(parents=True, exist_ok=True)
     make_hf_checkpoint(work / "GLM-tiny-hf")
     make_tokenizer(work / "GLM-tiny-hf")
     make_dataset(work / "train.jsonl", prompts=16)
-    skyrl = skyrl_args(work, args.mesh, args.steps) + args.overrides
-    print("SkyRL settings: " + " ".join(skyrl), flush=True)
-    run_job(work, skyrl)
+    run_job(work, cfg, recipe)
     steps = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
     print(json.dumps({"workdir": str(work), "steps": len(steps)}), flush=True)
     return 0

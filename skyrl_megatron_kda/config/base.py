@@ -1,4 +1,5 @@
-"""What every config section shares: refusal of unknown keys, immutability, strict integers."""
+"""What every config section shares: refusal of unknown keys, immutability, strict integers, finite
+floats."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 
 class _Config(BaseModel):
-    """Base for every config: unknown keys are errors, values never change after validation."""
+    """Base for every config: unknown keys are errors, values never change after validation, and
+    no float setting is ``inf`` or ``nan`` (``train.lr=inf`` would train NaN steps)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)

@@ -20,6 +20,44 @@ from .parallel import ParallelConfig
 from .run import RunConfig
 from .train import TrainConfig
 
+MODEL_SECTIONS = ("model", "kda")
+"""The recipe sections that say what the model is. A checkpoint loads only into the model that
+saved it, so a resume refuses a change to any of their settings (``train.run_folder``) except
+``MODEL_LEVERS``; a new setting in them is compared until it is listed there."""
+
+MODEL_LEVERS = frozenset({
+    # How the DSA layers compute the same function: kernel, TP split, query/pool blocks.
+    "model.dsa.kernel", "model.dsa.tp_split", "model.dsa.attention_block",
+    "model.dsa.fused_query_block", "model.dsa.indexer_query_block",
+    "model.dsa.indexer_pool_block",
+    # mHC's map projection in row chunks (a memory lever: fp32 summation order only).
+    "model.hyper_connections.map_chunk_rows",
+    # The KDA layer's CP exchange and its choice, token layout over CP, kernel and chunking.
+    "kda.cp_exchange", "kda.exchange_reason", "kda.allow_inexact", "kda.cp_layout", "kda.kernel",
+    "kda.chunk_size", "kda.kernel_segments", "kda.kernel_head_group",
+})
+"""Settings of ``MODEL_SECTIONS`` that change how the same parameters compute the same model
+(memory, chunking, kernels, exchange, layout), not their shapes or the model's meaning: free to
+change on a resume, like the mesh (``parallel``, ``run.num_workers``)."""
+
+
+def model_meaning(dump: dict) -> dict:
+    """The settings that make the model what it is, by dotted name (every setting of
+    ``MODEL_SECTIONS`` but ``MODEL_LEVERS``), from a recipe's ``model_dump(mode="json")`` or
+    the ``recipe.yaml`` a run wrote."""
+    meaning: dict = {}
+
+    def walk(name: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{name}.{key}", item)
+        elif name not in MODEL_LEVERS:
+            meaning[name] = value
+
+    for section in MODEL_SECTIONS:
+        walk(section, dump.get(section) or {})
+    return meaning
+
 
 class MeshRecipe(_Config):
     """The model on its mesh: model, parallel layout, KDA layer, batch shape and cluster, with the
@@ -142,6 +180,10 @@ class Recipe(MeshRecipe):
     @model_validator(mode="after")
     def _dense_parts_divisible_by_tp(self) -> Recipe:
         m, tp = self.model, self.parallel.tp
+        if m.vocab_size % tp:
+            raise ValueError(
+                f"model.vocab_size={m.vocab_size} must be divisible by tp={tp}: the embedding and "
+                "output layer split the vocabulary")
         if m.dsa.num_heads % tp:
             raise ValueError(
                 f"model.dsa.num_heads={m.dsa.num_heads} must be divisible by tp={tp}: each TP "

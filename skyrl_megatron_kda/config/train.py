@@ -67,6 +67,15 @@ class TrainConfig(_Config):
     """Steps of linear LR warmup from 0 to lr before the cosine decay (0: start at lr)."""
     save_interval: NonNegativeInt = 0
     """Save a checkpoint every this many steps (0: only at the end and on SIGTERM/Ctrl-C)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """What a step whose loss or gradient norm is not finite (on any rank) does; it is caught
+    before the optimizer applies anything (``train.step_guard``). ``stop``: the run ends with one
+    error naming the step, the values and the last checkpoint, nothing of that step applied or
+    saved. ``skip``: the update is dropped (weights, Adam state and LR schedule stay), the step
+    is counted with ``update_skipped`` in its metrics, and the run stops after
+    ``max_skipped_steps`` skips in a row."""
+    max_skipped_steps: PositiveInt = 3
+    """With ``on_nonfinite=skip``: consecutive skipped updates after which the run stops."""
     save_at_end: bool = Field(default=True, strict=True)
     """Save a checkpoint after the last step (benchmarks turn it off: the slice's optimizer state
     alone is tens of GiB)."""

@@ -330,6 +330,3 @@ def _check_mesh(recipe: Recipe, pgs: ProcessGroupCollection) -> None:
     if live != want:
         raise ValueError(f"megatron parallel state {live} does not match the recipe's {want}; "
                          "initialise it from recipe.parallel")
-    if recipe.model.vocab_size % p.tp:
-        raise ValueError(f"model.vocab_size={recipe.model.vocab_size} must be divisible by "
-                         f"tp={p.tp}: the embedding and output layer split the vocabulary")

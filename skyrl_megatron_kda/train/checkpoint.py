@@ -17,6 +17,10 @@ sha256, step, mesh, schedule settings, recipe hash), once all ranks have finishe
 ``<output_dir>/checkpoints/latest`` names the newest complete checkpoint; it is written after
 the manifest, so an interrupted save never becomes the one ``--resume`` picks. ``load`` checks
 the files against the manifest first (rank 0 hashes them) and refuses a mismatch naming the file.
+A ``latest`` that is empty, names a missing folder, or is missing beside step folders is refused
+naming the step folder that verifies (``LatestError``, ``latest_advice``). A save or load that
+megatron fails raises ``CheckpointFailed``: the rank and its own error in one line, not torch's
+``CheckpointException ranks:dict_keys([0])`` (``checkpoint_failures``).
 
 The trainer hands its pieces over as a ``TrainState``; ``load`` restores model, optimizer,
 scheduler and RNG in place and returns the step and the data position (``Restored``), which the
@@ -27,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +50,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from ..config import ParallelConfig
 from ..distributed.cpu import cuda_names_cpu
 from . import manifest
+from .checkpoint_failures import explained_failures
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +106,73 @@ def step_dir(output_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(output_dir) / f"step_{step:08d}"
 
 
+class LatestError(FileNotFoundError):
+    """``checkpoints/latest`` is empty, names a missing folder, or is missing beside step
+    folders: one line saying so, and which step folder verifies and the command that continues
+    from it (``latest_advice``)."""
+
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def step_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """The run's ``step_N`` folders as (N, path), newest first (finished saves or not)."""
+    ckpts = checkpoints_dir(output_dir)
+    if not ckpts.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpts.iterdir()
+             if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def latest_advice(output_dir: str | Path, problem: str) -> str:
+    """``problem`` (what is wrong with ``latest``) and what to do: the newest step folder whose
+    files verify against its manifest (``manifest.verify``; one without a manifest is a save
+    that did not finish) and the command that continues from it, or that none can."""
+    skipped = []
+    for step, path in step_dirs(output_dir):
+        try:
+            manifest.verify(path)
+        except manifest.CheckpointError as err:
+            why = str(err).removeprefix(f"checkpoint {path}").lstrip(": ").split(" (")[0]
+            skipped.append(f"{path.name} {why}" if why.startswith("has ") else
+                           f"{path.name}: {why}")
+            continue
+        newer = f" (newer: {'; '.join(skipped)})" if skipped else ""
+        return (f"{problem}; {path.name} verifies: continue with skyrl-kda run RECIPE --resume "
+                f"--from-step {step}{newer}")
+    if skipped:
+        return (f"{problem}, and no step folder verifies ({'; '.join(skipped)}): nothing to "
+                "continue from; start over with --overwrite")
+    return f"{problem}, and there is no step folder: nothing to continue from"
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None when it has none."""
+    """The newest complete checkpoint of a run (the one ``latest`` names), or None where there is
+    no ``latest`` (no save has finished, or it was removed: ``resume_checkpoint`` tells those
+    apart). An empty ``latest``, or one naming a folder that does not exist, raises
+    ``LatestError`` with ``latest_advice``."""
     marker = checkpoints_dir(output_dir) / LATEST
     if not marker.is_file():
         return None
-    path = checkpoints_dir(output_dir) / marker.read_text().strip()
+    name = marker.read_text().strip()
+    if not name:
+        raise LatestError(latest_advice(output_dir, f"{marker} is empty"))
+    path = checkpoints_dir(output_dir) / name
     if not path.is_dir():
-        raise FileNotFoundError(f"{marker} names {path.name}, which does not exist")
+        raise LatestError(latest_advice(output_dir, f"{marker} names {name}, which does not "
+                                                    "exist"))
+    return path
+
+
+def resume_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint a run continues from (``latest_checkpoint``); None where the run has no
+    step folder at all. A missing ``latest`` beside step folders is never guessed past: it raises
+    ``LatestError`` naming the step folder that verifies (``--resume --from-step N`` loads it)."""
+    path = latest_checkpoint(output_dir)
+    if path is None and step_dirs(output_dir):
+        raise LatestError(latest_advice(output_dir,
+                                        f"{checkpoints_dir(output_dir) / LATEST} is missing"))
     return path
 
 
@@ -253,20 +319,48 @@ def _clear_for_save(path: Path, output_dir: str | Path) -> None:
         shutil.rmtree(path)
 
 
+class NonFiniteState(ValueError):
+    """A save refused because the weights or optimizer state hold inf or NaN."""
+
+
+def _state_is_finite(state: TrainState) -> bool:
+    """Whether every rank's weights, fp32 main parameters and Adam moments are finite (collective).
+    The largest magnitude of each tensor is what is checked: inf or NaN there is the only way a
+    value is not finite, and unlike a sum of squares it cannot overflow for finite values."""
+    tensors = list(state.model.parameters())
+    for opt in _optimizers(state):
+        tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
+        tensors += [v for param_state in opt.optimizer.state.values() for v in param_state.values()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
+    largest = torch.nn.utils.get_total_norm(tensors, norm_type=math.inf).float()
+    flag = torch.tensor([0.0 if bool(torch.isfinite(largest)) else 1.0], device=largest.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
 def save(state: TrainState, output_dir: str | Path) -> Path:
     """Write a checkpoint of ``state`` at its step (collective: every rank calls it): the shards,
-    then (rank 0, once every rank has written) the manifest, then ``latest``."""
+    then (rank 0, once every rank has written) the manifest, then ``latest``.
+
+    A state whose weights or optimizer state hold inf or NaN is refused before anything is
+    written (``NonFiniteState``): ``latest`` keeps naming the last finite checkpoint. The
+    manifest records that the check passed (``finite``)."""
+    if not _state_is_finite(state):
+        last = latest_checkpoint(output_dir)
+        kept = f"{LATEST} stays at {last.name}" if last is not None else "no checkpoint yet"
+        raise NonFiniteState(f"step {state.step}: the weights or optimizer state hold inf or NaN; "
+                             f"not saved ({kept})")
     path = step_dir(output_dir, state.step)
     if dist.get_rank() == 0:
         _clear_for_save(path, output_dir)
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    with state.cpu_mode():
+    with state.cpu_mode(), explained_failures("saving", path):
         dist_checkpointing.save(_sharded_state(state, is_loading=False), str(path))
     dist.barrier()
     if dist.get_rank() == 0:
         manifest.write(path, step=state.step, mesh=_mesh(state), schedule=state.schedule,
-                       recipe_sha256=state.recipe_sha256)
+                       recipe_sha256=state.recipe_sha256, finite=True)
         marker = checkpoints_dir(output_dir) / LATEST
         tmp = marker.with_suffix(".tmp")
         tmp.write_text(path.name)
@@ -316,7 +410,7 @@ def load(state: TrainState, path: str | Path, *, override_schedule: bool = False
         del request["rng"]
         logger.warning("checkpoint %s was saved on mesh %s, this run is %s: RNG streams start "
                        "from the seed", path, saved_mesh, _mesh(state))
-    with state.cpu_mode():
+    with state.cpu_mode(), explained_failures("loading", path):
         saved = dist_checkpointing.load(request, str(path))
     state.model.load_state_dict(saved["model"])
     with state.cpu_mode(), _adam_step_passes_through(state):

@@ -29,6 +29,7 @@ from ..model.hf_io import save_hf_checkpoint
 from ..recipes import load_recipe
 from ..workers.group import ActorGroup, ensure_ray
 from . import checkpoint, manifest
+from .checkpoint_failures import explained_failures
 from .outputs import RECIPE
 from .setup import build_glm_model, init_parallel_state, seed_everything
 
@@ -63,7 +64,7 @@ def load_run_model(recipe: Recipe, path: str | Path):
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     # The same declaration of every tensor's sharding as the trainer's save (checkpoint.py).
     request = {"model": checkpoint.module_sharded_state(model, "", metadata, pgs.tp)}
-    with cuda_names_cpu(use_cpu):
+    with cuda_names_cpu(use_cpu), explained_failures("loading", path):
         state = dist_checkpointing.load(request, str(path))
     model.load_state_dict(state["model"])
     return model

@@ -54,9 +54,11 @@ def _files(path: Path) -> list[str]:
     return sorted(n for n in names if n not in (MANIFEST, MANIFEST + ".tmp"))
 
 
-def write(path: str | Path, *, step: int, mesh: dict, schedule: dict, recipe_sha256: str) -> dict:
+def write(path: str | Path, *, step: int, mesh: dict, schedule: dict, recipe_sha256: str,
+          finite: bool = False) -> dict:
     """Hash every file of checkpoint ``path`` and write its manifest (after the shards are all
-    on disk; rank 0 only)."""
+    on disk; rank 0 only). ``finite``: the save checked that weights and optimizer state hold no
+    inf or NaN (``checkpoint.save`` does, and refuses to save otherwise)."""
     path = Path(path)
     manifest = {
         "format": FORMAT,
@@ -64,6 +66,7 @@ def write(path: str | Path, *, step: int, mesh: dict, schedule: dict, recipe_sha
         "mesh": mesh,
         "schedule": schedule,
         "recipe_sha256": recipe_sha256,
+        "finite": finite,
         "files": {name: {"size": (path / name).stat().st_size,
                          "sha256": file_sha256(path / name)} for name in _files(path)},
     }
@@ -120,8 +123,9 @@ def summary(path: str | Path, manifest: dict) -> str:
     files = manifest["files"]
     size = sum(r["size"] for r in files.values())
     mesh = " ".join(f"{k}{v}" for k, v in manifest["mesh"].items())
+    finite = "; weights and optimizer state finite" if manifest.get("finite") else ""
     return (f"{path}: ok, step {manifest['step']}, {len(files)} files, {size / 2**20:.1f} MiB "
-            f"match their sha256; mesh {mesh}")
+            f"match their sha256; mesh {mesh}{finite}")
 
 
 def schedule_changes(saved: dict, current: dict) -> list[str]:

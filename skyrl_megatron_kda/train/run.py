@@ -23,20 +23,24 @@ from typing import TextIO
 import yaml
 
 from ..config import Recipe
+from ..console import RunFailure
+from ..workers.errors import WorkerError
 from ..workers.group import ActorGroup
 from ..workers.lifetime import StartedRay
 from ..workers.rank_map import build_rank_map, rank_map_lines, write_rank_map
 from . import checkpoint
 from .outputs import METRICS, RANK_MAP, RECIPE, read_metrics_lines
 from .run_folder import RunStart, prepare
+from .run_lock import holds_output_dir
+from .step_guard import NonFiniteStep
 from .stop import Interrupted, StopSignals
 from .trainer import RankTrainer
 
 logger = logging.getLogger(__name__)
 
 # Same on every rank (global after the all-reduce, or the recipe's); taken from rank 0.
-_GLOBAL_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "loss_tokens", "exchange",
-                "skipped_records")
+_GLOBAL_KEYS = ("step", "loss", "grad_norm", "lr", "update_skipped", "tokens", "loss_tokens",
+                "exchange", "skipped_records")
 
 
 def _make_trainer(rank: int, world: int, recipe: Recipe):
@@ -96,11 +100,14 @@ def _start_metrics(path: Path, resume_step: int) -> None:
     path.write_text("".join(json.dumps(m) + "\n" for m in kept))
 
 
+@holds_output_dir
 def run(recipe: Recipe, *, start: RunStart | None = None,
         progress: TextIO | None = sys.stderr) -> list[dict]:
     """Train ``recipe`` on ``run.num_workers`` Ray actors; returns this invocation's metrics
     (none for a finished run). ``start`` is ``run_folder.prepare``'s answer (made here when not
-    given: a used folder is refused, no overwrite, no schedule override)."""
+    given: a used folder is refused, no overwrite, no schedule override). The folder's run lock
+    (``run_lock``) is held throughout, Ray's shutdown included: taken here unless the caller
+    (``skyrl-kda run``, before its ``prepare``) holds it; a live run there is refused."""
     out = Path(recipe.run.output_dir)
     if start is None:
         start = prepare(recipe)
@@ -177,7 +184,7 @@ def _train_loop(recipe: Recipe, group, out: Path, start: int, progress: TextIO |
     lines: list[dict] = []
     with open(out / METRICS, "a") as metrics, _ending(bar):
         for step in range(start + 1, total + 1):
-            line = merge_rank_metrics(group.call_held("train_step"))
+            line = merge_rank_metrics(_train_step(group, out))
             if line["step"] != step:
                 raise RuntimeError(f"ranks reported step {line['step']}, expected {step}")
             metrics.write(json.dumps(line) + "\n")
@@ -197,6 +204,25 @@ def _train_loop(recipe: Recipe, group, out: Path, start: int, progress: TextIO |
             if stop.signum is not None and path is not None:
                 raise Interrupted(stop.signum, stop.saved_line(step, path), step, path)
     return lines
+
+
+class NonFiniteRun(RunFailure):
+    """The run stopped at a step whose loss or gradient norm was not finite
+    (``train.on_nonfinite``): the step, its values and the checkpoint to continue from."""
+
+
+def _train_step(group, out: Path) -> list[dict]:
+    """Every rank's metrics of one step; a non-finite step (``step_guard.NonFiniteStep``, raised
+    on every rank before anything was applied) ends the run naming the last good checkpoint."""
+    try:
+        return group.call_held("train_step")
+    except WorkerError as err:
+        if err.kind != NonFiniteStep.__name__:
+            raise
+        last = checkpoint.latest_checkpoint(out)
+        where = (f"the last good checkpoint is {last} (--resume continues from it)"
+                 if last is not None else "no checkpoint was saved before it")
+        raise NonFiniteRun(f"{err.message}; nothing of it saved; {where}") from err
 
 
 @contextlib.contextmanager

@@ -3,7 +3,15 @@
 - A folder that already holds a run (a ``metrics.jsonl`` with a line in it, or anything under
   ``checkpoints/``) is refused: continue it with ``resume``, or pass ``overwrite``, which moves
   the old run aside to a sibling folder ``<name>.replaced-<YYYYmmdd-HHMMSS>`` (nothing is deleted).
-- ``resume`` continues from the checkpoint ``latest`` names. Its manifest records the schedule
+- ``resume`` continues from the checkpoint ``latest`` names, or from ``step_N`` with
+  ``from_step``. A ``latest`` that is missing (beside step folders), empty or names a missing
+  folder is refused naming the step folder that verifies and ``--resume --from-step N``
+  (``checkpoint.latest_advice``): no step is picked silently.
+- ``resume`` refuses a recipe whose model differs from the run's ``recipe.yaml``
+  (``config.recipe.model_meaning``: the model's shapes and meaning; the mesh, memory, kernel and
+  exchange settings stay free), naming each changed setting: a checkpoint loads only into the
+  model that saved it.
+- The checkpoint's manifest records the schedule
   settings it was trained under (``TrainConfig.schedule``); a recipe that changes any of them is
   refused naming each, unless ``override_schedule`` (then applied from the saved step, and said).
 - A checkpoint already at ``train.steps`` is a finished run: nothing to train.
@@ -17,10 +25,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from ..config import Recipe
+from ..config.recipe import model_meaning
 from . import manifest
-from .checkpoint import checkpoints_dir, latest_checkpoint
-from .outputs import METRICS
+from .checkpoint import checkpoints_dir, resume_checkpoint, step_dir
+from .outputs import METRICS, RECIPE
+from .run_lock import LOCK_FILE
 
 
 @dataclass(frozen=True)
@@ -43,24 +55,34 @@ class RunStart:
 
 
 def holds_run(out: Path) -> bool:
-    """Whether ``out`` holds (part of) a run: a metrics line, or anything under checkpoints/."""
+    """Whether ``out`` holds (part of) a run: a metrics line, or anything under checkpoints/
+    (not the run lock's file, ``run_lock.LOCK_FILE``)."""
     metrics, ckpts = out / METRICS, checkpoints_dir(out)
     has_metrics = metrics.is_file() and bool(metrics.read_text().strip())
     return has_metrics or (ckpts.is_dir() and any(ckpts.iterdir()))
 
 
 def move_aside(out: Path) -> Path:
-    """Rename ``out`` to ``<out>.replaced-<time>`` beside it; returns the new path."""
+    """Move the run in ``out`` into a new sibling folder ``<out>.replaced-<time>``; returns it.
+    What ``out`` holds moves, the run lock's file (``run_lock.LOCK_FILE``, held by this run)
+    stays, so ``out`` is never without its lock."""
     target = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-    if target.exists():
-        raise FileExistsError(f"--overwrite: {target} already exists (try again in a second)")
-    out.rename(target)
+    try:
+        target.mkdir()
+    except FileExistsError:
+        raise FileExistsError(f"--overwrite: {target} already exists (try again in a second)") \
+            from None
+    for item in out.iterdir():
+        if item.name != LOCK_FILE:
+            item.rename(target / item.name)
     return target
 
 
-def prepare(recipe: Recipe, *, overwrite: bool = False, override_schedule: bool = False) -> RunStart:
+def prepare(recipe: Recipe, *, overwrite: bool = False, override_schedule: bool = False,
+            from_step: int | None = None) -> RunStart:
     """Check ``run.output_dir`` against how the run is asked to start, move an old run aside
-    for ``overwrite``, and say where training starts; refuses with one line."""
+    for ``overwrite``, and say where training starts (``from_step``: resume from ``step_N``
+    instead of ``latest``); refuses with one line."""
     out = Path(recipe.run.output_dir)
     resume = recipe.run.resume
     if overwrite and resume:
@@ -68,8 +90,10 @@ def prepare(recipe: Recipe, *, overwrite: bool = False, override_schedule: bool 
                          f"{out}, or move it aside and start over")
     if override_schedule and not resume:
         raise ValueError("--override-schedule applies to a resumed run only (add --resume)")
+    if from_step is not None and not resume:
+        raise ValueError("--from-step applies to a resumed run only (add --resume)")
     if resume:
-        return _resume(recipe, out, override_schedule)
+        return _resume(recipe, out, override_schedule, from_step)
     if not holds_run(out):
         return RunStart()
     if not overwrite:
@@ -79,18 +103,48 @@ def prepare(recipe: Recipe, *, overwrite: bool = False, override_schedule: bool 
     return RunStart(notes=[f"--overwrite: moved the previous run in {out} to {moved}"])
 
 
-def _resume(recipe: Recipe, out: Path, override_schedule: bool) -> RunStart:
-    path = latest_checkpoint(out)
-    if path is None:
-        raise FileNotFoundError(f"--resume: {checkpoints_dir(out)} has no checkpoint "
-                                "(run without --resume to start over)")
-    record = manifest.read(path)
+def _resume(recipe: Recipe, out: Path, override_schedule: bool,
+            from_step: int | None = None) -> RunStart:
+    if from_step is None:
+        path = resume_checkpoint(out)
+        if path is None:
+            raise FileNotFoundError(f"--resume: {checkpoints_dir(out)} has no checkpoint "
+                                    "(run without --resume to start over)")
+    else:
+        path = step_dir(out, from_step)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--from-step {from_step}: {path} does not exist")
+    record = manifest.read(path)  # a step folder without a manifest is an unfinished save
+    notes = _check_model(recipe, out)
     changes = manifest.schedule_changes(record["schedule"], recipe.train.schedule())
     if changes and not override_schedule:
         raise ValueError(f"--resume: the schedule differs from {path.name}'s: {', '.join(changes)}"
                          " (pass --override-schedule to apply it, or drop the changes)")
-    notes = []
     if changes:
         notes.append(f"--override-schedule: from step {record['step']} on, {', '.join(changes)}")
     return RunStart(resume_from=path, step=int(record["step"]), override_schedule=bool(changes),
                     notes=notes)
+
+
+def _check_model(recipe: Recipe, out: Path) -> list[str]:
+    """Refuse a recipe whose model differs from the one the run's ``recipe.yaml`` records,
+    naming each changed setting ``old -> new``; returns notes (a ``recipe.yaml`` that is missing
+    or unreadable leaves the model uncompared, and says so)."""
+    file = out / RECIPE
+    try:
+        saved = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        why = "is missing" if isinstance(err, FileNotFoundError) else "cannot be read"
+        return [f"--resume: {file} {why}: the model is not compared before the ranks load"]
+    if not isinstance(saved, dict):
+        return [f"--resume: {file} holds no recipe: the model is not compared before the ranks "
+                "load"]
+    before = model_meaning(saved)
+    changes = [f"{name} {before[name]} -> {value}"
+               for name, value in model_meaning(recipe.model_dump(mode="json")).items()
+               if name in before and before[name] != value]
+    if changes:
+        raise ValueError(f"--resume: the model differs from the run's {RECIPE}: "
+                         f"{', '.join(changes)} (a checkpoint loads only into the model it saved; "
+                         "start a new run.output_dir)")
+    return []

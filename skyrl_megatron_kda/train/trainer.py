@@ -53,6 +53,7 @@ from .data import (
 )
 from .optimizer import ddp_config, optimizer_config
 from .setup import build_glm_model, init_parallel_state, seed_everything
+from .step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class RankTrainer(RankModel):
             recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.kda.cp_layout,
             vocab_size=recipe.model.vocab_size)
         self.step = 0
+        self.guard = StepGuard.of(t)
         self._memory_report_due = recipe.run.memory_report  # the first step of this process
 
     # -- one step ---------------------------------------------------------------------------
@@ -206,21 +208,24 @@ class RankTrainer(RankModel):
         with self.cpu_mode():
             finalize_model_grads([self.model], num_tokens=num_tokens)
 
-    def optimizer_step(self) -> tuple[float, float]:
-        """Apply the finalized gradients: optimizer step (with clipping), LR schedule, then clear
-        the grad buffers for the next accumulation. Returns (grad norm, the LR it stepped with)."""
+    def optimizer_step(self, loss: float | None = None) -> tuple[float, float, bool]:
+        """Apply the finalized gradients under ``train.on_nonfinite`` (``step_guard``): optimizer
+        step (with clipping) and LR schedule, unless the global ``loss`` or the gradient norm is
+        not finite (then ``NonFiniteStep`` is raised, or under ``skip`` the update is dropped and
+        the schedule stays, as megatron's own training loop does for a skipped update); then
+        clear the grad buffers for the next accumulation. Returns (grad norm, the LR it stepped
+        with, whether the update was applied)."""
         lr = self.optimizer.param_groups[0]["lr"]
-        with self.cpu_mode():
-            ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError(f"step {self.step + 1}: the optimizer step failed (non-finite grads)")
-        self.scheduler.step(increment=1)
+        applied, grad_norm = self.guard.step(self.optimizer, self.step + 1, loss, self._device(),
+                                             self.cpu_mode)
+        if applied:
+            self.scheduler.step(increment=1)
         self.step += 1
         # optimizer.zero_grad clears the main (fp32) grads only; DDP's buffers hold the next
         # accumulation, so clear them too (train_step also clears both before it starts).
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        return float(grad_norm), lr
+        return grad_norm, lr, applied
 
     def train_step(self) -> dict:
         """One optimizer step; returns this rank's metrics (loss and counts are global). With
@@ -251,14 +256,17 @@ class RankTrainer(RankModel):
         self.finalize_grads(num_tokens)
         if int(num_tokens) == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no loss tokens")
-        grad_norm, lr = self.optimizer_step()
+        # The global loss before the step: a non-finite one stops or skips it (step_guard).
         total = torch.stack([loss_sum, count])
         dist.all_reduce(total, group=self.dp_cp_group)
+        loss = float(total[0] / total[1])
+        grad_norm, lr, applied = self.optimizer_step(loss)
         return {
             "step": self.step,
-            "loss": float(total[0] / total[1]),
-            "grad_norm": float(grad_norm),
+            "loss": loss,
+            "grad_norm": grad_norm,
             "lr": lr,
+            "update_skipped": not applied,
             "tokens": len(rows) * self.dp_size * self.recipe.data.seq_len,
             "loss_tokens": int(total[1]),
             "step_time_s": time.perf_counter() - start,

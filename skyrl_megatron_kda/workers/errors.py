@@ -31,7 +31,8 @@ class RankError(Exception):
 class WorkerError(RuntimeError):
     """A rank failed or died, as the driver reports it: ``rank 1: <the rank's message>`` for an
     exception on the rank, ``rank 1 died: <Ray's account>`` for a lost process. ``kind`` is the
-    exception's type name; the rank's traceback is attached as a note (``--debug`` shows it)."""
+    exception's type name and ``message`` its own text, without the rank; the rank's traceback
+    is attached as a note (``--debug`` shows it)."""
 
     def __init__(self, rank: int, error: BaseException):
         # A task error carries the worker's own exception (a RankError from RankActor); a dead
@@ -39,9 +40,9 @@ class WorkerError(RuntimeError):
         cause = getattr(error, "cause", None) or error
         self.rank, self.died = rank, isinstance(error, ray.exceptions.RayActorError)
         if isinstance(cause, RankError):
-            self.kind, text = cause.kind, str(cause)
+            self.kind, self.message, text = cause.kind, cause.message, str(cause)
         else:
-            self.kind = type(cause).__name__
+            self.kind, self.message = type(cause).__name__, str(cause)
             text = f"rank {rank} {'died' if self.died else 'failed'}: {cause}"
         super().__init__(text)
         if isinstance(cause, RankError):

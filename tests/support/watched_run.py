@@ -30,9 +30,13 @@ def running(proc: psutil.Process) -> bool:
 
 
 class WatchedRun:
-    def __init__(self, out: Path, *extra: str):
-        self.proc = subprocess.Popen(cli_runs.command(out, *extra), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=cli_runs.env())
+    def __init__(self, out: Path, *extra: str, with_stdout: bool = False):
+        """``with_stdout``: stdout goes into the same pipe as stderr (a console or a log file
+        that takes both), so ``stderr`` holds both streams in the order they were written."""
+        streams = ({"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if with_stdout
+                   else {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE})
+        self.proc = subprocess.Popen(cli_runs.command(out, *extra), env=cli_runs.env(), **streams)
+        self._pipe = self.proc.stdout if with_stdout else self.proc.stderr
         self.started: dict[int, psutil.Process] = {}
         self._text = ""
         self._changed = threading.Condition()
@@ -41,7 +45,7 @@ class WatchedRun:
 
     def _read(self) -> None:
         # Raw reads: the progress line is rewritten with \r and has no newline until the end.
-        while chunk := self.proc.stderr.read1(4096):
+        while chunk := self._pipe.read1(4096):
             with self._changed:
                 self._text += chunk.decode(errors="replace")
                 self._changed.notify_all()

@@ -281,9 +281,14 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
 
     def optim_step(self) -> float:
         """Reduce the gradients accumulated since the last step (once, over DP x CP), step the
-        optimizer and the LR schedule, clear the buffers; returns the grad norm (pre-clip)."""
+        optimizer and the LR schedule, clear the buffers; returns the grad norm (pre-clip).
+
+        A non-finite gradient norm follows the recipe's ``train.on_nonfinite`` as in
+        ``skyrl-kda run`` (``train.step_guard``): ``stop`` raises ``NonFiniteStep`` with nothing
+        applied; ``skip`` drops the update and returns the norm, so SkyRL's ``grad_norm``
+        metric shows the skipped step as nan or inf (and rank 0 logs it)."""
         self.trainer.finalize_grads()
-        grad_norm, _ = self.trainer.optimizer_step()
+        grad_norm, _, _ = self.trainer.optimizer_step()
         return grad_norm
 
     # -- weight sync into the inference engines (integrations/skyrl/weight_sync.py) --------------
