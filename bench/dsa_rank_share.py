@@ -5,10 +5,10 @@ The 1M recipe (TP8 x CP2 +SP) gives each rank, per DSA layer, either (``--split 
 TP) its own 65,536 rows with all 64 heads; the keys are the whole 1,048,576-token sequence. This
 runs that rank's work with the model's own functions on random data of GLM's sizes:
 
-* indexer: pooled keys (``kpool_indices.pooled_keys``), per query block the indexer scores and
-  top-k (``sparse_indexer.fused_pool_topk`` on our Triton scores, ``index_scores.py``, or
+* indexer: pooled keys (``pools.pooled_keys``), per query block the indexer scores and
+  top-k (``pool_topk.fused_pool_topk`` on our Triton scores, ``index_scores.py``, or
   the torch ``blocked_pool_topk``; the last block is also scored by megatron-core's TileLang
-  indexer kernel, for its time) and the token indices (``kpool_indices.pool_token_indices``);
+  indexer kernel, for its time) and the token indices (``pools.pool_token_indices``);
 * sparse attention: ``fused_sparse_mla.fused_absorbed_sparse_mla`` (TileLang) or
   ``sparse_mla.absorbed_sparse_mla`` (torch), forward and backward.
 
@@ -35,16 +35,16 @@ from megatron.core.transformer.experimental_attention_variant.ops.tilelang_index
 
 from skyrl_megatron_kda.config import DSAConfig
 from skyrl_megatron_kda.distributed.cp_layout import rank_rows
-from skyrl_megatron_kda.model.fused_sparse_mla import fused_absorbed_sparse_mla, fused_dsa_kernels
-from skyrl_megatron_kda.model.kpool_indices import (
+from skyrl_megatron_kda.dsa.fused_sparse_mla import fused_absorbed_sparse_mla, fused_dsa_kernels
+from skyrl_megatron_kda.dsa.pools import (
     document_starts,
     index_violations,
     pool_starts,
     pool_token_indices,
     pooled_keys,
 )
-from skyrl_megatron_kda.model.sparse_indexer import blocked_pool_topk, fused_pool_topk
-from skyrl_megatron_kda.model.sparse_mla import absorbed_sparse_mla
+from skyrl_megatron_kda.dsa.pool_topk import blocked_pool_topk, fused_pool_topk
+from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
 
 HEADS, TP, CP = 64, 8, 2
 LATENT, DN, DV = 512, 256, 256

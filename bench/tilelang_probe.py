@@ -4,7 +4,7 @@ megatron-core 0.19.2 ships TileLang sparse-MLA kernels (forward and backward) sp
 576-wide query/latent and top-k widths that divide by 64; GLM's NoPE latent is 512 wide, so the
 queries and the latent are zero-padded to 576 (zero channels add nothing to q.k; the value is the
 first 512 channels) and the indices padded with -1. This probe checks the kernel against
-``model.sparse_mla.sparse_latent_attention`` (fp32) on a small causal case, then times one
+``dsa.sparse_mla.sparse_latent_attention`` (fp32) on a small causal case, then times one
 forward + backward at a per-rank share of the 1M recipe.
 
 Usage (CUDA, with tilelang importable):  python3 bench/tilelang_probe.py [--queries 65536 --heads 64]
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from skyrl_megatron_kda.model.sparse_mla import sparse_latent_attention
+from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
 
 WIDTH, LATENT = 576, 512
 

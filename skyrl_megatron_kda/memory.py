@@ -52,6 +52,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import Recipe
+from .dsa import kernels as dsa_kernels
+from .dsa.kernels import DSAShape
 from .kda import exchanges
 from .kda.cost import choose
 from .kda.exchanges import ExchangeShape
@@ -67,14 +69,7 @@ HOST_OPTIMIZER_BYTES = 16
 copy, exp_avg, exp_avg_sq, and the pinned fp32 copy of its gradient, for bf16 and fp32
 parameters alike."""
 
-DSA_TOPK_CHUNK = 1024
-"""Keys per step of megatron-core 0.19.2's ``unfused_dsa_fn`` loop (``topk_chunk_size``)."""
-
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-DSA_WORKING_SET = {"fused": "one call's working set", "torch": "one block's working set",
-                   "unfused": "indexer scores"}
-"""What dominates a DSA layer's transient memory, by ``model.dsa.kernel`` (the phase's label)."""
 
 
 # --- parameters ---------------------------------------------------------------------------
@@ -133,7 +128,7 @@ def rank_parameters(recipe: Recipe) -> list[ParamGroup]:
     add("kda", n_kda * kda_w)
     add("kda", n_kda * (h + lw), 4)
 
-    # DSA (model/dsa.py): megatron MLA, every projection TP-sharded (down projections too),
+    # DSA (dsa/layer.py): megatron MLA, every projection TP-sharded (down projections too),
     # latent norms duplicated; the indexer duplicated and frozen.
     a = m.dsa
     n, dq = a.num_heads // tp, a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -286,186 +281,48 @@ def kda_backward_bytes(recipe: Recipe) -> int:
     return all_heads * min(k.kernel_head_group, computed) // computed
 
 
-@dataclass(frozen=True)
-class DSAShare:
-    """What one rank's sparse attention covers (``model.dsa.tp_split``): ``rows`` queries with
-    ``heads`` heads each, and its indexer's ``index_rows`` queries. heads: the CP rank's rows
-    with heads/tp; sequence (TP > 1 under SP): the rank's own rows with every head."""
-
-    rows: int
-    heads: int
-    index_rows: int
-    gathers_weight: bool  # the kv up-projection weight of every head is gathered over TP
-
-
-def dsa_share(recipe: Recipe) -> DSAShare:
+def dsa_shape(recipe: Recipe) -> DSAShape:
+    """One rank's DSA layer for the kernel's memory terms. Its attention share
+    (``model.dsa.tp_split``): heads: the CP rank's rows with heads/tp; sequence (TP > 1 under
+    SP): the rank's own rows with every head, the kv up-projection weight of every head
+    gathered."""
     p, a, r = recipe.parallel, recipe.model.dsa, rows_of(recipe)
-    if a.attends_by_rows(p.tp, p.sequence_parallel):
-        return DSAShare(rows=r.sp, heads=a.num_heads, index_rows=r.sp, gathers_weight=True)
-    return DSAShare(rows=r.cp, heads=a.num_heads // p.tp, index_rows=r.cp, gathers_weight=False)
+    by_rows = a.attends_by_rows(p.tp, p.sequence_parallel)
+    rows = r.sp if by_rows else r.cp
+    return DSAShape(dsa=a, whole=r.whole, cp_rows=r.cp, sp_rows=r.sp, tp=p.tp, cp=p.cp,
+                    act_bytes=_act_bytes(recipe), rows=rows,
+                    heads=a.num_heads if by_rows else a.num_heads // p.tp, index_rows=rows,
+                    gathers_weight=by_rows)
 
 
-def _dsa_kernel(recipe: Recipe) -> str:
-    return recipe.with_dsa_kernel_resolved().model.dsa.kernel
+def dsa_kernel(recipe: Recipe) -> type[dsa_kernels.DSAKernel]:
+    """The kernel class of ``model.dsa.kernel`` (resolved: ``auto`` is refused)."""
+    return dsa_kernels.get(recipe.model.dsa.kernel)
 
 
 def dsa_activation_bytes(recipe: Recipe) -> int:
-    """One DSA layer (model/dsa.py on megatron's MLA), per rank, for ``model.dsa.kernel``.
+    """One DSA layer (dsa/layer.py on megatron's MLA), per rank.
 
-    Both kernels keep: the layer input [s, D]; the q and KV latent norms; the q latent
+    Every kernel keeps: the layer input [s, D]; the q and KV latent norms; the q latent
     [s, q_lora]; the normalised KV latent of the whole sequence [T, kv_lora]; the output
     [S, heads/tp * v_head_dim] the output projection reads. The indexer runs without gradient:
-    nothing kept but the token indices the attention saves.
-
-    ``torch`` (model/sparse_mla.py's ``AbsorbedSparseMLA``), per query of the rank's share
-    (``dsa_share``): the query [heads, d_qk], one fp32 log-sum-exp per head and the int32 token
-    indices (index_topk + kpool - 1); the absorbed query and the latent-space output are rebuilt
-    per block in backward. ``fused`` (model/fused_sparse_mla.py) keeps the same but the
-    log-sum-exp (its backward recomputes the forward). Under ``tp_split=sequence`` the share is
-    the rank's own rows with every head, and the attention keeps the gathered kv up-projection
-    weight of all heads.
-
-    ``unfused`` (megatron's ``unfused_dsa_fn``), per (query, local head): the fp32 query and the
-    running max/sum/accumulator of each top-k chunk, and per (query, head, selected key): the
-    gathered fp32 key and value, the int64 index, the validity mask and the fp32 probability."""
+    nothing kept but the token indices the attention saves. Then what the kernel keeps
+    (``DSAKernel.kept_bytes``)."""
     m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
     a, r = m.dsa, rows_of(recipe)
-    D, n = m.hidden_size, a.num_heads // p.tp
-    dq, dv = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
-    keys = a.index_topk + a.index_kpool - 1
-    total = r.sp * D * w
+    total = r.sp * m.hidden_size * w
     # torch.nn.RMSNorm (LatentRMSNorm) keeps its fp32 input and fp32 normalised tensor.
     total += r.sp * (8 * a.q_lora_rank + 4) + r.sp * a.q_lora_rank * w
     total += r.sp * (8 * a.kv_lora_rank + 4)
     total += r.whole * a.kv_lora_rank * w
-    total += r.cp * n * dv * w
-    kernel, share = _dsa_kernel(recipe), dsa_share(recipe)
-    if kernel != "unfused":
-        lse = 4 * share.heads if kernel == "torch" else 0
-        weight = a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank * w
-        return (total + share.rows * (share.heads * dq * w + lse + 4 * keys)
-                + (weight if share.gathers_weight else 0))
-    chunks = -(-keys // DSA_TOPK_CHUNK)
-    query_heads = r.cp * n
-    total += query_heads * (4 * dq + chunks * (8 * dv + 33))
-    total += query_heads * keys * (8 + 1 + 4 + 4 * (dq + dv))
-    return total
+    total += r.cp * (a.num_heads // p.tp) * a.v_head_dim * w
+    return total + dsa_kernel(recipe).kept_bytes(dsa_shape(recipe))
 
 
 def dsa_transient_bytes(recipe: Recipe) -> int:
-    """Working set of one DSA layer that is not kept between forward and backward, per rank.
-
-    ``unfused``: the indexer's fp32 scores of this CP rank's queries against every pool of the
-    sequence (twice: einsum and relu), and the whole-sequence keys/values after the up
-    projection (about three copies).
-
-    ``torch`` and ``fused``: the largest of their three stages (``dsa_working_sets``)."""
-    m, p, w = recipe.model, recipe.parallel, _act_bytes(recipe)
-    a, r = m.dsa, rows_of(recipe)
-    if _dsa_kernel(recipe) != "unfused":
-        return max(dsa_working_sets(recipe).values())
-    pools = r.whole // a.index_kpool
-    scores = 2 * r.cp * pools * a.index_num_heads * 4
-    kv = 3 * r.whole * (a.num_heads // p.tp) * (a.qk_nope_head_dim + a.qk_rope_head_dim
-                                                   + a.v_head_dim) * w
-    return scores + kv
-
-
-def dsa_working_sets(recipe: Recipe) -> dict[str, int]:
-    """The torch or fused DSA kernel's transient bytes per stage, per rank, as the code
-    allocates them (T whole sequence; S, n the share's queries and heads (``dsa_share``);
-    K = index_topk + kpool - 1, R = kv_lora_rank, w the activation dtype's bytes).
-
-    Both: the indexer's gathered [key | pool gate] of the whole sequence (2 index_head_dim per
-    token; a second copy when CP > 1 puts the gathered rows in natural order), under
-    ``tp_split=heads`` the gathered [q latent | head weights] of the CP rank's queries, and the
-    pool compression (fp32 gate logits and softmax, the cast weights, the gathered keys and
-    their product: T index_head_dim (8 + 2w)). Then by kernel: ``dsa_torch_stages`` or
-    ``dsa_fused_stages``."""
-    if _dsa_kernel(recipe) == "fused":
-        return dsa_fused_stages(recipe)
-    return dsa_torch_stages(recipe)
-
-
-def _indexer_inputs_bytes(recipe: Recipe) -> int:
-    p, w, a, r = recipe.parallel, _act_bytes(recipe), recipe.model.dsa, rows_of(recipe)
-    T, di = r.whole, a.index_head_dim
-    keys = T * 2 * di * w * (2 if p.cp > 1 else 1)
-    share = dsa_share(recipe)
-    queries = 0 if share.gathers_weight else share.index_rows * (a.q_lora_rank + a.index_num_heads) * w
-    return keys + queries + T * di * (8 + 2 * w)
-
-
-def dsa_fused_stages(recipe: Recipe) -> dict[str, int]:
-    """The fused kernel's stages (model/fused_sparse_mla.py on megatron-core's TileLang kernels;
-    q = indexer_query_block and f = fused_query_block queries per call, P = T / kpool pools):
-
-    * ``indexer``: the indexer inputs (``dsa_working_sets``), one block's indexer queries
-      [q, index_heads, index_head_dim], its fp32 head weights, the TileLang scores [q, P] fp32
-      and ``torch.topk``'s values and ids (fp32 + int64, index_topk / kpool per query).
-    * ``attention forward``: the latent padded to 576 channels [T, 576] w; per call: the
-      absorbed queries [f, n, 576] w, the kernel's output and its masked copy [f, n, 512] w each,
-      the int32 indices copy and the kernel's copy padded to a multiple of 64.
-    * ``attention backward``: the padded latent, the fp32 latent gradient [T, R] and the
-      kernel's fp32 latent gradient [T, 576] and its w copy; per call the absorbed queries, the
-      recomputed output, the output gradient in latent space (einsum, padded and masked: two
-      alive) [f, n, 512] w, dq [f, n, 576] w, and the fp32 copies the weight gradients take
-      (q_nope and dq: [f, n, dn + R] x 4)."""
-    p, w, a, r = recipe.parallel, _act_bytes(recipe), recipe.model.dsa, rows_of(recipe)
-    share = dsa_share(recipe)
-    T, R, n, dn = r.whole, a.kv_lora_rank, share.heads, a.qk_nope_head_dim
-    K = a.index_topk + a.index_kpool - 1
-    K64 = -(-K // 64) * 64
-    q = min(a.indexer_query_block, share.index_rows)
-    f = min(a.fused_query_block, share.rows)
-    hi, di = a.index_num_heads, a.index_head_dim
-    pools = T // a.index_kpool
-    selected = a.index_topk // a.index_kpool
-    width, value = 576, 512
-    latent = T * width * w
-    indexer = (_indexer_inputs_bytes(recipe) + q * hi * (di * w + 4) + q * pools * 4
-               + q * selected * (4 + 8))
-    forward = latent + f * n * (width + 2 * value) * w + f * (K + K64) * 4
-    backward = (latent + T * R * 4 + T * width * (4 + w)
-                + f * n * ((2 * width + 3 * value) * w + 4 * (dn + R)))
-    return {"indexer": indexer, "attention forward": forward, "attention backward": backward}
-
-
-def dsa_torch_stages(recipe: Recipe) -> dict[str, int]:
-    """The torch DSA kernel's stages, as its code allocates them (b = attention_block):
-
-    * ``indexer``: the indexer inputs (``dsa_working_sets``) and one block of
-      indexer_query_block queries against indexer_pool_block pools:
-      its indexer queries, fp32 einsum and relu scores (n_idx heads), and the running top-k
-      merge (fp32 score, int64 id, and the stable sort's values and indices).
-    * ``attention forward``: one block's gathered latent rows [b, K, R] (w, and fp32 when w is
-      not 4), its fp32 absorbed queries and latent-space output [b, n, R], and three fp32
-      [b, n, K] score/probability tensors.
-    * ``attention backward``: the fp32 latent gradient [T, R] that the blocks accumulate into,
-      the fp32 W_UK/W_UV copies and their gradients (2 x the local kv up-projection weight),
-      plus the larger of the latent gradient's cast to w at the end (when w is not 4) and one
-      block: its gathered rows as in forward, three fp32 [b, n, R] (absorbed queries, output
-      gradient, query gradient), four fp32 [b, n, K] and three fp32 [b, K, R] (the two
-      latent-row gradient terms and their sum)."""
-    w, a, r = _act_bytes(recipe), recipe.model.dsa, rows_of(recipe)
-    share = dsa_share(recipe)
-    T, R, n = r.whole, a.kv_lora_rank, share.heads
-    K = a.index_topk + a.index_kpool - 1
-    hi, di = a.index_num_heads, a.index_head_dim
-    up = 4 if w != 4 else 0  # the fp32 copy of a half tensor; none when already fp32
-    qb = min(a.indexer_query_block, share.index_rows)
-    pb, b = a.indexer_pool_block, a.attention_block
-    selected = a.index_topk // a.index_kpool
-    block = qb * hi * di * (w + up) + 2 * qb * hi * pb * 4 + qb * (selected + pb) * (4 + 8) * 2
-    rows = b * K * R * (w + up)
-    weights = 2 * n * (a.qk_nope_head_dim + a.v_head_dim) * R * 4
-    return {
-        "indexer": _indexer_inputs_bytes(recipe) + block,
-        "attention forward": rows + 2 * b * n * R * 4 + 3 * b * n * K * 4,
-        "attention backward": T * R * 4 + weights + max(
-            T * R * w if up else 0,
-            rows + 3 * b * n * R * 4 + 4 * b * n * K * 4 + 3 * b * K * R * 4),
-    }
+    """Working set of one DSA layer that is not kept between forward and backward, per rank:
+    the largest stage of the kernel's (``DSAKernel.working_sets``)."""
+    return max(dsa_kernel(recipe).working_sets(dsa_shape(recipe)).values())
 
 
 def dense_mlp_activation_bytes(recipe: Recipe) -> int:
@@ -884,7 +741,7 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
     dsa_layer = 0
     for kind, working, label in (
             ("kda", max(per_layer_extra, kda_bwd), "KDA layer backward (largest)"),
-            ("dsa", dsa_scratch, f"DSA layer + {DSA_WORKING_SET[_dsa_kernel(recipe)]} (largest)")):
+            ("dsa", dsa_scratch, f"DSA layer + {dsa_kernel(recipe).working_set_label} (largest)")):
         own = {i: layer_backward_bytes(recipe, i) + working
                for i in range(m.num_layers) if kinds[i] == kind}
         if own:

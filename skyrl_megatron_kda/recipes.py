@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from .config import Recipe, load_recipe_dict, merge, parse_overrides
 from .console import yaml_message
+from .dsa import kernels as dsa_kernels
 from .kda.cost import resolve_cp_exchange
 
 RECIPES_DIR = Path(str(files("skyrl_megatron_kda.builtin_recipes")))
@@ -153,9 +154,19 @@ def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = (),
     resolved here, once, by the cost model (arithmetic on the recipe), after the overrides and
     the environment; the choice's reason is logged and kept in ``kda.exchange_reason``.
     ``get_recipe`` leaves ``auto`` as written."""
-    recipe = _load_as_written(str(name_or_path), overrides, environ).with_dsa_kernel_resolved()
+    recipe = _with_dsa_kernel_resolved(_load_as_written(str(name_or_path), overrides, environ))
     resolved, _ = resolve_cp_exchange(recipe)
     return resolved
+
+
+def _with_dsa_kernel_resolved(recipe: Recipe) -> Recipe:
+    """``recipe`` with ``model.dsa.kernel=auto`` replaced by the kernel ``dsa.kernels.resolve``
+    picks for ``run.device``; other kernels stay as written."""
+    name = dsa_kernels.resolve(recipe.model.dsa.kernel, recipe.run.device)
+    if name == recipe.model.dsa.kernel:
+        return recipe
+    dsa = recipe.model.dsa.model_copy(update={"kernel": name})
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"dsa": dsa})})
 
 
 def _load_as_written(key: str, overrides: Sequence[str], environ: Mapping[str, str] | None) -> Recipe:

@@ -77,11 +77,12 @@ def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
-    from skyrl_megatron_kda.model import dsa
+    from skyrl_megatron_kda.dsa import layer as dsa
+    from skyrl_megatron_kda.dsa.kernels import FusedKernel
     from tests.support.dsa_kernels import torch_dsa_kernels
 
     if not torch.cuda.is_available():
-        dsa.fused_dsa_kernels = torch_dsa_kernels
+        FusedKernel.load_kernels = staticmethod(torch_dsa_kernels)
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
     return build_module(dsa.glm_dsa_layer_spec(kpool, cp_layout, _kernel(kernel, tp_split)),
                         config=config, layer_number=4, pg_collection=pg)
@@ -318,8 +319,8 @@ def _run_case(case, single):
 
     from skyrl_megatron_kda.distributed.cp_layout import rank_rows
     from skyrl_megatron_kda.kda.parity import relative_error
-    from skyrl_megatron_kda.model import dsa
     from skyrl_megatron_kda.distributed.tensor_parallel import load_full_state
+    from skyrl_megatron_kda.dsa import layout as dsa
 
     batch = _batch(case)
     ref = _ours(_config(4), 4, ProcessGroupCollection(tp=single, cp=single), kernel="unfused")

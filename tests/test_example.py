@@ -30,7 +30,7 @@ STEPS, STOP_AFTER = 4, 2  # SIGTERM once 2 steps are logged: it stops after step
 TOL = 1e-4
 # The tiny recipe's DSA keeps 64 keys (index_topk) chosen by 2 indexer heads: beyond 64 tokens
 # exact-zero pool scores tie at the boundary (6 of 96 queries on random tokens) and transformers
-# breaks the ties differently from model/dsa.py, so the parity inputs stay within 64 tokens (the
+# breaks the ties differently from dsa/layer.py, so the parity inputs stay within 64 tokens (the
 # example's documents too); test_glm_model checks the top-k selection with 8 indexer heads.
 LOGIT_TOKENS = 64
 TP1 = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.sequence_parallel=false",

@@ -210,7 +210,7 @@ def _train(rank, world, chunk):
     """Two optimizer steps of the tiny recipe (TP2 x CP2 +SP, EP2) with ``train.loss_chunk_tokens``
     = ``chunk`` (None: megatron's loss): (loss, grad norm) of each step as rank 0 reports them."""
     from skyrl_megatron_kda.model import glm
-    from skyrl_megatron_kda.recipes import get_recipe
+    from skyrl_megatron_kda.recipes import load_recipe
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
     calls = []
@@ -218,7 +218,7 @@ def _train(rank, world, chunk):
     # Counted, so that equal losses cannot come from the setting being ignored.
     glm.chunked_linear_cross_entropy = lambda *a, **k: calls.append(k["chunk"]) or fused(*a, **k)
     setting = [] if chunk is None else [f"train.loss_chunk_tokens={chunk}"]
-    trainer = RankTrainer(get_recipe("glm53_flash_tiny", ["train.steps=2", *setting], environ={}))
+    trainer = RankTrainer(load_recipe("glm53_flash_tiny", ["train.steps=2", *setting], environ={}))
     steps = [trainer.train_step() for _ in range(2)]
     trainer.close()
     return [(m["loss"], m["grad_norm"]) for m in steps], calls

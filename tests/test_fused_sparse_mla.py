@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron_kda.model.fused_sparse_mla import (
+from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     KERNEL_VALUE_WIDTH,
     DSAKernels,
     fused_absorbed_sparse_mla,
     fused_dsa_kernels,
 )
-from skyrl_megatron_kda.model.sparse_mla import absorbed_sparse_mla
+from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
 from tests.support.dsa_kernels import torch_dsa_kernels
 
 TQ, TK, HEADS, DN, DV, RANK, TOPK = 37, 45, 3, 8, 6, 16, 12
@@ -145,8 +145,8 @@ def test_fused_dsa_kernels_match_torch(heads):
 def test_fused_indexer_selects_the_torch_pools():
     """The fused indexer's scores (bf16 products, fp32 sums) pick the same pools as the torch
     indexer (fp32) for nearly every query, and never a pool the query may not see."""
-    from skyrl_megatron_kda.model.kpool_indices import document_starts, pool_starts
-    from skyrl_megatron_kda.model.sparse_indexer import blocked_pool_topk, fused_pool_topk
+    from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
+    from skyrl_megatron_kda.dsa.pool_topk import blocked_pool_topk, fused_pool_topk
 
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(4)
     cu = torch.tensor([0, 1500, 1503, 4000], device=dev)  # a 3-token document: no pool at all
@@ -172,8 +172,8 @@ def test_fused_indexer_selects_the_blocked_pools(block):
     """``fused_pool_topk`` with the stand-in scores equals ``blocked_pool_topk`` (fp32, no ties):
     the per-query pool ranges [ks, ke) and the block's pool window are right; a query whose
     document has no complete pool yet selects nothing. Control: ranges one pool too far."""
-    from skyrl_megatron_kda.model.kpool_indices import document_starts, pool_starts
-    from skyrl_megatron_kda.model.sparse_indexer import blocked_pool_topk, fused_pool_topk
+    from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
+    from skyrl_megatron_kda.dsa.pool_topk import blocked_pool_topk, fused_pool_topk
 
     gen = torch.Generator().manual_seed(5)
     cu = torch.tensor([0, 61, 66, 156, 192])
@@ -200,7 +200,7 @@ def test_triton_pool_scores_equal_the_reference(n, pools):
     """``index_scores.pool_scores`` against the fp32 torch reference of the same contract on
     bf16-rounded inputs: the same -inf pattern (visible ranges, empty ranges) and finite scores
     within 1e-3 relative (bf16 products, fp32 sums in another order)."""
-    from skyrl_megatron_kda.model.index_scores import pool_scores
+    from skyrl_megatron_kda.dsa.index_scores import pool_scores
 
     gen, dev = torch.Generator().manual_seed(6), torch.device("cuda")
     q = torch.randn(n, 32, 128, generator=gen).bfloat16()

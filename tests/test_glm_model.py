@@ -20,14 +20,15 @@ T, B = 32, 2  # tokens per sequence (divides by 2*cp*tp for the zigzag + SP spli
 DOCS = (12, 8, 12)  # packed THD row of T tokens: each document divides by 2*cp (zigzag)
 TOL = 1e-4
 # 8 indexer heads: with few heads many relu'd indexer scores are exactly 0 and tie at the top-k
-# boundary, where model/dsa.py and transformers may break ties differently.
+# boundary, where dsa/layer.py and transformers may break ties differently.
 
 TINY_MODEL = dict(
     hidden_size=32, params_dtype="float32", num_layers=4, vocab_size=64, dsa_every=4, dsa_offset=3,
     num_dense_layers=1, dense_ffn_hidden_size=48,
     moe=dict(num_experts=4, top_k=2, ffn_hidden_size=16, num_shared_experts=1),
     dsa=dict(num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0,
-             v_head_dim=8, index_num_heads=8, index_head_dim=8, index_topk=8, index_kpool=4),
+             v_head_dim=8, index_num_heads=8, index_head_dim=8, index_topk=8, index_kpool=4,
+             kernel="torch"),  # what auto resolves to on a CPU (the model takes it resolved)
 )
 TINY_KDA = dict(num_heads=4, head_dim=8, gate_low_rank=8, output_gate_low_rank=8, kernel="torch")
 

@@ -407,7 +407,7 @@ def test_slice_recipe_is_one_gpu_with_the_real_layer_widths():
     one GPU, fla kernels; its memory plan is what bench/model_slice.py checks against the peak."""
     from skyrl_megatron_kda.memory import estimate_memory
 
-    slice_ = get_recipe("glm53_flash_slice")
+    slice_ = load_recipe("glm53_flash_slice")  # the plan takes resolved kernels
     full = get_recipe(FULL)
     assert (slice_.parallel.tp, slice_.parallel.cp, slice_.run.num_workers) == (1, 1, 1)
     assert slice_.model.hidden_size == full.model.hidden_size

@@ -6,7 +6,7 @@ pooled indexer (CPU, single process).
   with masked entries and a query with nothing selected; fp64 gradcheck on a tiny case, and of
   ``absorbed_sparse_mla`` (queries, latent and the kv up-projection weight).
 * ``absorbed_sparse_mla`` equals per-head attention with the up-projected keys and values, both
-  a hand-written one and megatron's ``unfused_dsa_fn`` (what ``model/dsa.py`` runs today).
+  a hand-written one and megatron's ``unfused_dsa_fn`` (what ``dsa/layer.py`` runs today).
 * ``pool_token_indices`` is causal and per-document over packed documents, always holds the tail,
   and equals ``dsa.select_pools``' indices; ``blocked_pool_topk`` selects the same pools as
   ``select_pools``, ties included; ``index_violations`` catches a non-causal index.
@@ -20,16 +20,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron_kda.model.dsa import select_pools
-from skyrl_megatron_kda.model.kpool_indices import (
+from skyrl_megatron_kda.dsa.pool_topk import select_pools
+from skyrl_megatron_kda.dsa.pools import (
     document_starts,
     index_violations,
     pool_starts,
     pool_token_indices,
     pooled_keys,
 )
-from skyrl_megatron_kda.model.sparse_indexer import blocked_pool_topk
-from skyrl_megatron_kda.model.sparse_mla import absorbed_sparse_mla, sparse_latent_attention
+from skyrl_megatron_kda.dsa.pool_topk import blocked_pool_topk
+from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla, sparse_latent_attention
 from tests.support.kda_cases import saved_bytes
 
 TOL = 1e-5

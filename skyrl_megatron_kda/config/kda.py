@@ -12,7 +12,7 @@ from .base import PositiveInt, _Config
 
 def cp_exchange_choices() -> tuple[str, ...]:
     """The values of ``kda.cp_exchange``: the registered exchanges (``kda.exchanges``), then auto."""
-    return (*exchanges.names(), exchanges.AUTO)
+    return exchanges.REGISTRY.choices()
 
 
 class KDAConfig(_Config):
@@ -69,11 +69,7 @@ class KDAConfig(_Config):
     def _registered_exchange(cls, value: str) -> str:
         # Checked against the live registry, so a registered plugin exchange is a valid value;
         # whether it can run on the mesh is the recipe's check (``MeshRecipe``).
-        choices = cp_exchange_choices()
-        if value not in choices:
-            quoted = [repr(name) for name in choices]
-            raise ValueError(f"Input should be {', '.join(quoted[:-1])} or {quoted[-1]}")
-        return value
+        return exchanges.REGISTRY.check(value)
 
     @field_validator("gate_lower_bound")
     @classmethod

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from ..dsa import kernels as dsa_kernels
 from .base import NonNegativeInt, PositiveInt, _Config
 
 LayerType = Literal["kda", "dsa"]
@@ -94,14 +95,17 @@ class DSAConfig(_Config):
     """Keys each query attends to, chosen by the indexer (tokens; the tail is always selected)."""
     index_kpool: PositiveInt = 4
     """Keys pooled into one indexer block (tokens per pooled key)."""
-    kernel: Literal["auto", "fused", "torch", "unfused"] = "auto"
-    """Sparse attention implementation. fused: megatron-core's TileLang SparseMLA kernels
-    (CUDA, the ``tilelang`` package) in the absorbed layout (model/fused_sparse_mla.py); torch:
-    the absorbed sparse MLA over the KV latent in query blocks (model/sparse_mla.py), the CPU
-    path and the fused kernel's reference; unfused: megatron-core's ``unfused_dsa_fn`` on
-    whole-sequence keys and values with the full [queries x pools] indexer scores (the oracle
-    the others are tested against); auto: fused when run.device=gpu, else torch. fused and torch
-    share the blocked indexer top-k; memory is linear in the tokens for both."""
+    kernel: str = Field(default="auto", strict=True)
+    """Sparse attention implementation: a registered kernel (``dsa.kernels``) or ``auto``, which
+    is resolved once when the recipe is loaded to run (``recipes.load_recipe``: the first kernel
+    the device does not refuse). fused: megatron-core's TileLang SparseMLA kernels (CUDA, the
+    ``tilelang`` package) in the absorbed layout and our Triton indexer scores
+    (dsa/kernels/fused.py); torch: the absorbed sparse MLA over the KV latent in query blocks
+    (dsa/kernels/torch_blocks.py), the CPU path and the fused kernel's reference; unfused:
+    megatron-core's ``unfused_dsa_fn`` on whole-sequence keys and values with the full
+    [queries x pools] indexer scores (the oracle the others are tested against); auto: fused
+    when run.device=gpu, else torch. fused and torch share the blocked indexer top-k; memory is
+    linear in the tokens for both."""
     tp_split: Literal["heads", "sequence"] = "sequence"
     """How tensor parallelism splits the sparse attention. heads: each TP rank attends with its
     heads/tp heads from all query rows of its CP rank (the indexer runs on all of them, on every
@@ -128,19 +132,32 @@ class DSAConfig(_Config):
         splits the rows over TP > 1); otherwise with its heads/tp heads on all its CP rank's rows."""
         return self.tp_split == "sequence" and sequence_parallel and tp > 1
 
+    @field_validator("kernel")
+    @classmethod
+    def _registered_kernel(cls, value: str) -> str:
+        # Checked against the live registry, so a registered plugin kernel is a valid value.
+        return dsa_kernels.REGISTRY.check(value)
+
     @model_validator(mode="before")
     @classmethod
-    def _unfused_splits_heads(cls, data):
-        # unfused can only split heads: that is its default split, as sequence is the others'.
-        if isinstance(data, dict) and data.get("kernel") == "unfused" and "tp_split" not in data:
+    def _heads_split_default(cls, data):
+        # A kernel that cannot attend by rows splits heads: that is its default split, as
+        # sequence is the others'.
+        if not isinstance(data, dict) or "tp_split" in data:
+            return data
+        name = data.get("kernel")
+        if name in dsa_kernels.names() and not dsa_kernels.get(name).splits_rows:
             return {**data, "tp_split": "heads"}
         return data
 
     @model_validator(mode="after")
     def _split_has_kernel(self) -> DSAConfig:
-        if self.tp_split == "sequence" and self.kernel == "unfused":
-            raise ValueError("model.dsa.tp_split=sequence needs model.dsa.kernel fused or torch: "
-                             "the unfused reference attends with whole-sequence keys per head")
+        if (self.tp_split == "sequence" and self.kernel != dsa_kernels.AUTO
+                and not dsa_kernels.get(self.kernel).splits_rows):
+            splitting = [n for n in dsa_kernels.names() if dsa_kernels.get(n).splits_rows]
+            raise ValueError(f"model.dsa.tp_split=sequence needs model.dsa.kernel "
+                             f"{' or '.join(splitting)}: the {self.kernel} kernel attends with "
+                             "whole-sequence keys per head")
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from ..distributed.cp_layout import layout_kind
+from ..dsa import kernels as dsa_kernels
 from ..kda import exchanges
 from ..kda.exchanges import ExchangeMesh
 from .base import _Config
@@ -197,7 +198,7 @@ class Recipe(MeshRecipe):
         if tp > 1 and "dsa" in m.layer_types() and not self.parallel.sequence_parallel:
             raise ValueError(
                 f"DSA layers at tp={tp} need parallel.sequence_parallel=true: without it megatron "
-                "sums the duplicated q_layernorm gradient over TP (model/dsa.py)"
+                "sums the duplicated q_layernorm gradient over TP (dsa/layer.py)"
             )
         return self
 
@@ -208,11 +209,11 @@ class Recipe(MeshRecipe):
                 "kda.kernel=fla needs run.device=gpu (fla's kernels are Triton on CUDA); "
                 "use kda.kernel=torch or auto on CPU"
             )
-        if self.run.device == "cpu" and self.model.dsa.kernel == "fused":
-            raise ValueError(
-                "model.dsa.kernel=fused needs run.device=gpu (TileLang kernels on CUDA); "
-                "use model.dsa.kernel=torch or auto on CPU"
-            )
+        dsa_kernel = self.model.dsa.kernel
+        if dsa_kernel != dsa_kernels.AUTO:
+            why = dsa_kernels.get(dsa_kernel).refusal(self.run.device)
+            if why is not None:
+                raise ValueError(why)
         if self.run.device == "cpu" and self.run.memory_report:
             raise ValueError("run.memory_report needs run.device=gpu (it reads CUDA's allocator "
                              "history); leave it false on CPU")
@@ -227,12 +228,3 @@ class Recipe(MeshRecipe):
                 "HybridDeviceOptimizer offloads only CUDA parameters (a CPU rank's step fails); "
                 "use 0 on CPU")
         return self
-
-    def with_dsa_kernel_resolved(self) -> Recipe:
-        """This recipe with ``model.dsa.kernel=auto`` replaced by the fastest kernel that runs on
-        ``run.device`` (fused on GPU, torch on CPU); other kernels stay as written."""
-        if self.model.dsa.kernel != "auto":
-            return self
-        dsa = self.model.dsa.model_copy(
-            update={"kernel": "fused" if self.run.device == "gpu" else "torch"})
-        return self.model_copy(update={"model": self.model.model_copy(update={"dsa": dsa})})

@@ -6,7 +6,7 @@ Structure (transformers' ``Glm5NextTextModel`` + ``lm_head``; sizes all from the
     expand         copy the embedding into N mHC streams                [s, b, N, D]
     layers[i]      GLMDecoderLayer: attention block then FFN block, each inside its own mHC
                    attention = KDA (kda/layer.py) where i % dsa_every != dsa_offset, else DSA
-                   (model/dsa.py: megatron MLA + GLM's pooled indexer)
+                   (dsa/layer.py: megatron MLA + GLM's pooled indexer)
                    FFN = megatron MLP (clamped SwiGLU) for i < num_dense_layers, else MoELayer
     collapse       unweighted mean of the streams
     final_norm     RMSNorm
@@ -52,7 +52,7 @@ from ..kda import exchanges
 from ..kda.exchanges import CommLedger
 from ..kda.layer import kda_layer_spec
 from ..megatron_config import mesh_config_kwargs
-from .dsa import glm_dsa_layer_spec
+from ..dsa.layer import glm_dsa_layer_spec
 from .fused_loss import chunked_linear_cross_entropy
 from .host_offload import HostOffload
 from .hyper_connections import HyperConnection, expand_to_streams, reduce_streams
@@ -102,7 +102,7 @@ def glm_transformer_config(recipe: Recipe, *, use_cpu: bool) -> MLATransformerCo
         rope_type="rope",
         rotary_scaling_factor=1.0,
         qk_layernorm=True,
-        # DSA: megatron's variant switch, all-gather CP; the k-pool lives in model/dsa.py.
+        # DSA: megatron's variant switch, all-gather CP; the k-pool lives in dsa/layer.py.
         experimental_attention_variant="dsa",
         cp_comm_type="allgather",
         dsa_indexer_n_heads=dsa.index_num_heads,
@@ -147,7 +147,7 @@ class GLMDecoderLayer(MegatronModule):
                 kda_layer_spec(recipe.kda), config=config, layer_number=number,
                 pg_collection=pg_collection, ledger=ledger)
         else:
-            dsa = recipe.with_dsa_kernel_resolved().model.dsa
+            dsa = recipe.model.dsa
             spec = glm_dsa_layer_spec(dsa.index_kpool, recipe.kda.cp_layout, dsa)
             self.self_attention = build_module(spec, config=config, layer_number=number,
                                                pg_collection=pg_collection)

@@ -92,7 +92,7 @@ DSA_NAMES = {
     "self_attention.core_attention.indexer.kpool_compress_gate":
         "self_attn.indexer.index_kpool_compress_gate",
 }
-"""DSA layers (model/dsa.py: megatron MLA + the pooled indexer)."""
+"""DSA layers (dsa/layer.py: megatron MLA + the pooled indexer)."""
 
 DENSE_NAMES = {
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),

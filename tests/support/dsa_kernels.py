@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_megatron_kda.model.fused_sparse_mla import (
+from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     KERNEL_VALUE_WIDTH,
     KERNEL_WIDTH,
     DSAKernels,
 )
-from skyrl_megatron_kda.model.sparse_mla import sparse_latent_attention
+from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
 
 
 def _check(q, kv, indices):

@@ -32,9 +32,9 @@ LEVERS = ["train.recompute=full", "train.offload_activations=true", "train.loss_
 
 
 def _recipe(overrides):
-    from skyrl_megatron_kda.recipes import get_recipe
+    from skyrl_megatron_kda.recipes import load_recipe
 
-    return get_recipe("glm53_flash_tiny", [f"train.steps={STEPS}", *overrides], environ={})
+    return load_recipe("glm53_flash_tiny", [f"train.steps={STEPS}", *overrides], environ={})
 
 
 def _trainer(overrides):

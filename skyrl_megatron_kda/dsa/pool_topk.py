@@ -1,19 +1,60 @@
-"""GLM's pooled lightning-indexer top-k without the [queries x pools] score matrix.
+"""GLM's pooled lightning-indexer top-k: which pools of keys each query attends to.
 
-``dsa.select_pools`` scores every query against every pool at once ([s, heads, pools] before the
-head sum): quadratic in the sequence. Here a block of queries scores one block of pools at a time
-and merges it into a running top-k, so the live scores are [query_block, heads, pool_block].
-
-Same selection as the full matrix, ties included: pool blocks are visited in ascending pool id and
+``select_pools`` (the unfused kernel's, the oracle) scores every query against every pool at once
+([s, heads, pools] before the head sum): quadratic in the sequence. ``blocked_pool_topk`` (the
+torch kernel's) gives the same selection without that matrix: a block of queries scores one
+block of pools at a time and merges it into a running top-k, so the live scores are
+[query_block, heads, pool_block]. Ties included: pool blocks are visited in ascending pool id and
 the running top-k (already ordered by score, then pool id) goes before the new block in a stable
-sort, so equal scores keep the earlier pool, as ``select_pools``' stable sort of the whole row does.
-Pools a block's queries cannot see (before the earliest document start, or ending past the last
-query) are never scored.
+sort, so equal scores keep the earlier pool, as ``select_pools``' stable sort of the whole row
+does. Pools a block's queries cannot see (before the earliest document start, or ending past the
+last query) are never scored. ``fused_pool_topk`` (the fused kernel's) takes the scores of a
+block's visible pools from a score kernel and ``torch.topk``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpool: int, topk: int):
+    """GLM's pooled top-k for queries at natural positions ``q_pos`` [s] (their documents start
+    at ``doc_start`` [s]) over the whole sequence.
+
+    q [s, b, H, d], weights [s, b, H] (scaled); keys, gate [T, b, d] in natural order; ape
+    [kpool, d]. Pools are ``kpool`` consecutive tokens from each document's start; only complete
+    pools are candidates, visible once their last token is <= the query. Ties keep the earlier
+    pool (a stable sort), so the choice does not depend on how many other pools a row holds.
+    Returns natural key positions [b, s, topk + kpool - 1]: pools' tokens, then the tail; -1 = none.
+    """
+    P, dev = kpool, keys.device
+    starts, lens = cu_seqlens[:-1], cu_seqlens.diff()
+    per_doc = lens // P
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=dev), per_doc)
+    first = (per_doc.cumsum(0) - per_doc)[doc]
+    pool_start = starts[doc] + P * (torch.arange(doc.numel(), device=dev) - first)
+    tok = pool_start[:, None] + torch.arange(P, device=dev)  # [n_pool, P]
+
+    logits = gate.float()[tok] + ape.float()[None, :, None, :]  # [n_pool, P, b, d]
+    pool_k = (logits.softmax(dim=1).to(keys.dtype) * keys[tok]).sum(dim=1)  # [n_pool, b, d]
+    scores = torch.einsum("sbhd,pbd->sbhp", q.float(), pool_k.float()).relu()
+    scores = (scores * weights.float().unsqueeze(-1)).sum(2).transpose(0, 1)  # [b, s, n_pool]
+
+    visible = (pool_start[None] >= doc_start[:, None]) & (tok[None, :, -1] <= q_pos[:, None])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., : topk // P]
+    chosen = visible.expand(order.shape[0], -1, -1).gather(-1, order)  # [b, s, k]
+    idx = tok[order].masked_fill(~chosen[..., None], -1).flatten(-2)
+
+    count = q_pos - doc_start + 1  # visible tokens of the query's document
+    tail_n = count % P
+    offs = torch.arange(P - 1, device=dev)
+    tail = (q_pos + 1 - tail_n)[:, None] + offs
+    tail = tail.masked_fill(offs[None] >= tail_n[:, None], -1)
+    idx = torch.cat([idx, tail[None].expand(idx.shape[0], -1, -1)], dim=-1)
+    width = topk + P - 1
+    return F.pad(idx, (0, width - idx.shape[-1]), value=-1)
 
 
 def _block_pool_scores(q, weights, pool_k):
@@ -28,7 +69,7 @@ def blocked_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tens
                       pool_block: int = 4096) -> torch.Tensor:
     """Pool ids [s, n_select] (best first; -1 = none) that queries q [s, heads, d] with head
     weights [s, heads] select among pools with keys ``pool_k`` [n_pool, d] starting at ``starts``
-    [n_pool] (``kpool_indices.pool_starts``); a pool is a candidate when it lies in the query's
+    [n_pool] (``pools.pool_starts``); a pool is a candidate when it lies in the query's
     document (from ``doc_start`` [s]) and ends at or before the query's position ``q_pos`` [s]."""
     if query_block < 1 or pool_block < 1 or n_select < 0:
         raise ValueError(f"query_block, pool_block must be >= 1 and n_select >= 0, got "
@@ -61,10 +102,11 @@ def blocked_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tens
 def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor,
                     starts: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor,
                     kpool: int, n_select: int, query_block: int, scorer) -> torch.Tensor:
-    """``blocked_pool_topk``'s selection with the scores from ``scorer``, megatron-core's
-    TileLang indexer kernel (``indexer_fwd_interface``: q [n, heads, d] bf16, keys [P, d],
+    """``blocked_pool_topk``'s selection with the scores from ``scorer``, a kernel with the
+    contract of megatron-core's TileLang indexer (``indexer_fwd_interface``; the fused kernel
+    passes ours in Triton, ``index_scores.pool_scores``): q [n, heads, d] bf16, keys [P, d],
     weights [n, heads] fp32, each query's visible key range [ks, ke) as int32 -> fp32 logits
-    [n, P], -inf outside the range; the relu and the head sum happen on chip). Per block of
+    [n, P], -inf outside the range; the relu and the head sum happen on chip. Per block of
     ``query_block`` queries the logits cover only the pools the block can see; the top-k is
     ``torch.topk`` (ties in any order, unlike the stable torch path)."""
     if query_block < 1 or n_select < 0:

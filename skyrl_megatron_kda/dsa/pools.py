@@ -6,9 +6,9 @@ a document starting at ``d`` may use a pool only when the pool lies inside the d
 last token is <= ``i``; the query's own incomplete pool (the tail: the last
 ``(i - d + 1) % kpool`` tokens up to ``i``) is always attended to.
 
-This is the same geometry and the same index layout as ``dsa.select_pools`` (pools' tokens in
-selection order, then the tail, padded with -1), split out so that an indexer that returns pool
-ids (``sparse_indexer``) and the sparse attention core (``sparse_mla``) share one definition.
+This is the same geometry and the same index layout as ``pool_topk.select_pools`` (pools' tokens
+in selection order, then the tail, padded with -1), split out so that an indexer that returns
+pool ids (``pool_topk``) and the sparse attention core (``sparse_mla``) share one definition.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ the blocks' latent gradients in fp32.
 The kernels are passed in as ``DSAKernels``: ``fused_dsa_kernels()`` on CUDA; the CPU tests
 pass a torch stand-in with the same contract to check the padding, absorption and blocking here.
 The same set carries the indexer-score kernel that the fused indexer
-(``sparse_indexer.fused_pool_topk``) uses: ours in Triton (``index_scores.py``).
+(``pool_topk.fused_pool_topk``) uses: ours in Triton (``index_scores.py``). The fused kernel
+(``kernels/fused.py``) runs both.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class DSAKernels:
 def fused_dsa_kernels() -> DSAKernels:
     """megatron-core's TileLang sparse-MLA kernels and our Triton indexer scores
     (``index_scores.pool_scores``: megatron's TileLang indexer kernel has the same contract but
-    was 9x slower on an H200, docs/dsa.md); a clear error where they cannot run."""
+    was 9x slower on an H200, README.md); a clear error where they cannot run."""
     if not torch.cuda.is_available():
         raise RuntimeError("model.dsa.kernel=fused needs CUDA (TileLang kernels); "
                            "use model.dsa.kernel=torch on CPU")

@@ -1,0 +1,141 @@
+"""What the kernels that attend in the absorbed MLA layout share (``torch`` and ``fused``).
+
+They never form whole-sequence keys and values: the core attention gets the whole sequence's
+normalised KV latent as ``key`` and the kv up-projection weight, and applies the absorption per
+query block (``sparse_mla.py``). Their indexer scores one block of queries at a time against the
+pools the block can see and returns int32 token indices (``pools.pool_token_indices``), so no
+[queries x pools] matrix is formed. Under ``tp_split=sequence`` (TP > 1 with SP) the queries
+go through an all-to-all inside TP, each rank attends with every head on its own rows, and the
+output comes back (megatron's ``all_to_all_hp2sp`` / ``sp2hp``). A subclass gives the two
+steps that differ: ``top_pools`` (one query block's pool ids) and ``attend`` (one batch row).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from megatron.core.tensor_parallel.mappings import (
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
+    gather_from_sequence_parallel_region,
+)
+
+from ..pools import pool_starts, pool_token_indices, pooled_keys
+from .base import DSAKernel, DSAShape, KVDims
+
+
+class AbsorbedKernel(DSAKernel):
+    """A kernel in the absorbed layout: blocked indexer, latent attention, either TP split."""
+
+    splits_rows = True
+    keeps_lse = False
+    """Whether its attention keeps one fp32 log-sum-exp per (query, head) for backward."""
+
+    def kv_inputs(self, latent, kv_up_weight, dims: KVDims):
+        return latent, None
+
+    def indices(self, indexer, qr, weights, keys, gate, layout):
+        """The selection as int32, without the [queries x pools] scores: the indexer queries,
+        pool scores, top-k and token indices of one query block at a time. ``tp_split=heads``:
+        for every row of this CP rank (the TP ranks' rows gathered); ``sequence``: for this
+        rank's own rows only."""
+        q_pos, doc_start = layout.query_positions, layout.query_document_starts
+        if layout.attends_by_rows(self.dsa):
+            q_pos, doc_start = layout.own_rows(q_pos), layout.own_rows(doc_start)
+        else:
+            qr, weights = indexer.cp_rank_queries(qr, weights, layout)
+        P, (s, b) = indexer.index_kpool, qr.shape[:2]
+        cu = layout.layout.cu_seqlens
+        if int(cu[-1]) >= 2**31:
+            raise ValueError(f"DSA kernel {self.name!r} keeps int32 token indices: "
+                             f"{int(cu[-1])} tokens is too many (at most 2**31 - 1)")
+        starts = pool_starts(cu, P)
+        pool_k = [pooled_keys(keys[:, i], gate[:, i], indexer.kpool_compress_ape, starts, P)
+                  for i in range(b)]
+        out = torch.empty(b, s, indexer.index_topk + P - 1, dtype=torch.int32, device=qr.device)
+        n_select, block = indexer.index_topk // P, self.dsa.indexer_query_block
+        for q0 in range(0, s, block):
+            q1 = min(q0 + block, s)
+            q = indexer.query_heads(qr[q0:q1])
+            pos, first = q_pos[q0:q1], doc_start[q0:q1]
+            for i in range(b):
+                pools = self.top_pools(q[:, i], weights[q0:q1, i], pool_k[i], starts, pos, first,
+                                       P, n_select)
+                out[i, q0:q1] = pool_token_indices(pools, starts, pos, first, P)
+        return out
+
+    def attention(self, core, query, key, value, kv_up_weight, indices, layout):
+        """query [s, b, n, dn] (this CP rank's rows, this TP rank's heads), ``key`` the whole
+        sequence's KV latent [T, b, R] in natural order, this TP rank's kv up-projection weight
+        [n * (dn + dv), R], indices [b, s', k] -> [s, b, n * dv]. Each batch row attends over
+        its own latent column."""
+        s, b = query.shape[:2]
+        by_rows = layout.attends_by_rows(self.dsa)
+        if by_rows:
+            query = _heads_to_rows(query, layout.tp_group)
+            # Every head's weight; backward sums the ranks' head gradients and keeps this rank's.
+            kv_up_weight = gather_from_sequence_parallel_region(kv_up_weight, group=layout.tp_group)
+        outs = [self.attend(query[:, i], key[:, i], kv_up_weight, indices[i], core.softmax_scale,
+                            core.config.v_head_dim) for i in range(b)]
+        out = outs[0].unsqueeze(1) if b == 1 else torch.stack(outs, dim=1)
+        if by_rows:
+            out = _rows_to_heads(out, layout.tp_group)
+        return out.reshape(s, b, -1)
+
+    @abstractmethod
+    def top_pools(self, q, weights, pool_k, starts, q_pos, doc_start, kpool: int,
+                  n_select: int) -> torch.Tensor:
+        """One query block's selected pool ids [n, n_select] (-1 = none): queries q [n, heads,
+        d] with head weights [n, heads] over pools with keys ``pool_k`` [n_pool, d] starting at
+        ``starts``, each query seeing its document's complete pools up to its position."""
+
+    @abstractmethod
+    def attend(self, query, latent, kv_up_weight, indices, scale: float,
+               v_head_dim: int) -> torch.Tensor:
+        """One batch row: queries [Tq, H, dn], latent [Tk, R], weight [H * (dn + dv), R],
+        indices [Tq, k] -> [Tq, H, dv]."""
+
+    # -- memory -----------------------------------------------------------------------------
+
+    @classmethod
+    def kept_bytes(cls, shape: DSAShape) -> int:
+        """Per query of the share: the query [heads, d_qk], the int32 token indices and (if it
+        keeps them) one fp32 log-sum-exp per head; attending by rows also keeps the gathered kv
+        up-projection weight of every head. The absorbed queries and the latent-space output are
+        rebuilt per block in backward."""
+        a, w = shape.dsa, shape.act_bytes
+        dq = a.qk_nope_head_dim + a.qk_rope_head_dim
+        keys = a.index_topk + a.index_kpool - 1
+        lse = 4 * shape.heads if cls.keeps_lse else 0
+        weight = a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank * w
+        return (shape.rows * (shape.heads * dq * w + lse + 4 * keys)
+                + (weight if shape.gathers_weight else 0))
+
+
+def indexer_inputs_bytes(shape: DSAShape) -> int:
+    """What the blocked indexer holds before its blocks: the gathered [key | pool gate] of the
+    whole sequence (2 index_head_dim per token; a second copy when CP > 1 puts the gathered rows
+    in natural order), under ``tp_split=heads`` the gathered [q latent | head weights] of the CP
+    rank's queries, and the pool compression (fp32 gate logits and softmax, the cast weights,
+    the gathered keys and their product: T index_head_dim (8 + 2w))."""
+    a, w, T = shape.dsa, shape.act_bytes, shape.whole
+    di = a.index_head_dim
+    keys = T * 2 * di * w * (2 if shape.cp > 1 else 1)
+    queries = 0 if shape.gathers_weight else shape.index_rows * (a.q_lora_rank + a.index_num_heads) * w
+    return keys + queries + T * di * (8 + 2 * w)
+
+
+def _heads_to_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """[s, b, n, d] (all rows, this TP rank's heads) -> [s/tp, b, n * tp, d] (this rank's SP
+    rows, every head in TP-rank order); megatron's all-to-all, differentiable."""
+    s, b, n, d = t.shape
+    out = all_to_all_hp2sp(t.reshape(s * b, n * d), group=group)
+    return out.view(s // group.size(), b, n * group.size(), d)
+
+
+def _rows_to_heads(t: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of ``_heads_to_rows``: [s/tp, b, H, d] -> [s, b, H/tp, d]."""
+    r, b, h, d = t.shape
+    out = all_to_all_sp2hp(t.reshape(r * b, h * d), group=group)
+    return out.view(r * group.size(), b, h // group.size(), d)

@@ -1,0 +1,78 @@
+"""``model.dsa.kernel=fused`` (GPU): megatron-core's TileLang sparse-MLA kernels in the absorbed
+layout (``fused_sparse_mla``) and our Triton indexer scores (``index_scores``) with
+``torch.topk`` per query block (``pool_topk.fused_pool_topk``). The kernels are loaded when the
+model is built (``load_kernels``: a clear error where CUDA or TileLang is missing); the CPU tests
+replace ``load_kernels`` with a torch stand-in of the same contract."""
+
+from __future__ import annotations
+
+from ..fused_sparse_mla import (
+    KERNEL_VALUE_WIDTH,
+    KERNEL_WIDTH,
+    fused_absorbed_sparse_mla,
+    fused_dsa_kernels,
+)
+from ..pool_topk import fused_pool_topk
+from .absorbed import AbsorbedKernel, indexer_inputs_bytes
+from .base import DSAShape
+
+
+class FusedKernel(AbsorbedKernel):
+    name = "fused"
+    working_set_label = "one call's working set"
+    load_kernels = staticmethod(fused_dsa_kernels)
+    """Where the ``fused_sparse_mla.DSAKernels`` come from (the CPU tests swap in a stand-in)."""
+
+    def __init__(self, dsa):
+        super().__init__(dsa)
+        self.kernels = type(self).load_kernels()
+
+    @classmethod
+    def refusal(cls, device: str) -> str | None:
+        if device != "gpu":
+            return ("model.dsa.kernel=fused needs run.device=gpu (TileLang kernels on CUDA); "
+                    "use model.dsa.kernel=torch or auto on CPU")
+        return None
+
+    def top_pools(self, q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select):
+        return fused_pool_topk(q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select,
+                               q.shape[0], self.kernels.index_scores)
+
+    def attend(self, query, latent, kv_up_weight, indices, scale, v_head_dim):
+        return fused_absorbed_sparse_mla(query, latent, kv_up_weight, indices, scale, v_head_dim,
+                                         self.dsa.fused_query_block, self.kernels)
+
+    @classmethod
+    def working_sets(cls, shape: DSAShape) -> dict[str, int]:
+        """As the code allocates them (q = indexer_query_block and f = fused_query_block queries
+        per call, P = T / kpool pools, n the share's heads, w the activation bytes):
+
+        * ``indexer``: the indexer inputs (``absorbed.indexer_inputs_bytes``), one block's
+          indexer queries [q, index_heads, index_head_dim], its fp32 head weights, the Triton
+          scores [q, P] fp32 and ``torch.topk``'s values and ids (fp32 + int64, index_topk /
+          kpool per query).
+        * ``attention forward``: the latent padded to 576 channels [T, 576] w; per call: the
+          absorbed queries [f, n, 576] w, the kernel's output and its masked copy [f, n, 512] w
+          each, the int32 indices copy and the kernel's copy padded to a multiple of 64.
+        * ``attention backward``: the padded latent, the fp32 latent gradient [T, R] and the
+          kernel's fp32 latent gradient [T, 576] and its w copy; per call the absorbed queries,
+          the recomputed output, the output gradient in latent space (einsum, padded and
+          masked: two alive) [f, n, 512] w, dq [f, n, 576] w, and the fp32 copies the weight
+          gradients take (q_nope and dq: [f, n, dn + R] x 4)."""
+        w, a = shape.act_bytes, shape.dsa
+        T, R, n, dn = shape.whole, a.kv_lora_rank, shape.heads, a.qk_nope_head_dim
+        K = a.index_topk + a.index_kpool - 1
+        K64 = -(-K // 64) * 64
+        q = min(a.indexer_query_block, shape.index_rows)
+        f = min(a.fused_query_block, shape.rows)
+        hi, di = a.index_num_heads, a.index_head_dim
+        pools = T // a.index_kpool
+        selected = a.index_topk // a.index_kpool
+        width, value = KERNEL_WIDTH, KERNEL_VALUE_WIDTH
+        latent = T * width * w
+        indexer = (indexer_inputs_bytes(shape) + q * hi * (di * w + 4) + q * pools * 4
+                   + q * selected * (4 + 8))
+        forward = latent + f * n * (width + 2 * value) * w + f * (K + K64) * 4
+        backward = (latent + T * R * 4 + T * width * (4 + w)
+                    + f * n * ((2 * width + 3 * value) * w + 4 * (dn + R)))
+        return {"indexer": indexer, "attention forward": forward, "attention backward": backward}

@@ -1,0 +1,92 @@
+"""Where a DSA layer's rows sit in natural token order, and how to gather them over SP and CP.
+
+The DSA layer attends over the whole sequence in natural order: its KV latent and indexer keys
+are gathered over the TP (SP) and CP groups and sorted by the project's CP layouts
+(``distributed.cp_layout``: zigzag or contiguous, packed THD), while the queries stay local.
+``DSABatchLayout`` holds one batch's positions and the gathers (megatron's
+``gather_from_sequence_parallel_region``: all-gather forward, reduce-scatter backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from ..config import DSAConfig
+from ..distributed.cp_layout import CPLayout, batch_sequences, sort_index
+
+
+@dataclass(frozen=True)
+class DSABatchLayout:
+    """Where this rank's rows sit in natural token order, and how to gather them.
+
+    ``layout.positions[c, j]`` is the natural position of row ``j`` of CP rank ``c`` (its TP
+    ranks' SP shards together); ``layout.cu_seqlens`` are the natural document boundaries.
+    """
+
+    layout: CPLayout
+    tp_group: torch.distributed.ProcessGroup
+    cp_group: torch.distributed.ProcessGroup
+    sequence_parallel: bool
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """Natural positions of this CP rank's rows (the rows the attention queries cover)."""
+        return self.layout.positions[self.cp_group.rank()]
+
+    @property
+    def query_document_starts(self) -> torch.Tensor:
+        """Natural position of the first token of each query row's document."""
+        cu = self.layout.cu_seqlens
+        return cu[torch.bucketize(self.query_positions, cu[1:], right=True)]
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether this rank's rows are a TP slice of its CP rank's rows (SP with TP > 1)."""
+        return self.sequence_parallel and self.tp_group.size() > 1
+
+    def attends_by_rows(self, dsa: DSAConfig) -> bool:
+        """``DSAConfig.attends_by_rows`` on this mesh."""
+        return dsa.attends_by_rows(self.tp_group.size(), self.sequence_parallel)
+
+    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of a [s, ...] tensor over this CP rank's rows that covers this rank's own
+        rows (its SP slice; all of them without SP)."""
+        if not self.splits_sequence:
+            return t
+        n = t.shape[0] // self.tp_group.size()
+        return t[self.tp_group.rank() * n:(self.tp_group.rank() + 1) * n]
+
+    def cp_rank_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """[r, b, ...] rows of this rank -> all rows of its CP rank: under SP the TP all-gather,
+        whose backward reduce-scatters (sums the TP ranks' head-partial grads). TP > 1 without
+        SP is refused when the layer is built."""
+        if self.splits_sequence:
+            return gather_from_sequence_parallel_region(t, group=self.tp_group)
+        return t
+
+    def whole_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """[r, b, ...] rows of this rank -> [T, b, ...] in natural order; backward sums each
+        row's gradient over every rank that used it and returns this rank's share."""
+        t = self.cp_rank_rows(t)
+        if self.cp_group.size() > 1:
+            t = gather_from_sequence_parallel_region(t, group=self.cp_group)
+            t = t.index_select(0, sort_index(self.layout.rank_major_positions()))
+        return t
+
+
+def dsa_batch_layout(hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None,
+                     tp_group, cp_group, sequence_parallel: bool, kind: str) -> DSABatchLayout:
+    """The layout of a batch from this rank's input rows: [s, b, h] (every batch row one
+    sequence) or packed THD (b = 1, global natural ``cu_seqlens``, padded ones if given)."""
+    sp = tp_group.size() if sequence_parallel else 1
+    if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
+        raise ValueError(f"DSA supports packed qkv_format 'thd' only, got {packed_seq_params.qkv_format!r}")
+    cu, _ = batch_sequences(hidden_states, packed_seq_params, hidden_states.shape[0] * sp * cp_group.size())
+    cp = cp_group.size()
+    kind = kind if cp > 1 else "contiguous"  # one CP rank: every layout is the identity
+    layout = CPLayout.build(cu, cp, sp, packed_seq_params is not None, kind)
+    return DSABatchLayout(layout, tp_group, cp_group, sequence_parallel)

@@ -1,0 +1,156 @@
+"""The DSA kernel registry is the one list every part reads: a kernel registered at run time is a
+valid ``model.dsa.kernel``, its own rules (device, TP split) refuse recipes in config, ``plan``
+reads its memory terms, ``auto`` picks among the registered kernels, and the layer runs it
+without knowing its name. The toy kernel is the torch kernel under another name, counting the
+calls the layer makes and keeping one more byte per query than the torch kernel (so the plan
+must read the toy's term to be right)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from skyrl_megatron_kda import memory
+from skyrl_megatron_kda.config import DSAConfig
+from skyrl_megatron_kda.dsa import kernels
+from skyrl_megatron_kda.dsa.kernels import TorchKernel
+from skyrl_megatron_kda.recipes import load_recipe
+from tests.support.ranks import run_ranks
+
+TOY = "toy"
+ONE_RANK = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
+            "run.num_workers=1", "data.seq_len=64"]
+
+
+class ToyKernel(TorchKernel):
+    """The torch kernel renamed; it refuses GPUs and splits heads only, and counts its calls."""
+
+    name = TOY
+    splits_rows = False
+    working_set_label = "toy working set"
+    calls: list[str] = []
+
+    @classmethod
+    def refusal(cls, device):
+        return "the toy kernel runs on CPUs only" if device == "gpu" else None
+
+    def kv_inputs(self, latent, kv_up_weight, dims):
+        ToyKernel.calls.append("kv_inputs")
+        return super().kv_inputs(latent, kv_up_weight, dims)
+
+    def indices(self, indexer, qr, weights, keys, gate, layout):
+        ToyKernel.calls.append("indices")
+        return super().indices(indexer, qr, weights, keys, gate, layout)
+
+    def attention(self, core, query, key, value, kv_up_weight, indices, layout):
+        ToyKernel.calls.append("attention")
+        return super().attention(core, query, key, value, kv_up_weight, indices, layout)
+
+    @classmethod
+    def kept_bytes(cls, shape):
+        return TorchKernel.kept_bytes(shape) + shape.rows
+
+    @classmethod
+    def working_sets(cls, shape):
+        return {"toy stage": max(TorchKernel.working_sets(shape).values()) + 1}
+
+
+@pytest.fixture
+def toy():
+    kernels.register(ToyKernel)
+    yield ToyKernel
+    kernels.unregister(TOY)
+
+
+def test_registry_lists_the_toy_after_the_built_in_kernels(toy):
+    # The bookkeeping (same class again, a clash, a non-kernel) is the shared ``registry.Registry``
+    # that tests/test_exchange_registry.py checks.
+    assert kernels.names() == ("fused", "torch", "unfused", TOY)
+    assert kernels.get(TOY) is ToyKernel
+    with pytest.raises(ValueError, match="model.dsa.kernel=auto is not resolved"):
+        kernels.get("auto")
+    with pytest.raises(TypeError, match="is not a DSAKernel subclass"):
+        kernels.register(object)
+
+
+def test_config_takes_the_toy_and_its_rules(toy):
+    assert DSAConfig(kernel=TOY).tp_split == "heads"  # its default split: it cannot split rows
+    with pytest.raises(ValidationError, match="tp_split=sequence needs model.dsa.kernel fused or torch"):
+        DSAConfig(kernel=TOY, tp_split="sequence")
+    recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"])
+    assert recipe.model.dsa.kernel == TOY
+    with pytest.raises(ValidationError, match="the toy kernel runs on CPUs only"):
+        load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}", "run.device=gpu"])
+
+
+def test_without_the_toy_its_name_is_refused():
+    with pytest.raises(ValidationError, match="Input should be 'fused', 'torch', 'unfused' or 'auto'"):
+        DSAConfig(kernel=TOY)
+
+
+def test_auto_is_resolved_once_from_the_registry_order(toy, monkeypatch):
+    assert kernels.resolve("auto", "cpu") == "torch" and kernels.resolve("auto", "gpu") == "fused"
+    assert kernels.resolve(TOY, "cpu") == TOY
+    assert load_recipe("glm53_flash_tiny", ONE_RANK).model.dsa.kernel == "torch"
+    # With only the oracle and the toy registered: the oracle is never auto's pick.
+    monkeypatch.setattr(kernels.REGISTRY, "_classes",
+                        {"unfused": kernels.UnfusedKernel, TOY: ToyKernel})
+    assert kernels.resolve("auto", "cpu") == TOY
+    with pytest.raises(ValueError, match="no kernel to pick on run.device=gpu"):
+        kernels.resolve("auto", "gpu")
+
+
+def test_plan_reads_the_kernels_memory_terms(toy):
+    torch_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, "model.dsa.kernel=torch",
+                                                    "model.dsa.tp_split=heads"])
+    toy_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"])
+    shape = memory.dsa_shape(toy_recipe)
+    assert (memory.dsa_activation_bytes(toy_recipe)
+            == memory.dsa_activation_bytes(torch_recipe) + shape.rows)
+    assert memory.dsa_transient_bytes(toy_recipe) == memory.dsa_transient_bytes(torch_recipe) + 1
+    phases = memory.estimate_memory(toy_recipe).phases
+    assert any(label.startswith("DSA layer + toy working set") for label in phases), phases
+    auto = torch_recipe.model.dsa.model_copy(update={"kernel": "auto"})
+    unresolved = torch_recipe.model_copy(
+        update={"model": torch_recipe.model.model_copy(update={"dsa": auto})})
+    with pytest.raises(ValueError, match="model.dsa.kernel=auto is not resolved"):
+        memory.dsa_activation_bytes(unresolved)
+
+
+def _toy_layer_run(rank, world):
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda.kda.parity import make_batch, relative_error
+    from tests.test_dsa import H, _config, _ours, _randomize
+
+    kernels.register(ToyKernel)
+    parallel_state.initialize_model_parallel()
+    batch = make_batch(H, lengths=(22, 3, 15, 8))
+    outs = {}
+    for name in ("torch", TOY):
+        layer = _ours(_config(4), 4, kernel=name)
+        _randomize(layer, seed=7)
+        x = batch.x.clone().requires_grad_()
+        out, _ = layer(x, attention_mask=None, packed_seq_params=batch.packed)
+        (out * batch.grad_out).sum().backward()
+        outs[name] = (out.detach(), x.grad)
+    return {"calls": list(ToyKernel.calls), "out": relative_error(outs[TOY][0], outs["torch"][0]),
+            "dx": relative_error(outs[TOY][1], outs["torch"][1])}
+
+
+def test_the_layer_runs_a_registered_kernel():
+    (result,) = run_ranks(1, _toy_layer_run)
+    assert result["calls"] == ["kv_inputs", "indices", "attention"], result["calls"]
+    assert result["out"] == 0 and result["dx"] == 0, result
+
+
+def test_the_layer_never_names_a_kernel():
+    """No kernel's name appears as a string in the layer's code: it asks the kernel object."""
+    source = (Path(kernels.__file__).parents[1] / "layer.py").read_text()
+    code = re.sub(r'"""[\s\S]*?"""', "", source)  # docstrings may describe the kernels
+    for name in kernels.names():
+        assert not re.search(rf"""["']{name}["']""", code), name
+    assert not re.search(r"kernel\s*(==|!=)", code)  # nor compares one
