@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from skyrl_megatron_kda import memory
@@ -154,3 +155,43 @@ def test_the_layer_never_names_a_kernel():
     for name in kernels.names():
         assert not re.search(rf"""["']{name}["']""", code), name
     assert not re.search(r"kernel\s*(==|!=)", code)  # nor compares one
+
+
+def _gpu_layers(rank, world):
+    """The DSA layer on CUDA with the real fused kernel and with the torch kernel, same weights
+    and packed batch: relative errors of the output and the input gradient, and whether they
+    selected the same tokens."""
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda.kda.parity import make_batch, relative_error
+    from tests.test_dsa import H, _config, _ours, _randomize, _record_topk
+
+    parallel_state.initialize_model_parallel()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    batch = make_batch(H, lengths=(220, 3, 150, 81), device=dev)
+    outs, picks = {}, {}
+    for name in ("torch", "fused"):
+        layer = _ours(_config(4, topk=32), 4, kernel=name)
+        _randomize(layer, seed=7)
+        layer.cuda()
+        seen = _record_topk(layer)
+        x = batch.x.clone().requires_grad_()
+        out, _ = layer(x, attention_mask=None, packed_seq_params=batch.packed)
+        (out * batch.grad_out).sum().backward()
+        outs[name], picks[name] = (out.detach(), x.grad), seen[0].long()
+    return {"out": relative_error(outs["fused"][0], outs["torch"][0]),
+            "dx": relative_error(outs["fused"][1], outs["torch"][1]),
+            "same_tokens": float((picks["fused"].sort(-1).values
+                                  == picks["torch"].sort(-1).values).all(-1).float().mean())}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel needs CUDA (TileLang)")
+def test_fused_layer_matches_the_torch_layer_on_a_gpu():
+    """The registry's fused kernel through the layer (bf16 TileLang kernels, Triton scores)
+    against the torch kernel (fp32): the kernels' tolerance (1e-2, tests/test_fused_sparse_mla.py)
+    on the layer's output and input gradient."""
+    (result,) = run_ranks(1, _gpu_layers, backend="nccl")
+    print(result)
+    assert result["out"] < 1e-2 and result["dx"] < 1e-2, result
+    assert result["same_tokens"] > 0.99, result
