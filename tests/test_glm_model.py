@@ -446,13 +446,14 @@ def _initial_weights(rank, world, mesh):
     from megatron.core import parallel_state
 
     from skyrl_megatron_kda.model.hf_io import export_hf_tensors
-    from skyrl_megatron_kda.train.setup import build_glm_model, init_parallel_state, seed_everything
+    from skyrl_megatron_kda.model.glm import build_model
+    from skyrl_megatron_kda.train.setup import init_parallel_state, seed_everything
 
     tp, cp, ep, etp, _ = mesh
     recipe = tiny_recipe(tp, cp, ep, etp, sp=tp > 1, workers=world)
     init_parallel_state(recipe)
     seed_everything(recipe.train.seed, use_cpu=True)
-    model = build_glm_model(recipe, use_cpu=True)
+    model = build_model(recipe, use_cpu=True)
     full = {name: t.clone() for name, t in export_hf_tensors(model)}
     parallel_state.destroy_model_parallel()
     return full if rank == 0 else None

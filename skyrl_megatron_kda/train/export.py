@@ -25,13 +25,14 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..config import Recipe
 from ..distributed.cpu import cuda_names_cpu
+from ..model.glm import build_model
 from ..model.hf_io import save_hf_checkpoint
 from ..recipes import load_recipe
 from ..workers.group import ActorGroup, ensure_ray
 from . import checkpoint, manifest
 from .checkpoint_failures import explained_failures
 from .outputs import RECIPE
-from .setup import build_glm_model, init_parallel_state, seed_everything
+from .setup import init_parallel_state, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def load_run_model(recipe: Recipe, path: str | Path):
     init_parallel_state(recipe)
     seed_everything(recipe.train.seed, use_cpu)  # the build draws init values, then overwritten
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    model = build_glm_model(recipe, use_cpu=use_cpu, pg_collection=pgs)
+    model = build_model(recipe, use_cpu=use_cpu, pg_collection=pgs)
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     # The same declaration of every tensor's sharding as the trainer's save (checkpoint.py).
     request = {"model": checkpoint.module_sharded_state(model, "", metadata, pgs.tp)}

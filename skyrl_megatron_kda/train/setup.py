@@ -1,5 +1,5 @@
-"""What every rank does before it holds a model: megatron's process groups for the recipe's mesh,
-the seeds, and the GLM model built on that mesh. Shared by the trainer (``train.trainer``) and the
+"""What every rank does before it builds its model (``model.glm.build_model``): megatron's process
+groups for the recipe's mesh and the seeds. Shared by the trainer (``train.trainer``) and the
 export of a run's checkpoint (``train.export``), which must build the same model the same way."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from ..config import Recipe
 from ..distributed.cpu import seed_cpu_rng_tracker
-from ..model.glm import build_model
 
 
 def init_parallel_state(recipe: Recipe) -> None:
@@ -42,8 +41,3 @@ def seed_everything(seed: int, use_cpu: bool) -> None:
     else:
         model_parallel_cuda_manual_seed(seed)
 
-
-def build_glm_model(recipe: Recipe, *, use_cpu: bool, pg_collection=None) -> torch.nn.Module:
-    """The recipe's GLM model on this rank (``model.glm.build_model``); the trainer's default
-    ``build_model``."""
-    return build_model(recipe, use_cpu=use_cpu, pg_collection=pg_collection)

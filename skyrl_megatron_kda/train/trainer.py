@@ -41,6 +41,7 @@ from megatron.core.utils import get_model_config
 
 from ..config import Recipe
 from ..distributed.cpu import cuda_names_cpu
+from ..model import glm
 from ..model.hf_io import load_hf_checkpoint
 from . import checkpoint, manifest, memory_report
 from .data import (
@@ -52,7 +53,7 @@ from .data import (
     shard_for_rank,
 )
 from .optimizer import ddp_config, optimizer_config
-from .setup import build_glm_model, init_parallel_state, seed_everything
+from .setup import init_parallel_state, seed_everything
 from .step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class RankModel:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
-        module = (build_model or build_glm_model)(recipe, use_cpu=self.use_cpu,
+        module = (build_model or glm.build_model)(recipe, use_cpu=self.use_cpu,
                                                   pg_collection=self.pgs)
         if not self.use_cpu:
             # Parameters megatron's DDP does not take into its CUDA buffers (the frozen DSA

@@ -26,7 +26,7 @@ from . import ENTRYPOINT
 from .config import KDASkyRLConfig, apply_recipe, uses_reference
 from .reference import KDARefWorker
 from .settings import cp_exchange_source, decided_settings
-from .workers import NOT_INTEGRATED, KDAPolicyWorker
+from .workers import KDAPolicyWorker
 
 _FLAG = "trainer.override_entrypoint="
 
@@ -117,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     recipe = cfg.trainer.kda.resolve()
     problems = apply_recipe(cfg, recipe)
     validate_cfg(cfg)
-    blockers = problems + [f"worker call {call}: {why}" for call, why in NOT_INTEGRATED.items()]
+    blockers = problems
     if cfg.trainer.kda.dry_run:
         p = recipe.parallel
         print(f"entrypoint: {ENTRYPOINT}")

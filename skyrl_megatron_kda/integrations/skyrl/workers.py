@@ -4,9 +4,8 @@ It stays thin: the model, optimizer, schedule and checkpoints are ``train.traine
 (the same per-rank trainer ``skyrl-kda run`` uses) and the log-probs of SkyRL's padded rollout
 batches are ``train.rl``'s; this class only adapts SkyRL's worker calls to them, with the inputs,
 outputs, micro-batching and metric names of SkyRL's own Megatron policy worker
-(``skyrl.backends.skyrl_train.workers.megatron.megatron_worker``). The calls it cannot serve yet
-are listed in ``NOT_INTEGRATED`` and raise; the entrypoint refuses to launch a job while that list
-is not empty.
+(``skyrl.backends.skyrl_train.workers.megatron.megatron_worker``). It serves every call of
+SkyRL's RL loop.
 """
 
 import logging
@@ -51,11 +50,6 @@ from .settings import (
 
 logger = logging.getLogger(__name__)
 
-NOT_INTEGRATED: Dict[str, str] = {}
-"""SkyRL worker calls the KDA policy worker cannot serve yet -> what is missing (none now: every
-call of SkyRL's RL loop is served; a call added here raises and blocks launches)."""
-
-
 class _GroupReducer:
     """The ``strategy`` SkyRL's ``all_reduce_metrics`` takes: float metrics all-reduced over a
     given group, on this rank's device (so NCCL groups work too)."""
@@ -75,14 +69,6 @@ class _GroupReducer:
         if op == "mean":
             values /= dist.get_world_size(group)
         return dict(zip(names, values.tolist()))
-
-
-class NotIntegratedError(NotImplementedError):
-    """A SkyRL worker call the KDA integration does not implement yet."""
-
-    def __init__(self, call: str):
-        super().__init__(f"KDAPolicyWorker.{call}: not integrated yet; needs {NOT_INTEGRATED[call]}"
-                         " (docs/skyrl.md lists what is and is not integrated)")
 
 
 class KDAPolicyWorkerBase(PolicyWorkerBase):
@@ -358,19 +344,6 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         if tokenizer is not None and dist.get_rank() == 0:
             tokenizer.save_pretrained(export_dir)
 
-
-def _refuse(call: str):
-    def method(self, *args, **kwargs):
-        raise NotIntegratedError(call)
-
-    method.__name__ = call
-    method.__doc__ = f"Not integrated yet: {NOT_INTEGRATED[call]}."
-    return method
-
-
-# Override SkyRL's inherited versions, which would run against a model this worker does not hold.
-for _call in NOT_INTEGRATED:
-    setattr(KDAPolicyWorkerBase, _call, _refuse(_call))
 
 KDAPolicyWorker = ray.remote(num_gpus=1)(KDAPolicyWorkerBase)
 """The Ray actor class handed to ``RayPPOTrainer.build_models`` (one GPU each, as SkyRL's own)."""
