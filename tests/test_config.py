@@ -372,3 +372,14 @@ def test_overrides_end_to_end():
 def test_unknown_key_from_override_refused():
     with pytest.raises(ValidationError, match=r"parallel\.tpp\n.*Extra inputs are not permitted"):
         load_mesh_recipe(parse_overrides(["parallel.tpp=2"]), environ={})
+
+
+def test_flatten_and_unflatten_are_inverse():
+    from skyrl_megatron_kda.config import flatten, unflatten
+
+    tree = {"model": {"dsa": {"kernel": "torch", "index_topk": 8}, "hidden_size": 32},
+            "run": {"device": "cpu"}, "empty": {}}
+    flat = flatten(tree)
+    assert flat == {"model.dsa.kernel": "torch", "model.dsa.index_topk": 8,
+                    "model.hidden_size": 32, "run.device": "cpu"}  # an empty mapping has no leaf
+    assert unflatten(flat) == {k: v for k, v in tree.items() if v}

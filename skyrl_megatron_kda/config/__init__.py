@@ -11,7 +11,7 @@ dependencies. Environment variables are read only by ``loading.env_cp_exchange``
 from .base import NonNegativeInt, PositiveInt
 from .cluster import ClusterConfig, InterNodeKind, LinkConfig
 from .data import DataConfig
-from .dotpath import merge, parse_overrides
+from .dotpath import flatten, merge, parse_overrides, unflatten
 from .kda import KDAConfig, cp_exchange_choices
 from .loading import (
     CP_EXCHANGE_ENV,
@@ -33,5 +33,5 @@ __all__ = [
     "MeshRecipe", "ModelConfig", "MoEConfig", "NonNegativeInt", "ParallelConfig", "PositiveInt",
     "Recipe", "RunConfig", "TrainConfig", "apply_env_overrides", "cp_exchange_choices",
     "env_cp_exchange",
-    "load_mesh_recipe", "load_recipe_dict", "merge", "parse_overrides",
+    "flatten", "load_mesh_recipe", "load_recipe_dict", "merge", "parse_overrides", "unflatten",
 ]

@@ -1,8 +1,10 @@
-"""Nested-dict helpers of the recipe loaders: dotted ``key=value`` overrides and a deep merge."""
+"""Nested-dict helpers: dotted ``key=value`` overrides, a deep merge, and the dotted view of a
+nested dict (``flatten`` / ``unflatten``)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -42,4 +44,29 @@ def merge(base: dict, overrides: dict) -> dict:
             out[key] = merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
+    return out
+
+
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": 2}`` -> ``{"a.b": 1, "c": 2}``: every leaf by its dotted path (an
+    empty mapping has none)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict:
+    """The inverse of ``flatten``: ``{"a.b": 1}`` -> ``{"a": {"b": 1}}``."""
+    out: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return out

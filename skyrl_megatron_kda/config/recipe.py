@@ -15,6 +15,7 @@ from ..kda.exchanges import ExchangeMesh
 from .base import _Config
 from .cluster import ClusterConfig
 from .data import DataConfig
+from .dotpath import flatten
 from .kda import KDAConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
@@ -46,18 +47,8 @@ def model_meaning(dump: dict) -> dict:
     """The settings that make the model what it is, by dotted name (every setting of
     ``MODEL_SECTIONS`` but ``MODEL_LEVERS``), from a recipe's ``model_dump(mode="json")`` or
     the ``recipe.yaml`` a run wrote."""
-    meaning: dict = {}
-
-    def walk(name: str, value) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{name}.{key}", item)
-        elif name not in MODEL_LEVERS:
-            meaning[name] = value
-
-    for section in MODEL_SECTIONS:
-        walk(section, dump.get(section) or {})
-    return meaning
+    sections = flatten({section: dump.get(section) or {} for section in MODEL_SECTIONS})
+    return {name: value for name, value in sections.items() if name not in MODEL_LEVERS}
 
 
 class MeshRecipe(_Config):

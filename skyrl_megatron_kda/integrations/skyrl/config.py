@@ -27,24 +27,18 @@ from typing import Any, Dict, List, Optional
 
 from skyrl.train.config.config import BaseConfig, MegatronConfig, TrainerConfig, make_config
 
-from ...config import KDAConfig, Recipe
+from ...config import KDAConfig, Recipe, flatten
 from ...recipes import list_recipes, load_recipe
 from .settings import cp_exchange_source, overridden_skyrl_keys, refused_settings
 
 logger = logging.getLogger(__name__)
 
 
-def dot_overrides(tree: Mapping, prefix: str = "") -> List[str]:
+def dot_overrides(tree: Mapping) -> List[str]:
     """``{"parallel": {"tp": 2}}`` -> ``["parallel.tp=2"]``, values as JSON (a YAML subset), so
-    ``recipes.load_recipe`` reads back the same types that SkyRL's parser produced."""
-    out: List[str] = []
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):  # an empty one changes nothing, so it yields nothing
-            out.extend(dot_overrides(value, f"{path}."))
-        else:
-            out.append(f"{path}={json.dumps(value)}")
-    return out
+    ``recipes.load_recipe`` reads back the same types that SkyRL's parser produced (an empty
+    mapping changes nothing, so it yields nothing)."""
+    return [f"{path}={json.dumps(value)}" for path, value in flatten(tree).items()]
 
 
 @dataclass

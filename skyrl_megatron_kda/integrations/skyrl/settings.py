@@ -22,6 +22,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from skyrl.train.config.config import (
@@ -29,7 +30,7 @@ from skyrl.train.config.config import (
     DEFAULT_TRANSFORMER_CONFIG_KWARGS,
 )
 
-from ...config import CP_EXCHANGE_ENV, Recipe, env_cp_exchange, merge
+from ...config import CP_EXCHANGE_ENV, Recipe, env_cp_exchange, flatten, merge, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -132,31 +133,17 @@ SKYRL_DECIDES = ("train.lr", "train.min_lr", "train.warmup_steps", "train.weight
 either: the recipe's wins)."""
 
 
-def _dot_keys(tree: Mapping, prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        keys.extend(_dot_keys(value, f"{path}.") if isinstance(value, Mapping) else [path])
-    return keys
-
-
 def overridden_skyrl_keys(overrides: Mapping) -> list[str]:
     """The ``trainer.kda.overrides`` keys SkyRL decides, each a line naming where to set it."""
     return [f"trainer.kda.overrides.{key} is decided by SkyRL's config under SkyRL (see "
             "docs/skyrl.md, 'What comes from where'); set the SkyRL setting instead"
-            for key in _dot_keys(overrides) if key in SKYRL_DECIDES]
+            for key in flatten(overrides) if key in SKYRL_DECIDES]
 
 
 def apply_decided(recipe: Recipe, decided: list[Decided]) -> Recipe:
     """``recipe`` with the decided values, validated again (so a SkyRL value the recipe cannot
     take, a negative LR say, is an error that names the recipe key)."""
-    tree: dict = {}
-    for d in decided:
-        node = tree
-        *parents, leaf = d.key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = d.value
+    tree = unflatten({d.key: d.value for d in decided})
     return Recipe.model_validate(merge(recipe.model_dump(), tree))
 
 
@@ -232,9 +219,7 @@ def refused_settings(t) -> list[str]:
     lines = []
     for r in REFUSALS:
         if r.refused(t):
-            value = t
-            for part in r.setting.removeprefix("trainer.").split("."):
-                value = getattr(value, part)
+            value = attrgetter(r.setting.removeprefix("trainer."))(t)
             lines.append(f"{r.setting}={value!r}: not supported by the KDA workers ({r.why})")
     return lines
 
