@@ -265,13 +265,12 @@ def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
     wrong: on a local cluster (whose ranks read this machine's files) ``data.path`` and
     ``run.init_from_hf``; then the output folder (``train.run_folder.prepare``: a used one, the
     checkpoint ``--resume`` continues from and its schedule), last because ``--overwrite`` moves
-    the old run aside. Settings megatron cannot build are refused first
-    (``train.optimizer_offload_fraction``: ``train.optimizer.OFFLOAD_REFUSED``). Returns where the
-    run starts."""
-    if recipe.train.optimizer_offload_fraction:
-        from .train.optimizer import OFFLOAD_REFUSED
+    the old run aside. Settings megatron cannot build are refused first: the optimizer's
+    settings are built as the ranks will build them (``train.optimizer.optimizer_config``, which
+    refuses ``train.optimizer_offload_fraction``). Returns where the run starts."""
+    from .train.optimizer import optimizer_config
 
-        raise ValueError(OFFLOAD_REFUSED)
+    optimizer_config(recipe)
     if recipe.run.ray_address is None:
         if recipe.data.path is not None:
             from .train.data import list_jsonl
