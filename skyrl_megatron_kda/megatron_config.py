@@ -7,7 +7,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .config import MeshRecipe
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``model.params_dtype`` -> the torch dtype megatron's configs take."""
 
 
 def transformer_config(recipe: MeshRecipe, *, use_cpu: bool, initialize: bool = True) -> TransformerConfig:
@@ -28,7 +29,7 @@ def transformer_config(recipe: MeshRecipe, *, use_cpu: bool, initialize: bool = 
 def mesh_config_kwargs(recipe: MeshRecipe, *, use_cpu: bool, initialize: bool = True) -> dict:
     """The ``TransformerConfig`` fields every model of ``recipe`` shares: mesh sizes, dtype,
     CPU initialisation (see ``transformer_config``)."""
-    dtype = _DTYPES[recipe.model.params_dtype]
+    dtype = PARAM_DTYPES[recipe.model.params_dtype]
     par = recipe.parallel
     return dict(
         tensor_model_parallel_size=par.tp,

@@ -12,7 +12,7 @@ PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 
-class _Config(BaseModel):
+class ConfigSection(BaseModel):
     """Base for every config: unknown keys are errors, values never change after validation, and
     no float setting is ``inf`` or ``nan`` (``train.lr=inf`` would train NaN steps)."""
 

@@ -8,13 +8,13 @@ from typing import Any, Literal
 from pydantic import field_validator, model_validator
 
 from ..kda.calibration import LINK_PRESETS
-from .base import PositiveInt, _Config
+from .base import ConfigSection, PositiveInt
 
 InterNodeKind = Literal["nvlink", "infiniband", "efa", "tcp"]
 """Named link presets for the hop between nodes (``nvlink``: a multi-node NVLink domain)."""
 
 
-class LinkConfig(_Config):
+class LinkConfig(ConfigSection):
     """One kind of link as the cost model of ``auto`` sees it; the presets are defaults to override
     with the numbers of your own cluster (nccl-tests on it)."""
 
@@ -47,7 +47,7 @@ class LinkConfig(_Config):
         return self.all_to_all_bandwidth_gib_s
 
 
-class ClusterConfig(_Config):
+class ClusterConfig(ConfigSection):
     """The machines the mesh runs on, for the ``auto`` cost model only (nothing else reads it).
 
     Megatron orders ranks tp-cp-ep-dp with TP fastest, so a CP group spans ``tp * cp``

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import PositiveInt, _Config
+from .base import ConfigSection, PositiveInt
 
 
-class DataConfig(_Config):
+class DataConfig(ConfigSection):
     """Shape of the training batches."""
 
     seq_len: PositiveInt = 8192

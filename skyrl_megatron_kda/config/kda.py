@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from ..kda import exchanges
-from .base import PositiveInt, _Config
+from .base import ConfigSection, PositiveInt
 
 
 def cp_exchange_choices() -> tuple[str, ...]:
@@ -15,7 +15,7 @@ def cp_exchange_choices() -> tuple[str, ...]:
     return exchanges.REGISTRY.choices()
 
 
-class KDAConfig(_Config):
+class KDAConfig(ConfigSection):
     """The KDA linear-attention layer; defaults are GLM-5.3-Flash's."""
 
     cp_exchange: str = Field(default="a2a", strict=True)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..dsa import kernels as dsa_kernels
-from .base import NonNegativeInt, PositiveInt, _Config
+from .base import ConfigSection, NonNegativeInt, PositiveInt
 
 LayerType = Literal["kda", "dsa"]
 """Token mixer of one trunk layer: KDA linear attention or DSA (MLA + lightning indexer)."""
@@ -16,7 +16,7 @@ MLPType = Literal["dense", "moe"]
 """Feed-forward block of one trunk layer."""
 
 
-class MoEConfig(_Config):
+class MoEConfig(ConfigSection):
     """The routed experts of the sparse layers; defaults are GLM-5.3-Flash's."""
 
     num_experts: PositiveInt = 288
@@ -72,7 +72,7 @@ class MoEConfig(_Config):
         return self
 
 
-class DSAConfig(_Config):
+class DSAConfig(ConfigSection):
     """The DSA layers: MLA without RoPE plus the lightning indexer; defaults are GLM-5.3-Flash's."""
 
     num_heads: PositiveInt = 64
@@ -170,7 +170,7 @@ class DSAConfig(_Config):
         return self
 
 
-class HyperConnectionConfig(_Config):
+class HyperConnectionConfig(ConfigSection):
     """mHC (manifold-constrained hyper-connections) around every layer; defaults are GLM-5.3-Flash's."""
 
     num_streams: PositiveInt = 4
@@ -187,7 +187,7 @@ class HyperConnectionConfig(_Config):
     the weight gradient's fp32 summation order over chunks."""
 
 
-class ModelConfig(_Config):
+class ModelConfig(ConfigSection):
     """The GLM-5.3-Flash text model (trunk without the MTP layer); defaults are the full model's.
 
     The KDA layers' own sizes live in the recipe's ``kda`` section (``KDAConfig``)."""

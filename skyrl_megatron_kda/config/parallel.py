@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from .base import PositiveInt, _Config
+from .base import ConfigSection, PositiveInt
 
 
-class ParallelConfig(_Config):
+class ParallelConfig(ConfigSection):
     """Megatron parallel sizes for one model replica (data parallelism is what is left over)."""
 
     tp: PositiveInt = 1

@@ -12,7 +12,7 @@ from ..distributed.cp_layout import layout_kind
 from ..dsa import kernels as dsa_kernels
 from ..kda import exchanges
 from ..kda.exchanges import ExchangeMesh
-from .base import _Config
+from .base import ConfigSection
 from .cluster import ClusterConfig
 from .data import DataConfig
 from .dotpath import flatten
@@ -51,7 +51,7 @@ def model_meaning(dump: dict) -> dict:
     return {name: value for name, value in sections.items() if name not in MODEL_LEVERS}
 
 
-class MeshRecipe(_Config):
+class MeshRecipe(ConfigSection):
     """The model on its mesh: model, parallel layout, KDA layer, batch shape and cluster, with the
     checks that span them. It is all that one KDA layer or the cost model of ``auto`` reads;
     ``Recipe`` adds the optimisation loop and where the job runs."""

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import PositiveInt, _Config
+from .base import ConfigSection, PositiveInt
 
 
-class RunConfig(_Config):
+class RunConfig(ConfigSection):
     """Where and on what a run executes."""
 
     output_dir: str = "runs/default"

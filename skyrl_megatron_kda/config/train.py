@@ -6,14 +6,14 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import NonNegativeInt, PositiveInt, _Config
+from .base import ConfigSection, NonNegativeInt, PositiveInt
 from .model import LayerType
 
 
 SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay")
 
 
-class TrainConfig(_Config):
+class TrainConfig(ConfigSection):
     """The optimisation loop."""
 
     steps: PositiveInt = 10

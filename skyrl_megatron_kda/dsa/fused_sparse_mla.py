@@ -37,7 +37,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import (
 )
 
 from .index_scores import pool_scores
-from .sparse_mla import _check_indices, split_kv_up_weight
+from .sparse_mla import check_indices, split_kv_up_weight
 
 KERNEL_WIDTH = 576
 """Query/latent channels the TileLang kernels are specialised for (512 latent + 64 RoPE)."""
@@ -93,7 +93,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         if latent.dim() != 2 or latent.shape[-1] > KERNEL_VALUE_WIDTH:
             raise ValueError(f"the fused kernel takes a latent [Tk, R <= {KERNEL_VALUE_WIDTH}], "
                              f"got {list(latent.shape)}")
-        _check_indices(q_nope.shape[0], latent, indices, query_block)
+        check_indices(q_nope.shape[0], latent, indices, query_block)
         num_heads, qk_head_dim = q_nope.shape[1], q_nope.shape[2]
         w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, v_head_dim)
         kv = _padded(latent, KERNEL_WIDTH, kernels.dtype)[:, None]

@@ -35,10 +35,10 @@ def _check_inputs(q_abs, latent, indices, block_size) -> None:
     if q_abs.dim() != 3 or latent.dim() != 2 or q_abs.shape[-1] != latent.shape[-1]:
         raise ValueError(f"expected q_abs [Tq, H, R] and latent [Tk, R], got "
                          f"{list(q_abs.shape)} and {list(latent.shape)}")
-    _check_indices(q_abs.shape[0], latent, indices, block_size)
+    check_indices(q_abs.shape[0], latent, indices, block_size)
 
 
-def _check_indices(n_queries, latent, indices, block_size) -> None:
+def check_indices(n_queries, latent, indices, block_size) -> None:
     if indices.dim() != 2 or indices.shape[0] != n_queries:
         raise ValueError(f"indices must be [Tq={n_queries}, topk], got {list(indices.shape)}")
     if indices.is_floating_point() or indices.is_complex():
@@ -146,7 +146,7 @@ class AbsorbedSparseMLA(torch.autograd.Function):
         if latent.dim() != 2 or kv_up_weight.shape[-1] != latent.shape[-1]:
             raise ValueError(f"expected latent [Tk, R={kv_up_weight.shape[-1]}], got "
                              f"{list(latent.shape)}")
-        _check_indices(q_nope.shape[0], latent, indices, block_size)
+        check_indices(q_nope.shape[0], latent, indices, block_size)
         dtype = _compute_dtype(q_nope.dtype)
         w_uk, w_uv = w_uk.to(dtype), w_uv.to(dtype)
         out = q_nope.new_empty(q_nope.shape[0], num_heads, v_head_dim)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 Backend = Literal["fla", "torch"]
 
 # fla's chunk_kda normalises q/k with l2norm_fwd's default eps; it has no argument to change it.
-_FLA_L2NORM_EPS = 1e-6
+FLA_L2NORM_EPS = 1e-6
 
 
 def resolve_backend(requested: Literal["auto", "fla", "torch"], device: torch.device) -> Backend:
@@ -340,7 +340,7 @@ def kda(
         from fla.ops.kda import chunk_kda
 
         # fla's in-kernel l2norm has a fixed eps; for any other eps normalise here instead.
-        qk_norm_in_kernel = l2norm_eps == _FLA_L2NORM_EPS
+        qk_norm_in_kernel = l2norm_eps == FLA_L2NORM_EPS
         if not qk_norm_in_kernel:
             q = l2_normalize(q, l2norm_eps).to(q.dtype)
             k = l2_normalize(k, l2norm_eps).to(k.dtype)

@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .kernel import _FLA_L2NORM_EPS, kda, l2_normalize
+from .kernel import FLA_L2NORM_EPS, kda, l2_normalize
 
 
 class Link(Protocol):
@@ -308,7 +308,7 @@ def state_passing_kda_on_segments(q, k, v, f_raw, b_raw, A_log, dt_bias, *, piec
         return _StatePassingKDA.apply(q, k, v, f_raw, b_raw, A_log, dt_bias, pieces, link, _TorchBackend, args)
     if backend != "fla":
         raise ValueError(f"unknown kernel backend {backend!r}")
-    norm_in_kernel = l2norm_eps == _FLA_L2NORM_EPS
+    norm_in_kernel = l2norm_eps == FLA_L2NORM_EPS
     if not norm_in_kernel:
         q, k = l2_normalize(q, l2norm_eps).to(q.dtype), l2_normalize(k, l2norm_eps).to(k.dtype)
     args = {"lower_bound": lower_bound, "chunk_size": chunk_size, "norm_in_kernel": norm_in_kernel,

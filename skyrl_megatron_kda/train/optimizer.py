@@ -31,7 +31,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
 from ..config import Recipe
-from ..megatron_config import _DTYPES
+from ..megatron_config import PARAM_DTYPES
 
 OFFLOAD_REFUSED = (
     "train.optimizer_offload_fraction>0 is not supported with megatron-core 0.19.2: its "
@@ -51,7 +51,7 @@ def optimizer_config(recipe: Recipe) -> OptimizerConfig:
     t = recipe.train
     if t.optimizer_offload_fraction > 0:
         raise ValueError(OFFLOAD_REFUSED)
-    dtype = _DTYPES[recipe.model.params_dtype]
+    dtype = PARAM_DTYPES[recipe.model.params_dtype]
     return OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         clip_grad=t.grad_clip or 0.0, bf16=recipe.model.params_dtype == "bfloat16",
