@@ -130,7 +130,7 @@ def run(recipe: Recipe, *, start: RunStart | None = None,
             (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
             step = 0
             if resume_from:
-                step = group.call_held("load_checkpoint", str(resume_from),
+                step = group.call_held(RankTrainer.load_checkpoint, str(resume_from),
                                        start.override_schedule)[0]
             _start_metrics(out / METRICS, step)
             if resume_from:
@@ -215,7 +215,7 @@ def _train_step(group, out: Path) -> list[dict]:
     """Every rank's metrics of one step; a non-finite step (``step_guard.NonFiniteStep``, raised
     on every rank before anything was applied) ends the run naming the last good checkpoint."""
     try:
-        return group.call_held("train_step")
+        return group.call_held(RankTrainer.train_step)
     except WorkerError as err:
         if err.kind != NonFiniteStep.__name__:
             raise
@@ -238,7 +238,7 @@ def _save(group, out: Path, stop: StopSignals, step: int) -> Path:
     """The checkpoint of ``step``; signals meanwhile let it finish (``stop``)."""
     stop.begin("saving")
     logger.info("saving checkpoint of step %d", step)
-    path = Path(group.call_held("save_checkpoint", str(out))[0])
+    path = Path(group.call_held(RankTrainer.save_checkpoint, str(out))[0])
     # With a stop pending the run ends here: a signal from now on must not be taken for a
     # second one during a step (which would abandon a checkpoint that was written).
     stop.begin("training" if stop.signum is None else "stopping")

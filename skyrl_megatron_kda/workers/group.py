@@ -140,8 +140,8 @@ class RankActor:
         self.held = factory(self.rank, self.world, *args)
 
     @_on_rank
-    def call_held(self, method: str, *args) -> Any:
-        return getattr(self.held, method)(*args)
+    def call_held(self, method: Callable, *args) -> Any:
+        return method(self.held, *args)
 
 
 class ActorGroup:
@@ -203,8 +203,10 @@ class ActorGroup:
         later ``call_held`` calls reach the same object (a trainer with its model and state)."""
         self._gather([a.hold.remote(factory, *args) for a in self.actors])
 
-    def call_held(self, method: str, *args) -> list:
-        """``held.method(*args)`` on every rank; results in rank order."""
+    def call_held(self, method: Callable, *args) -> list:
+        """``method(held, *args)`` on every rank, ``method`` a function of the held object's
+        class (``RankTrainer.train_step``: a reference an editor follows, not a name); results
+        in rank order."""
         return self._gather([a.call_held.remote(method, *args) for a in self.actors])
 
     def _gather(self, refs) -> list:
