@@ -202,7 +202,8 @@ def layer_fwd_bwd(args, exchange: str, tp_group, cp_group, segments: int | None 
     ledger = CommLedger()
     layer = KimiDeltaAttention(
         transformer_config(recipe, use_cpu=False, initialize=False), KDASubmodules(),
-        layer_number=1, kda=recipe.kda, pg_collection=ProcessGroupCollection(tp=tp_group, cp=cp_group),
+        layer_number=1, kda=recipe.kda, cp_layout=recipe.parallel.cp_layout,
+        pg_collection=ProcessGroupCollection(tp=tp_group, cp=cp_group),
         ledger=ledger,
     )
     with torch.no_grad():

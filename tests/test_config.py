@@ -383,3 +383,10 @@ def test_flatten_and_unflatten_are_inverse():
     assert flat == {"model.dsa.kernel": "torch", "model.dsa.index_topk": 8,
                     "model.hidden_size": 32, "run.device": "cpu"}  # an empty mapping has no leaf
     assert unflatten(flat) == {k: v for k, v in tree.items() if v}
+
+
+def test_the_old_cp_layout_key_names_its_new_home():
+    with pytest.raises(ValidationError, match="kda.cp_layout is now parallel.cp_layout"):
+        MeshRecipe.model_validate({"kda": {"cp_layout": "contiguous"}})
+    assert MeshRecipe.model_validate(
+        {"parallel": {"cp_layout": "contiguous"}}).parallel.cp_layout == "contiguous"

@@ -416,7 +416,7 @@ def test_bytes_come_from_the_exchanges_byte_model():
 
 def test_contiguous_layout_halves_state_summaries():
     # Zigzag gives each rank two pieces of the sequence to summarise, contiguous one.
-    zigzag, contiguous = (choose(glm(kda={"cp_layout": layout}))[2][2]
+    zigzag, contiguous = (choose(glm(parallel={"cp_layout": layout}))[2][2]
                           for layout in ("zigzag", "contiguous"))
     assert contiguous.cp_in_bytes * 2 == zigzag.cp_in_bytes
 

@@ -81,7 +81,7 @@ def _first_step_hf_loss(hf, recipe) -> float:
     from skyrl_megatron_kda.train.data import build_loader
 
     loader = build_loader(recipe.data, seed=recipe.train.seed, parallel=recipe.parallel,
-                          layout=recipe.kda.cp_layout, vocab_size=recipe.model.vocab_size)
+                          layout=recipe.parallel.cp_layout, vocab_size=recipe.model.vocab_size)
     total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for _ in range(recipe.data_parallel_size * recipe.data.micro_batch_size):
         row = loader.next_row()

@@ -136,7 +136,7 @@ def _run_ours(recipe, path, ref, tp_rank, cp_rank, *, backward=False):
     model = build_model(recipe, use_cpu=True)
     load_hf_checkpoint(model, path)
     p = recipe.parallel
-    rows = rank_rows(torch.tensor([0, T]), p.cp, p.tp, cp_rank, tp_rank, False, recipe.kda.cp_layout)
+    rows = rank_rows(torch.tensor([0, T]), p.cp, p.tp, cp_rank, tp_rank, False, recipe.parallel.cp_layout)
     ids, targets = _batch()
     vocab = recipe.model.vocab_size // p.tp
     cols = slice(tp_rank * vocab, (tp_rank + 1) * vocab)
@@ -163,7 +163,7 @@ def _run_packed(model, recipe, ref, tp_rank, cp_rank, cols):
 
     ids, targets, cu = _packed()
     p = recipe.parallel
-    rows = rank_rows(cu, p.cp, p.tp, cp_rank, tp_rank, False, recipe.kda.cp_layout)
+    rows = rank_rows(cu, p.cp, p.tp, cp_rank, tp_rank, False, recipe.parallel.cp_layout)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max(DOCS), max_seqlen_kv=max(DOCS))
     with torch.no_grad():

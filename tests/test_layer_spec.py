@@ -26,7 +26,8 @@ def _layer_in_transformer_layer(rank, world):
     config.hidden_dropout = 0.0
     config.normalization = "RMSNorm"
     spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=WrappedTorchNorm, self_attention=kda_layer_spec(recipe.kda),
+        input_layernorm=WrappedTorchNorm,
+        self_attention=kda_layer_spec(recipe.kda, recipe.parallel.cp_layout),
         self_attn_bda=get_bias_dropout_add))
     torch.manual_seed(0)
     layer = build_module(spec, config=config, layer_number=1,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..kda import exchanges
 from .base import ConfigSection, PositiveInt
@@ -58,11 +58,16 @@ class KDAConfig(ConfigSection):
     same, and the kernel's backward working set is one group's (fla's ``chunk_kda_bwd`` holds
     every allocation until it returns: about 6.5 KiB per head-token at K = 128). None: all the
     rank's heads in one call."""
-    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
-    """How the model lays tokens over CP ranks: Megatron's load-balanced zigzag (what softmax
-    attention layers need), or contiguous slices of the packed row."""
     allow_inexact: bool = Field(default=True, strict=True)
     """Let auto pick an exchange not bitwise equal to CP=1 (state); false also refuses state."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cp_layout_moved(cls, data):
+        if isinstance(data, dict) and "cp_layout" in data:
+            raise ValueError("kda.cp_layout is now parallel.cp_layout: the CP token layout is the "
+                             "whole model's (KDA, DSA, the data's rows)")
+        return data
 
     @field_validator("cp_exchange")
     @classmethod

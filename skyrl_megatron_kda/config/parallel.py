@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from .base import ConfigSection, PositiveInt
@@ -22,6 +24,10 @@ class ParallelConfig(ConfigSection):
     """Pipeline-parallel size; only 1 is supported."""
     sequence_parallel: bool = Field(default=False, strict=True)
     """Shard activations outside TP regions along the sequence over the TP group; needs tp > 1."""
+    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """How the model lays tokens over CP ranks (every layer and the data's rows): Megatron's
+    load-balanced zigzag (what softmax attention layers need), or contiguous slices of the packed
+    row."""
 
     @model_validator(mode="after")
     def _sequence_parallel_needs_tp(self) -> ParallelConfig:

@@ -35,7 +35,7 @@ MODEL_LEVERS = frozenset({
     # mHC's map projection in row chunks (a memory lever: fp32 summation order only).
     "model.hyper_connections.map_chunk_rows",
     # The KDA layer's CP exchange and its choice, token layout over CP, kernel and chunking.
-    "kda.cp_exchange", "kda.exchange_reason", "kda.allow_inexact", "kda.cp_layout", "kda.kernel",
+    "kda.cp_exchange", "kda.exchange_reason", "kda.allow_inexact", "kda.kernel",
     "kda.chunk_size", "kda.kernel_segments", "kda.kernel_head_group",
 })
 """Settings of ``MODEL_SECTIONS`` that change how the same parameters compute the same model
@@ -95,7 +95,7 @@ class MeshRecipe(ConfigSection):
     @model_validator(mode="after")
     def _seq_len_fits_cp_layout(self) -> MeshRecipe:
         seq_len, cp = self.data.seq_len, self.parallel.cp
-        kind = layout_kind(self.kda.cp_layout)
+        kind = layout_kind(self.parallel.cp_layout)
         # At cp=1 nothing is split, so any length works (tiny CPU tests use odd ones).
         if cp > 1 and seq_len % kind.row_multiple(cp):
             raise ValueError(f"data.seq_len={seq_len} must be divisible by {kind.row_rule(cp)}")

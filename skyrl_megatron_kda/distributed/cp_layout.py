@@ -137,7 +137,7 @@ class ContiguousLayout:
 
 
 LAYOUTS = {kind.name: kind for kind in (ZigzagLayout(), ContiguousLayout())}
-"""The CP layout kinds by name (``kda.cp_layout``): every rule that depends on the kind asks it."""
+"""The CP layout kinds by name (``parallel.cp_layout``): every rule that depends on the kind asks it."""
 
 
 def layout_kind(name: str):

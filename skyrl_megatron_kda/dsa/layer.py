@@ -255,7 +255,7 @@ def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, dsa: DSAConfig) -> Modu
 
     Needs an MLA config with ``qk_pos_emb_head_dim=0``, ``qk_layernorm=True`` and the
     ``dsa_indexer_*`` fields; ``cp_layout`` is the CP token layout of the batch (as
-    ``kda.cp_layout``); ``dsa`` the recipe's ``model.dsa`` section, whose resolved ``kernel``
+    ``parallel.cp_layout``); ``dsa`` the recipe's ``model.dsa`` section, whose resolved ``kernel``
     is built here, once, and shared by the spec's three modules (``auto`` is refused:
     ``kernels.get``).
     """

@@ -52,10 +52,12 @@ class KDASubmodules:
     o_proj: Union[ModuleSpec, type] = RowParallelLinear
 
 
-def kda_layer_spec(kda_config: KDAConfig) -> ModuleSpec:
-    """ModuleSpec for a TransformerLayer's ``self_attention`` slot."""
+def kda_layer_spec(kda_config: KDAConfig, cp_layout: str) -> ModuleSpec:
+    """ModuleSpec for a TransformerLayer's ``self_attention`` slot; ``cp_layout`` is the CP
+    token layout of the batch (``parallel.cp_layout``)."""
     return ModuleSpec(
-        module=KimiDeltaAttention, params={"kda": kda_config}, submodules=KDASubmodules()
+        module=KimiDeltaAttention, params={"kda": kda_config, "cp_layout": cp_layout},
+        submodules=KDASubmodules()
     )
 
 
@@ -76,6 +78,7 @@ class KimiDeltaAttention(MegatronModule):
         layer_number: int | None = None,
         *,
         kda: KDAConfig,
+        cp_layout: str,
         pg_collection: ProcessGroupCollection,
         ledger: CommLedger | None = None,
         cp_comm_type: str | None = None,
@@ -86,6 +89,7 @@ class KimiDeltaAttention(MegatronModule):
         # exchange in ``kda.cp_exchange``), pp_layer_offset and name; KDA needs none of them.
         super().__init__(config)
         self.kda_config = kda
+        self.cp_layout = cp_layout
         self.layer_number = layer_number
         self.tp_group, self.cp_group = pg_collection.tp, pg_collection.cp
         tp, cp = self.tp_group.size(), self.cp_group.size()
@@ -225,7 +229,7 @@ class KimiDeltaAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("KimiDeltaAttention takes no attention bias")
         layout = batch_layout(hidden_states, packed_seq_params, self.cp_group.size(), self.tp_group.size(),
-                              self.config.sequence_parallel, self.kda_config.cp_layout)
+                              self.config.sequence_parallel, self.cp_layout)
         computed = self.exchange.to_compute_layout(hidden_states, layout, self.project,
                                                    self.num_local_heads)
         heads = computed.heads

@@ -71,7 +71,7 @@ def build_layer(recipe: MeshRecipe, tp_group, cp_group, *, on_cpu: bool, ledger=
     """A KDA layer for ``recipe`` on the given groups (random init on CPU only)."""
     return KimiDeltaAttention(
         transformer_config(recipe, use_cpu=on_cpu, initialize=on_cpu), KDASubmodules(),
-        layer_number=1, kda=recipe.kda,
+        layer_number=1, kda=recipe.kda, cp_layout=recipe.parallel.cp_layout,
         pg_collection=ProcessGroupCollection(tp=tp_group, cp=cp_group), ledger=ledger,
     )
 
@@ -116,7 +116,7 @@ def check_exchange(recipe: MeshRecipe, batch: Batch, tp_group, cp_group, single_
     layer = build_layer(recipe, tp_group, cp_group, on_cpu=on_cpu, ledger=ledger)
     load_full_state(layer, full_state, tp_group.rank(), par.tp)
     rows = rank_rows(batch.cu_seqlens, par.cp, par.tp, cp_group.rank(), tp_group.rank(),
-                     par.sequence_parallel, recipe.kda.cp_layout)
+                     par.sequence_parallel, par.cp_layout)
     x = batch.x[rows].clone().requires_grad_()
     out, _ = layer(x, packed_seq_params=batch.packed)
     (out * batch.grad_out[rows]).sum().backward()

@@ -144,11 +144,11 @@ class GLMDecoderLayer(MegatronModule):
         number = layer_index + 1  # megatron counts layers from 1
         if self.layer_type == "kda":
             self.self_attention = build_module(
-                kda_layer_spec(recipe.kda), config=config, layer_number=number,
+                kda_layer_spec(recipe.kda, recipe.parallel.cp_layout), config=config, layer_number=number,
                 pg_collection=pg_collection, ledger=ledger)
         else:
             dsa = recipe.model.dsa
-            spec = glm_dsa_layer_spec(dsa.index_kpool, recipe.kda.cp_layout, dsa)
+            spec = glm_dsa_layer_spec(dsa.index_kpool, recipe.parallel.cp_layout, dsa)
             self.self_attention = build_module(spec, config=config, layer_number=number,
                                                pg_collection=pg_collection)
         if self.mlp_type == "dense":

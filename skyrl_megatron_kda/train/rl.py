@@ -170,7 +170,7 @@ def token_logprobs(trainer, rollout: PackedRollout, temperature: float = 1.0, *,
     cp_group = trainer.pgs.cp
     p = trainer.recipe.parallel
     positions = [pos.to(logp.device) for pos in
-                 LAYOUTS[trainer.recipe.kda.cp_layout].positions(rollout.row.cu_seqlens, p.cp)]
+                 LAYOUTS[trainer.recipe.parallel.cp_layout].positions(rollout.row.cu_seqlens, p.cp)]
     outputs = []
     for local in (logp, ent):
         if local is None:

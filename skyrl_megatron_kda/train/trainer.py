@@ -124,7 +124,7 @@ class RankModel:
         """This rank's part of a packed row (CP, and SP inside the layers) in the recipe's layout."""
         p, pgs = self.recipe.parallel, self.pgs
         return shard_for_rank(row, p.cp, pgs.cp.rank(), p.tp, pgs.tp.rank(), p.sequence_parallel,
-                              self.recipe.kda.cp_layout)
+                              self.recipe.parallel.cp_layout)
 
     def model_inputs(self, shard: RankShard) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(input_ids [1, s_local], position_ids [1, s_local], PackedSeqParams) of a shard, on this
@@ -174,7 +174,7 @@ class RankTrainer(RankModel):
             self.optimizer = get_megatron_optimizer(opt_config, [self.model])
             self.scheduler = build_scheduler(self.optimizer, recipe)
         self.loader = loader or build_loader(
-            recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.kda.cp_layout,
+            recipe.data, seed=t.seed, parallel=recipe.parallel, layout=recipe.parallel.cp_layout,
             vocab_size=recipe.model.vocab_size)
         self.step = 0
         self.guard = StepGuard.of(t)

@@ -61,8 +61,9 @@ def recipe_for(case: Case, setup: Setup, tokens: int):
 
     return MeshRecipe(
         model={"hidden_size": setup.hidden, "params_dtype": setup.dtype},
-        parallel={"tp": case.tp, "cp": case.cp, "sequence_parallel": case.sequence_parallel},
-        kda={"cp_exchange": case.exchange, "cp_layout": case.layout, "kernel": setup.kernel,
+        parallel={"tp": case.tp, "cp": case.cp, "sequence_parallel": case.sequence_parallel,
+                  "cp_layout": case.layout},
+        kda={"cp_exchange": case.exchange, "kernel": setup.kernel,
              "num_heads": setup.heads,
              "head_dim": setup.head_dim, "gate_low_rank": setup.low_rank,
              "output_gate_low_rank": setup.low_rank},

@@ -45,7 +45,7 @@ def _trainer(overrides):
     recipe = _recipe(overrides)
     rows_like = _recipe(CP2)
     loader = build_loader(recipe.data, seed=recipe.train.seed, parallel=rows_like.parallel,
-                          layout=recipe.kda.cp_layout, vocab_size=recipe.model.vocab_size)
+                          layout=recipe.parallel.cp_layout, vocab_size=recipe.model.vocab_size)
     return RankTrainer(recipe, loader=loader)
 
 

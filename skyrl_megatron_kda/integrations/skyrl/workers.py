@@ -133,7 +133,7 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         """Log-probs (and entropies) [B, num_actions] of the last ``num_actions`` tokens of each
         row, as SkyRL's workers slice them from the [B, S] per-token values."""
         rollout = pack_rollout(sequences, attention_mask, self.trainer.recipe.parallel,
-                               self.trainer.recipe.kda.cp_layout)
+                               self.trainer.recipe.parallel.cp_layout)
         logp, ent = token_logprobs(self.trainer, rollout, self.cfg.algorithm.temperature,
                                    entropy=entropy, entropy_grad=entropy_grad)
         return logp[:, -num_actions:], None if ent is None else ent[:, -num_actions:]

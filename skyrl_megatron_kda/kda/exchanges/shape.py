@@ -60,7 +60,7 @@ class ExchangeShape:
             batch=recipe.data.micro_batch_size if batch is None else batch,
             hidden=recipe.model.hidden_size, num_heads=kda.num_heads, head_dim=kda.head_dim,
             tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel, element_size=element_size,
-            sequences=sequences, conv_size=kda.conv_size, layout=kda.cp_layout,
+            sequences=sequences, conv_size=kda.conv_size, layout=p.cp_layout,
         )
 
     @property
