@@ -51,6 +51,7 @@ from ..config import ParallelConfig
 from ..distributed.cpu import cuda_names_cpu
 from . import manifest
 from .checkpoint_failures import explained_failures
+from .step_guard import finite_on_every_rank
 
 logger = logging.getLogger(__name__)
 
@@ -332,10 +333,8 @@ def _state_is_finite(state: TrainState) -> bool:
         tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
         tensors += [v for param_state in opt.optimizer.state.values() for v in param_state.values()
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]
-    largest = torch.nn.utils.get_total_norm(tensors, norm_type=math.inf).float()
-    flag = torch.tensor([0.0 if bool(torch.isfinite(largest)) else 1.0], device=largest.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
+    largest = torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)
+    return finite_on_every_rank(bool(torch.isfinite(largest)), largest.device)
 
 
 def save(state: TrainState, output_dir: str | Path) -> Path:

@@ -30,6 +30,14 @@ class NonFiniteStep(RuntimeError):
     the values and the rule that stopped it. Nothing of the step was applied."""
 
 
+def finite_on_every_rank(finite: bool, device: torch.device) -> bool:
+    """Whether every rank found its values finite (collective: one flag, all-reduced), so that
+    all ranks make the same choice whatever each one saw."""
+    flag = torch.tensor([0.0 if finite else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
 def describe(loss: float | None, grad_norm: float) -> str:
     """``loss 4.35e+12, gradient norm nan``: the step's values, as a user reads them."""
     parts = [] if loss is None else [f"loss {loss:.4g}"]
@@ -61,9 +69,7 @@ class StepGuard:
             grad_norm = float(optimizer.get_grad_norm())
         finite = not found_inf and math.isfinite(grad_norm)
         finite = finite and (loss is None or math.isfinite(loss))
-        flag = torch.tensor([0.0 if finite else 1.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
+        if finite_on_every_rank(finite, device):
             with cpu_mode():
                 ok, _, _ = optimizer.step()
             if not ok:
