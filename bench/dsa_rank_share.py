@@ -15,8 +15,10 @@ runs that rank's work with the model's own functions on random data of GLM's siz
 The rank is CP rank 0 of a zigzag layout (its rows: the first and the last quarter of the
 sequence); with ``--split sequence`` it is that CP rank's last TP slice, the rows nearest the end
 (the most visible pools: the slowest TP rank sets the step). One step under full recompute is the
-checkpointed forward, the recompute forward and the backward: 2 x (indexer + attention forward) +
-attention backward (the indexer has no backward). Not included: the MLA projections and the
+checkpointed forward, the recompute forward and the backward: indexer + 2 x attention forward +
+attention backward (the indexer has no backward, and the recompute attends with the forward's
+kept selection: ``train.keep_dsa_selection``; ``step_ms_reselecting`` adds the second indexer
+pass of a recompute that selects again). Not included: the MLA projections and the
 all-to-all / all-gathers (per rank: a few GEMMs over 65,536 rows and ~2 GiB over NVLink).
 
 Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel fused]
@@ -170,9 +172,12 @@ def main():
         grad = torch.ones_like(out)
         _, t_bwd = timed(lambda: out.backward(grad))
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        step = 2 * (t_index + t_fwd) + t_bwd
+        # Under full recompute the forward runs twice; the indexer once (train.keep_dsa_selection
+        # keeps its selection for the recompute) or twice (false).
+        step = t_index + 2 * t_fwd + t_bwd
         r = dict(iter=it, indexer_ms=t_index, attn_fwd_ms=t_fwd, attn_bwd_ms=t_bwd,
-                 step_ms_full_recompute=step, peak_gib_above_inputs=peak,
+                 step_ms_full_recompute=step, step_ms_reselecting=step + t_index,
+                 peak_gib_above_inputs=peak,
                  inputs_gib=base / 2**30)
         log(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
         results.append(r)

@@ -247,6 +247,8 @@ MEMORY_VARIANTS = {
     "full": {"train": {"recompute": "full"}},
     "selective": {"train": {"recompute": "selective"}},
     "full_dsa_only": {"train": {"recompute": "full", "recompute_layers": ["dsa"]}},
+    # the recompute selects again instead of attending with the forward's kept selection
+    "full_reselecting": {"train": {"recompute": "full", "keep_dsa_selection": False}},
     "selective_kda_offload": {"train": {"recompute": "selective", "recompute_layers": ["kda"],
                                         "offload_activations": True}},
     "offload": {"train": {"offload_activations": True}},

@@ -43,6 +43,11 @@ class TrainConfig(ConfigSection):
     token) and keeps the FFN's; ``none`` keeps every activation."""
     recompute_layers: list[LayerType] = ["kda", "dsa"]
     """The layer types ``recompute`` applies to; layers of the other type keep their activations."""
+    keep_dsa_selection: bool = Field(default=True, strict=True)
+    """Under recompute, a DSA layer's checkpointed forward keeps its indexer's selection for the
+    recompute (int32, ``index_topk / index_kpool + index_kpool - 1`` per query row, until the
+    layer's backward), so the indexer runs once per step instead of twice (dsa/kept_selection.py);
+    false: the recompute selects again."""
     offload_activations: bool = Field(default=False, strict=True)
     """Keep the tensors saved for backward in host memory instead of the GPU (pinned,
     model/host_offload.py; parameters stay): under full recompute the token ids and the layer

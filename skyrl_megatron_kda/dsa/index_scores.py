@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-QUERY_TILE, POOL_TILE = 64, 128
+TILES = (64, 128, 8, 2)
+"""Queries and pools per program, its warps and pipeline stages."""
 
 
 @triton.jit
@@ -53,9 +54,10 @@ def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, n_queries, n_pool
 
 
 def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor,
-                ke: torch.Tensor) -> torch.Tensor:
+                ke: torch.Tensor, tiles: tuple[int, int, int, int] = TILES) -> torch.Tensor:
     """q [n, heads, d] and keys [P, d] (bf16 on CUDA), weights [n, heads] fp32, ks/ke [n] int32
-    -> fp32 [n, P]: sum over heads of weights * relu(q . k), -inf outside [ks, ke)."""
+    -> fp32 [n, P]: sum over heads of weights * relu(q . k), -inf outside [ks, ke). ``tiles``:
+    (queries, pools, warps, pipeline stages) per program (``bench/index_scores.py`` times them)."""
     n, heads, dim = q.shape
     if keys.dim() != 2 or keys.shape[1] != dim or weights.shape != (n, heads):
         raise ValueError(f"expected q [n, h, d], keys [P, d], weights [n, h]; got "
@@ -66,8 +68,9 @@ def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: 
     out = torch.empty(n, keys.shape[0], dtype=torch.float32, device=q.device)
     if n == 0 or keys.shape[0] == 0:
         return out
-    grid = (triton.cdiv(n, QUERY_TILE), triton.cdiv(keys.shape[0], POOL_TILE))
+    query_tile, pool_tile, warps, stages = tiles
+    grid = (triton.cdiv(n, query_tile), triton.cdiv(keys.shape[0], pool_tile))
     _pool_scores[grid](q, keys, weights.float().contiguous(), ks.contiguous(), ke.contiguous(),
-                       out, n, keys.shape[0], HEADS=heads, DIM=dim, QT=QUERY_TILE, PT=POOL_TILE,
-                       num_warps=8, num_stages=2)
+                       out, n, keys.shape[0], HEADS=heads, DIM=dim, QT=query_tile, PT=pool_tile,
+                       num_warps=warps, num_stages=stages)
     return out

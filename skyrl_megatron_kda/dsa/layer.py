@@ -72,7 +72,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..config import DSAConfig
 from ..distributed.cp_layout import LAYOUTS
-from . import kernels
+from . import kept_selection, kernels
 from .kernels import DSAKernel, KVDims
 from .layout import DSABatchLayout, dsa_batch_layout
 
@@ -182,7 +182,8 @@ class GlmDSAttention(DSAttention):
         if self.skip_topk:  # "shared" layer: reuse the source layer's selection
             topk = self._get_index_share_topk_holder(packed_seq_params, attention_mask)[self.source_layer]
         else:
-            topk = self.indexer(x.detach(), qr.detach(), layout)
+            topk = kept_selection.select(lambda: self.indexer(x.detach(), qr.detach(), layout),
+                                         self.indexer.index_kpool, self.indexer.index_topk)
             if self.index_share:
                 self._get_index_share_topk_holder(packed_seq_params, attention_mask)[self.layer_number] = topk
         return self.kernel.attention(self, query, key, value, kv_up_weight, topk, layout)

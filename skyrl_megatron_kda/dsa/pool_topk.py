@@ -26,7 +26,8 @@ def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpoo
     [kpool, d]. Pools are ``kpool`` consecutive tokens from each document's start; only complete
     pools are candidates, visible once their last token is <= the query. Ties keep the earlier
     pool (a stable sort), so the choice does not depend on how many other pools a row holds.
-    Returns natural key positions [b, s, topk + kpool - 1]: pools' tokens, then the tail; -1 = none.
+    Returns natural key positions [b, s, topk + kpool - 1]: ``topk / kpool`` pools' tokens
+    (``kpool`` consecutive each, all -1 for a pool not chosen), then the tail; -1 = none.
     """
     P, dev = kpool, keys.device
     starts, lens = cu_seqlens[:-1], cu_seqlens.diff()
@@ -46,15 +47,14 @@ def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpoo
     order = scores.sort(dim=-1, descending=True, stable=True).indices[..., : topk // P]
     chosen = visible.expand(order.shape[0], -1, -1).gather(-1, order)  # [b, s, k]
     idx = tok[order].masked_fill(~chosen[..., None], -1).flatten(-2)
+    idx = F.pad(idx, (0, topk - idx.shape[-1]), value=-1)  # fewer pools than topk / kpool
 
     count = q_pos - doc_start + 1  # visible tokens of the query's document
     tail_n = count % P
     offs = torch.arange(P - 1, device=dev)
     tail = (q_pos + 1 - tail_n)[:, None] + offs
     tail = tail.masked_fill(offs[None] >= tail_n[:, None], -1)
-    idx = torch.cat([idx, tail[None].expand(idx.shape[0], -1, -1)], dim=-1)
-    width = topk + P - 1
-    return F.pad(idx, (0, width - idx.shape[-1]), value=-1)
+    return torch.cat([idx, tail[None].expand(idx.shape[0], -1, -1)], dim=-1)
 
 
 def _block_pool_scores(q, weights, pool_k):

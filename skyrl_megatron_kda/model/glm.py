@@ -52,6 +52,7 @@ from ..kda import exchanges
 from ..kda.exchanges import CommLedger
 from ..kda.layer import kda_layer_spec
 from ..megatron_config import mesh_config_kwargs
+from ..dsa.kept_selection import KeptSelection, kept_for
 from ..dsa.layer import glm_dsa_layer_spec
 from .fused_loss import chunked_linear_cross_entropy
 from .host_offload import HostOffload
@@ -134,6 +135,8 @@ class GLMDecoderLayer(MegatronModule):
         self.mlp_type = m.mlp_types()[layer_index]
         hc = m.hyper_connections
         self.recompute = recipe.train.recompute_of(self.layer_type)
+        self.keeps_selection = (self.layer_type == "dsa" and self.recompute != "none"
+                                and recipe.train.keep_dsa_selection)
         hc_args = dict(hidden_size=m.hidden_size, num_streams=hc.num_streams,
                        sinkhorn_iters=hc.sinkhorn_iterations, hc_eps=hc.eps, norm_eps=m.rms_norm_eps,
                        map_chunk_rows=hc.map_chunk_rows)
@@ -158,17 +161,28 @@ class GLMDecoderLayer(MegatronModule):
                                        pg_collection=pg_collection,
                                        chunk_tokens=recipe.train.moe_chunk_tokens)
 
-    def _attention(self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), None, packed_seq_params=packed_seq_params)
+    def kept_selection(self) -> KeptSelection | None:
+        """What one checkpoint of this layer hands its recompute: a DSA layer's indexer
+        selection (``train.keep_dsa_selection``), so that the indexer runs once per step."""
+        return KeptSelection() if self.keeps_selection else None
+
+    def _attention(self, x: torch.Tensor, packed_seq_params: PackedSeqParams | None,
+                   kept: KeptSelection | None = None) -> torch.Tensor:
+        with kept_for(kept):
+            out, bias = self.self_attention(self.input_layernorm(x), None,
+                                            packed_seq_params=packed_seq_params)
         return _with_bias(out, bias)
 
-    def forward(self, streams: torch.Tensor, packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
-        """streams [s, b, N, D] -> streams [s, b, N, D]."""
+    def forward(self, streams: torch.Tensor, packed_seq_params: PackedSeqParams | None = None,
+                kept: KeptSelection | None = None) -> torch.Tensor:
+        """streams [s, b, N, D] -> streams [s, b, N, D]; ``kept``: the selection holder of a
+        full-recompute checkpoint (``kept_selection``)."""
         x, post, comb = self.attn_hc(streams)
         if self.recompute == "selective" and torch.is_grad_enabled():
-            out = checkpoint(self._attention, x, packed_seq_params, use_reentrant=True)
+            out = checkpoint(self._attention, x, packed_seq_params, self.kept_selection(),
+                             use_reentrant=True)
         else:
-            out = self._attention(x, packed_seq_params)
+            out = self._attention(x, packed_seq_params, kept)
         streams = self.attn_hc.expand(out, streams, post, comb)
         x, post, comb = self.ffn_hc(streams)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))
@@ -276,7 +290,8 @@ class GLMModel(MegatronModule):
                 if layer.recompute == "full" and torch.is_grad_enabled():
                     # Reentrant, like megatron's recompute: the first forward runs without grad, so
                     # stateful counters (the MoE router's tokens per expert) count each token once.
-                    streams = checkpoint(layer, streams, packed_seq_params, use_reentrant=True)
+                    streams = checkpoint(layer, streams, packed_seq_params, layer.kept_selection(),
+                                         use_reentrant=True)
                 else:
                     streams = layer(streams, packed_seq_params)
         hidden = self.final_norm(reduce_streams(streams))

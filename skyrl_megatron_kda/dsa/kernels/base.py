@@ -6,7 +6,9 @@ The layer (``dsa.layer``) never branches on the kernel; it makes three calls:
   sequence's normalised KV latent [T, b, R] (the latent itself, for a kernel that attends in the
   absorbed layout; the up-projected keys and values, for one that does not);
 - ``indices(indexer, qr, weights, keys, gate, layout)``: the natural token positions each query
-  row attends to, [b, s, index_topk + kpool - 1], -1 = none (the indexer's selection);
+  row attends to, [b, s, index_topk + kpool - 1], -1 = none (the indexer's selection):
+  ``index_topk / kpool`` pools of ``kpool`` consecutive tokens (all -1 for a pool not chosen),
+  then the query's ``kpool - 1`` tail (``kept_selection`` keeps it in that compact form);
 - ``attention(core, query, key, value, kv_up_weight, indices, layout)``: [s, b, heads * dv].
 
 The class side carries what needs no tensors: the ``name`` users choose it by, whether it can

@@ -1,0 +1,76 @@
+"""The indexer's pool-score kernel (``dsa/index_scores.py``) and ``torch.topk`` at the 1M recipe's
+rank share, per tile configuration, on one GPU.
+
+One block of ``--queries`` indexer queries (32 heads x 128) nearest the end of a 1,048,576-token
+sequence scores all 262,144 pools (the most a block of the rank sees); each configuration of
+(query tile, pool tile, warps, stages) is timed after a compile call and checked against the
+default configuration's scores. FLOPs: 2 x queries x pools x heads x head width (every pool is
+visible to the last block, so the causal skip saves nothing here).
+
+Usage (CUDA):  python3 bench/index_scores.py [--queries 1024] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from skyrl_megatron_kda.dsa.index_scores import TILES, pool_scores
+
+HEADS, DIM, POOLS, TOPK_POOLS = 32, 128, 262144, 512
+
+
+def timed(fn, repeats: int = 3) -> tuple[torch.Tensor, float]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(repeats):
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return out, best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--queries", type=int, default=1024)
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(a.queries, HEADS, DIM, generator=g, device="cuda").to(torch.bfloat16)
+    keys = torch.randn(POOLS, DIM, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.rand(a.queries, HEADS, generator=g, device="cuda") * HEADS ** -0.5
+    ks = torch.zeros(a.queries, dtype=torch.int32, device="cuda")
+    ke = torch.full_like(ks, POOLS)
+    flops = 2 * a.queries * POOLS * HEADS * DIM
+    ref = pool_scores(q, keys, w, ks, ke)
+    _, t_topk = timed(lambda: ref.topk(TOPK_POOLS, dim=-1))
+    rows = []
+    # 4 warps and 64-pool tiles ran at 0.3-0.5x of the default on an H200 (bench/results).
+    for tiles in itertools.product((64, 128), (128, 256), (8,), (2, 3)):
+        try:
+            pool_scores(q, keys, w, ks, ke, tiles)  # compiles
+            out, ms = timed(lambda: pool_scores(q, keys, w, ks, ke, tiles))
+        except Exception as err:  # noqa: BLE001 - a tile that does not fit in shared memory
+            print(f"{tiles}: {type(err).__name__}: {str(err).splitlines()[0][:100]}", flush=True)
+            continue
+        rel = float((out - ref).norm() / ref.norm())
+        rows.append(dict(tiles=tiles, ms=ms, tflops=flops / ms / 1e9, rel_vs_default=rel,
+                         default=tiles == TILES))
+        print(json.dumps(rows[-1]), flush=True)
+    best = min(rows, key=lambda r: r["ms"])
+    default = next(r for r in rows if r["default"])
+    summary = dict(queries=a.queries, pools=POOLS, heads=HEADS, dim=DIM, topk_ms=t_topk,
+                   default=default, best=best, best_speedup=default["ms"] / best["ms"])
+    print("summary " + json.dumps(summary), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(summary, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
