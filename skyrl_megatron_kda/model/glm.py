@@ -21,8 +21,8 @@ types in ``train.recompute_layers`` in backward (reentrant checkpoints, as megat
 ``train.offload_activations`` keeps the tensors saved for backward in host memory (parameters
 excepted, model/host_offload.py);
 ``train.loss_chunk_tokens`` computes the head's log-probs (the loss) in token chunks without
-forming the logits (``GLMModel.token_logprobs``, model/head.py); ``train.moe_chunk_tokens`` runs the MoE experts in token chunks, each
-rebuilt in backward (model/moe_layer.py).
+forming the logits (``GLMModel.token_logprobs``, model/head.py); ``train.moe_chunk_tokens`` runs
+the MoE experts in token chunks, each rebuilt in backward (model/moe_layer.py).
 
 Tensors are megatron's ``[s, b, ...]`` inside; ``s`` is this rank's CP shard (zigzag by default)
 and, under sequence parallelism, its ``1/tp`` slice. The MTP layer is not built.
