@@ -17,37 +17,17 @@ from megatron.core import tensor_parallel
 
 from skyrl_megatron_kda.kda.parity import relative_error
 from skyrl_megatron_kda.model.fused_loss import chunked_linear_cross_entropy
+from tests.support.head_cases import B, CHUNKS, D, S, V, inputs, output_logits, rank_leaves
 from tests.support.kda_cases import saved_bytes
 from tests.support.ranks import run_ranks
 
-S, B, D, V = 38, 2, 24, 50  # CP-rank tokens, batch, hidden, vocabulary: distinct sizes
-CHUNKS = (5, 19, 76, 200)  # rows are S * B = 76: does not divide, divides, one chunk, larger
 TOL = 1e-6
-
-
-def _inputs():
-    gen = torch.Generator().manual_seed(11)
-    hidden = torch.randn(S, B, D, generator=gen)
-    weight = torch.randn(V, D, generator=gen) / D ** 0.5 * 3  # peaked softmaxes: max matters
-    labels = torch.randint(0, V, (S, B), generator=gen)
-    mask = (torch.rand(S, B, generator=gen) > 0.3).float()  # ignored tokens: zero gradient
-    return hidden, weight, labels, mask
-
-
-def _output_logits(hidden, weight, group, sp):
-    """The output layer as GLMModel runs it without the setting: its input mapping (SP gather,
-    else the TP copy) and the matmul, [S, B, V/tp]."""
-    if sp and group.size() > 1:
-        full = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=group)
-    else:
-        full = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=group)
-    return torch.matmul(full, weight.t())
 
 
 def _unfused(hidden, weight, labels, group, sp):
     """What GLMModel computes without the setting: the output layer, then megatron's
     vocab-parallel cross entropy on the fp32 logits."""
-    logits = _output_logits(hidden, weight, group, sp)
+    logits = output_logits(hidden, weight, group, sp)
     return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels, tp_group=group)
 
 
@@ -60,12 +40,9 @@ def _fused(chunk):
 
 def _run(fn, rank, world, sp, group, label_shift=0):
     """Loss [S, B], this rank's hidden gradient and weight-shard gradient."""
-    hidden, weight, labels, mask = _inputs()
+    hidden, weight, labels, mask = inputs()
     labels = (labels + label_shift) % V
-    v = V // world
-    rows = slice(rank * S // world, (rank + 1) * S // world) if sp else slice(None)
-    h = hidden[rows].clone().requires_grad_()
-    w = weight[rank * v:(rank + 1) * v].clone().requires_grad_()
+    h, w = rank_leaves(hidden, weight, rank, world, sp)
     loss = fn(h, w, labels, group, sp)
     (loss * mask).sum().backward()
     return loss.detach(), h.grad, w.grad
@@ -98,79 +75,15 @@ def test_equals_megatron_loss_and_gradients(world, sp):
         assert control > 1e-2, f"rank {rank}: wrong target columns went unnoticed ({control:.1e})"
 
 
-TEMPERATURE = 0.7
-
-
-def _rl_unfused(hidden, weight, labels, group, sp):
-    """The RL path without the setting (train/rl.py): fp32 logits / temperature, megatron's
-    cross entropy (its negative is the log-prob) and the vocab-parallel entropy."""
-    from skyrl_megatron_kda.train.rl import vocab_parallel_entropy
-
-    logits = _output_logits(hidden, weight, group, sp).float() / TEMPERATURE
-    ent = vocab_parallel_entropy(logits.flatten(0, 1), group).view(labels.shape)
-    loss = tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels, tp_group=group)
-    return loss, ent
-
-
-def _rl_fused(chunk, temperature=TEMPERATURE):
-    def fn(hidden, weight, labels, group, sp):
-        return chunked_linear_cross_entropy(hidden, weight, labels, chunk=chunk, tp_group=group,
-                                            sequence_parallel=sp, temperature=temperature,
-                                            entropy=True)
-    return fn
-
-
-def _rl_run(fn, rank, world, sp, group):
-    """Log-prob and entropy [S, B], and the gradients of a loss that uses both."""
-    hidden, weight, labels, mask = _inputs()
-    v = V // world
-    rows = slice(rank * S // world, (rank + 1) * S // world) if sp else slice(None)
-    h = hidden[rows].clone().requires_grad_()
-    w = weight[rank * v:(rank + 1) * v].clone().requires_grad_()
-    loss, ent = fn(h, w, labels, group, sp)
-    coef = torch.linspace(-1.0, 1.0, ent.numel()).view(ent.shape)
-    (loss * mask + 0.3 * coef * ent).sum().backward()
-    return -loss.detach(), ent.detach(), h.grad, w.grad
-
-
-def _rl_parity(rank, world, sp):
-    import torch.distributed as dist
-
-    group = dist.new_group(list(range(world)))
-    ref = _rl_run(_rl_unfused, rank, world, sp, group)
-    out = {chunk: [relative_error(a, b) for a, b in zip(_rl_run(_rl_fused(chunk), rank, world, sp, group), ref)]
-           for chunk in CHUNKS}
-    # Negative control: the temperature left out.
-    wrong = _rl_run(_rl_fused(5, temperature=1.0), rank, world, sp, group)
-    out["control"] = min(relative_error(a, b) for a, b in zip(wrong, ref))
-    return out
-
-
-@pytest.mark.parametrize("world,sp", [(1, False), (2, True)], ids=["tp1", "tp2_sp"])
-def test_rl_logprobs_and_entropy_equal_the_unfused_path(world, sp):
-    """The RL path's log-probs and entropies at a sampling temperature, and the gradients of a
-    loss over both, equal the unfused path's (logits / temperature, megatron's cross entropy,
-    ``train.rl.vocab_parallel_entropy``) within 1e-6."""
-    for rank, errors in enumerate(run_ranks(world, _rl_parity, sp)):
-        control = errors.pop("control")
-        print(rank, errors, control)
-        for chunk, errs in errors.items():
-            assert max(errs) < TOL, (rank, chunk, errs)
-        assert control > 1e-2, f"rank {rank}: a missing temperature went unnoticed ({control:.1e})"
-
-
 def _census(rank, world, sp):
     """(shapes, bytes) of what each loss keeps for backward on this rank, the weight left out."""
     import torch.distributed as dist
 
     group = dist.new_group(list(range(world)))
-    hidden, weight, labels, _ = _inputs()
-    v = V // world
-    rows = slice(rank * S // world, (rank + 1) * S // world) if sp else slice(None)
+    hidden, weight, labels, _ = inputs()
     out = {}
     for name, fn in (("unfused", _unfused), ("fused", _fused(5))):
-        h = hidden[rows].clone().requires_grad_()
-        w = weight[rank * v:(rank + 1) * v].clone().requires_grad_()
+        h, w = rank_leaves(hidden, weight, rank, world, sp)
         shapes = []
 
         def keep(t, shapes=shapes, w=w):
@@ -209,14 +122,14 @@ def test_keeps_no_tokens_by_vocabulary_tensor(world, sp):
 def _train(rank, world, chunk):
     """Two optimizer steps of the tiny recipe (TP2 x CP2 +SP, EP2) with ``train.loss_chunk_tokens``
     = ``chunk`` (None: megatron's loss): (loss, grad norm) of each step as rank 0 reports them."""
-    from skyrl_megatron_kda.model import glm
+    from skyrl_megatron_kda.model import head
     from skyrl_megatron_kda.recipes import load_recipe
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
     calls = []
-    fused = glm.chunked_linear_cross_entropy
+    fused = head.chunked_linear_cross_entropy
     # Counted, so that equal losses cannot come from the setting being ignored.
-    glm.chunked_linear_cross_entropy = lambda *a, **k: calls.append(k["chunk"]) or fused(*a, **k)
+    head.chunked_linear_cross_entropy = lambda *a, **k: calls.append(k["chunk"]) or fused(*a, **k)
     setting = [] if chunk is None else [f"train.loss_chunk_tokens={chunk}"]
     trainer = RankTrainer(load_recipe("glm53_flash_tiny", ["train.steps=2", *setting], environ={}))
     steps = [trainer.train_step() for _ in range(2)]

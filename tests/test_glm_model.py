@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.support.ranks import run_ranks
+from tests.support.tiny_models import token_loss
 
 T, B = 32, 2  # tokens per sequence (divides by 2*cp*tp for the zigzag + SP split), batch
 DOCS = (12, 8, 12)  # packed THD row of T tokens: each document divides by 2*cp (zigzag)
@@ -142,7 +143,7 @@ def _run_ours(recipe, path, ref, tp_rank, cp_rank, *, backward=False):
     cols = slice(tp_rank * vocab, (tp_rank + 1) * vocab)
     logits = model(ids[:, rows])
     model.reset_cp_bytes()
-    loss = model(ids[:, rows], labels=targets.roll(-1, 1)[:, rows])
+    loss = token_loss(model, ids[:, rows], targets.roll(-1, 1)[:, rows])
     out = dict(logits=_rel(logits, ref["logits"][:, rows][..., cols]),
                loss=_rel(loss, ref["loss"][:, rows]), cp_bytes=model.cp_bytes(),
                logits_shape=tuple(logits.shape), loss_dtype=loss.dtype,
@@ -168,7 +169,7 @@ def _run_packed(model, recipe, ref, tp_rank, cp_rank, cols):
                              max_seqlen_q=max(DOCS), max_seqlen_kv=max(DOCS))
     with torch.no_grad():
         logits = model(ids[:, rows], packed_seq_params=params)
-        loss = model(ids[:, rows], packed_seq_params=params, labels=targets[:, rows])
+        loss = token_loss(model, ids[:, rows], targets[:, rows], packed_seq_params=params)
     return dict(packed_logits=_rel(logits, ref["packed_logits"][:, rows][..., cols]),
                 packed_loss=_rel(loss, ref["packed_loss"][:, rows]))
 
@@ -187,7 +188,7 @@ def _single(rank, world, path, export_path):
     recipe = tiny_recipe()
     model, res = _run_ours(recipe, path, ref, 0, 0)
     ids, targets = _batch()
-    loss = model(ids, labels=targets.roll(-1, 1))
+    loss = token_loss(model, ids, targets.roll(-1, 1))
     res["mean_loss_vs_hf_loss"] = abs(float(loss[:, :-1].mean()) - ref["hf_loss"]) / ref["hf_loss"]
     hf_io.save_hf_checkpoint(model, export_path, source=path)
     res["recompute"] = _recompute_gap(recipe, path, model, ids, targets.roll(-1, 1))
@@ -262,7 +263,7 @@ MEMORY_VARIANTS = {
 
 def _loss_and_grads(model, ids, labels):
     model.zero_grad()
-    loss = model(ids, labels=labels)
+    loss = token_loss(model, ids, labels)
     loss.mean().backward()
     return loss.detach(), {n: q.grad for n, q in model.named_parameters()}
 

@@ -14,7 +14,7 @@ import torch
 from skyrl_megatron_kda import cli, memory
 from skyrl_megatron_kda.recipes import load_recipe
 from tests.support.ranks import run_ranks
-from tests.support.tiny_models import build_on_mesh, token_ids
+from tests.support.tiny_models import build_on_mesh, token_ids, token_loss
 
 TINY = "glm53_flash_tiny"
 FULL = "glm53_flash_1m"
@@ -170,7 +170,7 @@ def _census_on_rank(rank, world, overrides_list):
         ids = token_ids(recipe)
         with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda h: h.t):
             # Labels in their own storage, as the trainer's: the fused loss keeps them.
-            loss = model(ids, labels=ids.roll(-1, 1))
+            loss = token_loss(model, ids, ids.roll(-1, 1))
         parts: dict[str, int] = {}
         for module, nbytes in census.by_module().items():
             parts[_part(module)] = parts.get(_part(module), 0) + nbytes
@@ -289,10 +289,10 @@ def _after_backward_on_rank(rank, world, overrides_list, keep_dispatch_state):
         ids = token_ids(recipe)
         labels = ids.roll(-1, 1)
         with torch.no_grad():  # fills the caches meant to last (the KDA CP layout of the batch)
-            model(ids, labels=labels)
+            token_loss(model, ids, labels)
         cached = _live_tensors(model, [ids, labels])
         for _ in range(2):  # the second step starts from what the first left behind
-            model(ids, labels=labels).sum().backward()
+            token_loss(model, ids, labels).sum().backward()
         live = _live_tensors(model, [ids, labels])
         out.append({ptr: v for ptr, v in live.items() if ptr not in cached})
     return out
@@ -496,7 +496,7 @@ def _host_census_on_rank(rank, world, overrides_list):
         recipe = load_recipe(TINY, overrides)
         model = build_on_mesh(recipe)
         ids = token_ids(recipe)
-        loss = model(ids, labels=ids.roll(-1, 1))
+        loss = token_loss(model, ids, ids.roll(-1, 1))
         saved = sorted(model.host_offload.saved)
         loss.sum().backward()
         out.append((saved, model.host_offload.held, model.host_offload.peak))

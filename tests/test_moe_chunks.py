@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from skyrl_megatron_kda.recipes import load_recipe
 from tests.support.ranks import run_ranks
-from tests.support.tiny_models import build_on_mesh, token_ids
+from tests.support.tiny_models import build_on_mesh, token_ids, token_loss
 
 TINY = "glm53_flash_tiny"
 SINGLE = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.etp=1",
@@ -42,7 +42,7 @@ cancelling terms, norms of 1e-5 to 1e-4) amplify them to a few 1e-5, as for the 
 def _loss_and_grads(recipe):
     model = build_on_mesh(recipe)
     ids = token_ids(recipe)
-    loss = model(ids, labels=ids.roll(-1, 1))
+    loss = token_loss(model, ids, ids.roll(-1, 1))
     loss.mean().backward()
     return loss.detach(), {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
 

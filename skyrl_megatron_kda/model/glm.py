@@ -20,9 +20,9 @@ megatron-core 0.19.2 has no hook for that; every block inside is megatron's own 
 types in ``train.recompute_layers`` in backward (reentrant checkpoints, as megatron's);
 ``train.offload_activations`` keeps the tensors saved for backward in host memory (parameters
 excepted, model/host_offload.py);
-``train.loss_chunk_tokens`` computes the loss in token chunks without forming the logits
-(model/fused_loss.py); ``train.moe_chunk_tokens`` runs the MoE experts in token chunks, each
-rebuilt in backward (model/moe_layer.py).
+``train.loss_chunk_tokens`` computes the head's log-probs (the loss) in token chunks without
+forming the logits (``GLMModel.token_logprobs``, model/head.py); ``train.moe_chunk_tokens`` runs
+the MoE experts in token chunks, each rebuilt in backward (model/moe_layer.py).
 
 Tensors are megatron's ``[s, b, ...]`` inside; ``s`` is this rank's CP shard (zigzag by default)
 and, under sequence parallelism, its ``1/tp`` slice. The MTP layer is not built.
@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import (
@@ -54,7 +53,7 @@ from ..kda.layer import kda_layer_spec
 from ..megatron_config import mesh_config_kwargs
 from ..dsa.kept_selection import KeptSelection, kept_for
 from ..dsa.layer import glm_dsa_layer_spec
-from .fused_loss import chunked_linear_cross_entropy
+from . import head
 from .host_offload import HostOffload
 from .hyper_connections import HyperConnection, expand_to_streams, reduce_streams
 from .moe import build_moe_layer, check_glm_moe_config, moe_transformer_config_kwargs
@@ -224,7 +223,7 @@ class GLMModel(MegatronModule):
             bias=False, skip_bias_add=False, gather_output=False,
             skip_weight_param_allocation=m.tie_word_embeddings, tp_group=pg_collection.tp)
         self._cp_bytes_base = 0
-        # train.loss_chunk_tokens: the loss in token chunks without the logits (model/fused_loss.py).
+        # train.loss_chunk_tokens: the head in token chunks without the logits (token_logprobs).
         self.loss_chunk_tokens = recipe.train.loss_chunk_tokens
         self.host_offload = HostOffload() if recipe.train.offload_activations else None
 
@@ -258,27 +257,51 @@ class GLMModel(MegatronModule):
         return self.output_layer.weight if tied is None else tied
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                packed_seq_params: PackedSeqParams | None = None,
-                labels: torch.Tensor | None = None, temperature: float = 1.0,
-                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``input_ids`` [b, s_local]: this CP rank's tokens in the recipe's CP layout (packed THD:
-        b = 1 and ``packed_seq_params`` with the global cu_seqlens).
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+        """Logits [b, s_local, vocab/tp] of ``input_ids`` [b, s_local] (see ``_final_hidden``);
+        losses and log-probs come from ``token_logprobs``. ``position_ids`` are accepted for
+        megatron's calling convention and unused: the model has no positional encoding (KDA is
+        causal by construction, DSA is NoPE)."""
+        hidden = self._final_hidden(input_ids, packed_seq_params)
+        logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
+        return logits.transpose(0, 1).contiguous()
 
-        Returns logits [b, s_local, vocab/tp] without ``labels``, else the per-token fp32 loss
-        [b, s_local] of megatron's vocab-parallel cross entropy (unmasked; the caller masks and
-        averages), in token chunks without the logits under ``train.loss_chunk_tokens``; there
-        the RL path may also divide the logits by a sampling ``temperature`` and ask for each
-        token's ``entropy`` ([b, s_local], returned after the loss). ``position_ids`` are
-        accepted for the trainer's calling convention and unused:
-        the model has no positional encoding (KDA is causal by construction, DSA is NoPE).
+    def token_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
+                       packed_seq_params: PackedSeqParams | None = None, temperature: float = 1.0,
+                       entropy: bool = False, entropy_grad: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head: (fp32 log-probs [b, s_local] of ``labels`` [b, s_local] under
+        softmax(logits / ``temperature``), each token's entropy [b, s_local] when ``entropy``,
+        else None), unmasked. The fine-tune loss is the negated log-prob at temperature 1
+        (megatron's vocab-parallel cross entropy); the RL path adds the sampling temperature and
+        the entropy, differentiable with ``entropy_grad`` (model/head.py).
+
+        The model picks how: in token chunks without the logits under ``train.loss_chunk_tokens``
+        (the fast path), else from the whole logits (the reference); both give the same numbers.
         """
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
+        hidden = self._final_hidden(input_ids, packed_seq_params)
+        labels = labels.transpose(0, 1).contiguous()  # [s, b], as the hidden states
+        options = dict(tp_group=self.pg_collection.tp, temperature=temperature, entropy=entropy,
+                       entropy_grad=entropy_grad)
+        if self.loss_chunk_tokens is not None:
+            logp, ent = head.chunked_logprobs(
+                hidden, self._vocab_weight(), labels, chunk=self.loss_chunk_tokens,
+                sequence_parallel=self.config.sequence_parallel, **options)
+        else:
+            logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
+            logp, ent = head.logprobs_from_logits(logits, labels, **options)
+        logp = logp.transpose(0, 1).contiguous()
+        return logp, None if ent is None else ent.transpose(0, 1).contiguous()
+
+    def _final_hidden(self, input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None
+                      ) -> torch.Tensor:
+        """The trunk: final-norm hidden states [s, b, D] (SP: this TP rank's [s/tp, b, D]) of
+        ``input_ids`` [b, s_local], this CP rank's tokens in the recipe's CP layout (packed THD:
+        b = 1 and ``packed_seq_params`` with the global cu_seqlens)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [b, s_local], got shape {tuple(input_ids.shape)}")
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
-        if (temperature != 1.0 or entropy) and (labels is None or self.loss_chunk_tokens is None):
-            raise ValueError("temperature and entropy are options of the chunked loss: pass labels "
-                             "with train.loss_chunk_tokens set (else divide the logits yourself)")
         # The head's saved tensors stay on the device: saved last and read first in backward,
         # in host memory they would lower no peak and cost two copies.
         with self._saved_tensors_home():
@@ -294,22 +317,7 @@ class GLMModel(MegatronModule):
                                          use_reentrant=True)
                 else:
                     streams = layer(streams, packed_seq_params)
-        hidden = self.final_norm(reduce_streams(streams))
-        if labels is not None and self.loss_chunk_tokens is not None:
-            out = chunked_linear_cross_entropy(
-                hidden, self._vocab_weight(),
-                labels.transpose(0, 1).contiguous(), chunk=self.loss_chunk_tokens,
-                tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel,
-                temperature=temperature, entropy=entropy)
-            if entropy:
-                return tuple(t.transpose(0, 1).contiguous() for t in out)
-            return out.transpose(0, 1).contiguous()
-        logits, _ = self.output_layer(hidden, weight=self._output_weight())  # [s, b, V/tp]
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.float(), labels.transpose(0, 1).contiguous(), tp_group=self.pg_collection.tp)
-        return loss.transpose(0, 1).contiguous()
+        return self.final_norm(reduce_streams(streams))
 
     def _saved_tensors_home(self):
         """Where autograd keeps the tensors saved for backward: host memory under

@@ -8,12 +8,12 @@ optimizer separately. The path here, per micro-batch:
 
 1. ``pack_rollout``: the real tokens of each row become one document of a packed THD row
    (``data.pack_row``, padded for the recipe's CP layout), with the map back to [B, S].
-2. ``token_logprobs``: the model on this rank's shard (``RankTrainer.shard``: CP, and SP inside the
-   layers), logits / temperature, ``log p = -vocab_parallel_cross_entropy`` over the TP vocabulary
-   shards (and, on request, the vocab-parallel entropy); under ``train.loss_chunk_tokens`` the
-   model's chunked loss computes the same without the [tokens, vocab] logits, so an RL step fits
-   where the fine-tune does. ``GatherCP`` all-gathers the CP shards into natural token order and
-   scatters them back into the batch's [B, S] layout.
+2. ``token_logprobs``: the model's head on this rank's shard (``RankModel.token_logprobs``: CP,
+   and SP inside the layers), ``log p`` under softmax(logits / temperature) over the TP
+   vocabulary shards and, on request, the entropy; the model computes them as the fine-tune loss
+   (``GLMModel.token_logprobs``: in token chunks under ``train.loss_chunk_tokens``, so an RL step
+   fits where the fine-tune does). ``GatherCP`` all-gathers the CP shards into natural token
+   order and scatters them back into the batch's [B, S] layout.
 3. The caller's loss (a function of the [B, S] log-probs, the same on every TP and CP rank) is
    backpropagated as a *sum*: ``GatherCP`` hands each CP rank the gradient of its own rows only,
    megatron's DDP (built with ``calculate_per_token_loss``) sums parameter gradients over DP x CP,
@@ -29,10 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import (
-    reduce_from_tensor_model_parallel_region,
-    vocab_parallel_cross_entropy,
-)
 
 from ..distributed.cp_layout import LAYOUTS
 from .data import PackedRow, pack_row, pad_multiple, padded_length, row_multiple
@@ -105,68 +101,14 @@ class GatherCP(torch.autograd.Function):
         return grad_full[ctx.mine], None, None, None
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
-    """Entropy [s] of softmax(logits) from this TP rank's vocabulary shard ``logits`` [s, V/tp].
-
-    ``H = log Z - sum p z`` with ``Z`` and ``sum e^z z`` summed over TP by megatron's
-    ``reduce_from_tensor_model_parallel_region`` (backward: identity, right for a loss replicated
-    on every TP rank); the max shift is a detached all-reduce (the entropy does not depend on it)."""
-    shift = logits.detach().max(dim=-1).values
-    if tp_group.size() > 1:
-        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
-    z = logits - shift[:, None]
-    e = z.exp()
-    total = reduce_from_tensor_model_parallel_region(e.sum(dim=-1), tp_group)
-    weighted = reduce_from_tensor_model_parallel_region((e * z).sum(dim=-1), tp_group)
-    return total.log() - weighted / total
-
-
-def _logprobs_from_logits(trainer, tokens, position_ids, packed, labels, temperature: float,
-                          entropy: bool, entropy_grad: bool):
-    """This CP rank's log-probs and entropies [s_cp] from the model's logits [1, s_cp, V/tp]."""
-    logits = trainer.model(tokens, position_ids, packed_seq_params=packed)
-    logits = logits[0].float() / temperature  # a new tensor: CE below shifts its input in place
-    tp_group = trainer.pgs.tp
-    ent = None
-    if entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = vocab_parallel_entropy(logits, tp_group)
-        if ent.requires_grad:
-            logits = logits.clone()  # the entropy's graph keeps the unshifted logits
-    labels = labels.to(logits.device)
-    logp = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None], tp_group=tp_group)[:, 0]
-    return logp, ent
-
-
-def _chunked_logprobs(trainer, tokens, position_ids, packed, labels, temperature: float,
-                      entropy: bool, entropy_grad: bool):
-    """The same under ``train.loss_chunk_tokens``: the model's chunked loss (model/fused_loss.py)
-    with the temperature and the entropy, never forming the [s_cp, V/tp] logits."""
-    labels = labels.to(tokens.device)[None]
-    out = trainer.model(tokens, position_ids, packed_seq_params=packed, labels=labels,
-                        temperature=temperature, entropy=entropy)
-    loss, ent = out if entropy else (out, None)
-    if ent is not None and not (entropy_grad and torch.is_grad_enabled()):
-        ent = ent.detach()
-    return -loss[0], None if ent is None else ent[0]
-
-
 def token_logprobs(trainer, rollout: PackedRollout, temperature: float = 1.0, *,
                    entropy: bool = False, entropy_grad: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, S] (and the entropy [B, S] of each predicting distribution when
     ``entropy``) of ``rollout`` under ``trainer``'s model, identical on every rank of a DP
     replica. Differentiable when grad is enabled (call ``model.train()`` / ``eval()`` first)."""
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    shard = trainer.shard(rollout.row)
-    tokens, position_ids, packed = trainer.model_inputs(shard)
-    if trainer.recipe.train.loss_chunk_tokens is not None:
-        logp, ent = _chunked_logprobs(trainer, tokens, position_ids, packed, shard.labels,
-                                      temperature, entropy, entropy_grad)
-    else:
-        logp, ent = _logprobs_from_logits(trainer, tokens, position_ids, packed, shard.labels,
-                                          temperature, entropy, entropy_grad)
+    logp, ent = trainer.token_logprobs(trainer.shard(rollout.row), temperature=temperature,
+                                       entropy=entropy, entropy_grad=entropy_grad)
     cp_group = trainer.pgs.cp
     p = trainer.recipe.parallel
     positions = [pos.to(logp.device) for pos in
@@ -176,7 +118,7 @@ def token_logprobs(trainer, rollout: PackedRollout, temperature: float = 1.0, *,
         if local is None:
             outputs.append(None)
             continue
-        full = GatherCP.apply(local, positions, cp_group.rank(), cp_group)
+        full = GatherCP.apply(local[0], positions, cp_group.rank(), cp_group)
         index = (rollout.dst_row.to(full.device), rollout.dst_col.to(full.device))
         outputs.append(full.new_zeros(rollout.shape).index_put(index, full[rollout.src.to(full.device)]))
     return outputs[0], outputs[1]

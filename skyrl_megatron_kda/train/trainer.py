@@ -60,8 +60,9 @@ logger = logging.getLogger(__name__)
 
 BuildModel = Callable[..., torch.nn.Module]
 """``model.glm.build_model``'s contract: ``build_model(recipe, *, use_cpu, pg_collection)`` gives
-a module whose forward ``(input_ids [1, s], position_ids, *, packed_seq_params, labels)`` returns
-per-token fp32 loss [1, s], with ``cp_bytes()`` / ``reset_cp_bytes()`` counting KDA CP traffic."""
+a module whose ``token_logprobs(input_ids [1, s], labels [1, s], *, packed_seq_params,
+temperature, entropy, entropy_grad)`` returns (per-token fp32 log-probs [1, s], entropies [1, s]
+or None), with ``cp_bytes()`` / ``reset_cp_bytes()`` counting KDA CP traffic."""
 
 
 def load_initial_weights(module: torch.nn.Module, recipe: Recipe) -> bool:
@@ -95,8 +96,8 @@ class RankModel:
     the GLM model (``run.init_from_hf`` loaded) and the per-rank inputs of a packed row.
 
     What a forward-only role needs (SkyRL's reference worker) and the base ``RankTrainer`` adds
-    training to; ``train.rl.token_logprobs`` runs on either (``model``, ``shard``,
-    ``model_inputs``, ``pgs``, ``recipe``)."""
+    training to; ``train.rl.token_logprobs`` runs on either (``shard``, ``token_logprobs``,
+    ``pgs``, ``recipe``)."""
 
     def __init__(self, recipe: Recipe, *, build_model: BuildModel | None = None):
         if not dist.is_initialized():
@@ -119,6 +120,9 @@ class RankModel:
             module.cuda(torch.cuda.current_device())
         load_initial_weights(module, recipe)
         self.model = module
+        # The model itself: ``model`` is it here, and megatron's DDP around it in RankTrainer
+        # (whose forward only calls it), so the head is called on this one.
+        self.module = module
 
     def shard(self, row: PackedRow) -> RankShard:
         """This rank's part of a packed row (CP, and SP inside the layers) in the recipe's layout."""
@@ -128,7 +132,7 @@ class RankModel:
 
     def model_inputs(self, shard: RankShard) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(input_ids [1, s_local], position_ids [1, s_local], PackedSeqParams) of a shard, on this
-        rank's device: what the model's forward takes (``train.rl`` calls it too)."""
+        rank's device: what the model's forward takes."""
         device = self._device()
         cu = shard.cu_seqlens.to(device)
         cu_real = shard.cu_seqlens_unpadded.to(device)
@@ -137,6 +141,15 @@ class RankModel:
                                  cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
         return shard.tokens[None].to(device), shard.position_ids[None].to(device), packed
+
+    def token_logprobs(self, shard: RankShard, *, temperature: float = 1.0, entropy: bool = False,
+                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's head on a shard: (log-probs [1, s_local] of its labels, entropies or None),
+        the fine-tune loss's and the RL path's one call (``GLMModel.token_logprobs``)."""
+        tokens, _, packed = self.model_inputs(shard)
+        return self.module.token_logprobs(tokens, shard.labels[None].to(tokens.device),
+                                          packed_seq_params=packed, temperature=temperature,
+                                          entropy=entropy, entropy_grad=entropy_grad)
 
     def cpu_mode(self):
         """Context for calls into megatron's CUDA-only optimizer code (``distributed.cpu``)."""
@@ -155,7 +168,7 @@ class RankTrainer(RankModel):
 
     ``build_model`` defaults to ``model.glm.build_model``; ``loader`` to the recipe's data.
     The pieces of a step are public for ``train.rl`` (SkyRL's RL calls, whose batches and loss
-    come from outside): ``shard`` / ``model_inputs`` for a packed row, ``finalize_grads`` and
+    come from outside): ``shard`` / ``token_logprobs`` for a packed row, ``finalize_grads`` and
     ``optimizer_step`` once the gradients of a step are accumulated.
     """
 
@@ -190,11 +203,9 @@ class RankTrainer(RankModel):
     def _forward_backward(self, row) -> tuple[torch.Tensor, torch.Tensor]:
         """Local (loss sum, loss-token count) of one row, with its gradients accumulated."""
         shard = self.shard(row)
-        device = self._device()
-        tokens, position_ids, packed = self.model_inputs(shard)
-        loss = self.model(tokens, position_ids, packed_seq_params=packed,
-                          labels=shard.labels[None].to(device))
-        mask = shard.loss_mask[None].to(device=device, dtype=torch.float32)
+        logp, _ = self.token_logprobs(shard)
+        loss = -logp  # megatron's per-token cross entropy
+        mask = shard.loss_mask[None].to(device=self._device(), dtype=torch.float32)
         if loss.shape != mask.shape:
             raise ValueError(f"model returned loss of shape {tuple(loss.shape)}; expected per-token "
                              f"loss {tuple(mask.shape)} for this rank's rows")

@@ -25,3 +25,9 @@ def token_ids(recipe) -> torch.Tensor:
     """One packed row of ``data.seq_len`` random token ids [1, T], the same on every rank."""
     return torch.randint(0, recipe.model.vocab_size, (1, recipe.data.seq_len),
                          generator=torch.Generator().manual_seed(1))
+
+
+def token_loss(model, ids: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The fine-tune loss [b, s] as the trainer takes it: the model's head log-probs, negated."""
+    logp, _ = model.token_logprobs(ids, labels, **kwargs)
+    return -logp
