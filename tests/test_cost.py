@@ -169,7 +169,7 @@ STORED_LAYER_RUNS = sorted(CALIBRATION_RUN.glob("emulated_T*.json"))
 """Layer runs per rank, both ranks, of the code as it is: 128K, 256K and 1M in the run whose
 per-kernel profiles (at 128K) and state recurrence rows (256K, 1M) give the calibration its
 terms (its layer rows are timed separately from the profiled steps and read by no constant).
-(The runs in h200_kda_after_copy_fixes/, h200_kda_peer_blocks/, h200_kda_floor/ and
+(The runs in h200_kda_layer_profiles_one_qkv_gemm/, h200_kda_layer_256k_1m/, h200_kda_floor/ and
 h200_kda_profiles/ measured the code before q, k and v had GEMMs of their own.)"""
 
 
