@@ -96,7 +96,7 @@ SCENARIOS = [
     # copies the least: state 3.8 < allgather 4.7 < a2a 5.1.
     ("tp8-cp2-8K-ib", {"data": {"seq_len": 8192}}, None, "state"),
     # Few heads: 8 heads, hidden 4096, TP1 x CP2 on NVLink, T = 256K, the shape of
-    # docs/benchmarks.md (measured per rank: state and a2a within 1.5% in one run, state 12%
+    # docs/benchmarks-log.md (measured per rank: state and a2a within 1.5% in one run, state 12%
     # ahead in another; 1.36x ahead of a2a once q, k, v had GEMMs of their own; see the test
     # below): state 44.5 < a2a 59.1 < allgather 59.5. The projected width is 0.63x two hidden
     # rows, so a2a moves fewer bytes than allgather (0.75 vs 1.13 GiB), and that outweighs its

@@ -419,7 +419,7 @@ def test_kda_backward_working_set_is_per_head_token():
 
 
 def test_estimate_within_15_percent_of_the_measured_device_peaks():
-    """The one-H200 slice runs of docs/benchmarks.md (bench/results/slice_cp1_h200.json: peak =
+    """The one-H200 slice runs of docs/benchmarks-log.md (bench/results/slice_cp1_h200.json: peak =
     torch's max_memory_allocated on the busiest rank): the plan stays within 15% of each."""
     import json
     from pathlib import Path
