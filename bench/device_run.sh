@@ -7,15 +7,15 @@
 # Here, once (.whl/ holds the wheels the GPU image lacks, from `pip download --no-deps`):
 #              mkdir -p .whl-gpu .tcache &&
 #              cp .whl/*.whl .whl-gpu/ && rm .whl-gpu/ray-*.whl      # Ray is not needed on the GPU
-#              cp ../shared/tools/triton-autotune-h200.tgz .tcache/  # the tuning shared so far
+#              cp <an autotuning archive from earlier runs> .tcache/     # if you have one
 #              echo /.whl-gpu/ >> .git/info/exclude; echo /.tcache/ >> .git/info/exclude
 # On the device (carry [".whl-gpu", ".tcache"]):  bash bench/device_run.sh python3 bench/kda_layer.py ...
 # Runs that use Ray (bench/model_slice.py) carry [".whl", ".tcache"] and set WHEELS=.whl.
 # Restored before the command, later ones overriding earlier ones: $TRITON_AUTOTUNE_ARCHIVE
-# (default ../shared/tools/triton-autotune-h200.tgz, where that folder is beside the checkout),
-# every .tcache/*.tgz, then the older split archive .tcache/triton.tgz.part*. After it, the
-# autotuning results the run added (none of the restored ones) come back as $OUT/triton-added.tgz:
-# copy that into .tcache/ under a new name (e.g. triton-added-<date>.tgz) for the next call.
+# (where set: an archive kept outside the checkout), every .tcache/*.tgz, then the older split
+# archive .tcache/triton.tgz.part*. After it, the autotuning results the run added (none of the
+# restored ones) come back as $OUT/triton-added.tgz: copy that into .tcache/ under a new name
+# (e.g. triton-added-<date>.tgz) for the next call.
 # fla's conv autotunes per channel count, not per length: whatever runs a channel count first
 # picks its config for every length after it. Run the GPU tests (few thousand rows) after the
 # benchmarks, not before, or their choices serve the benchmarks' 128K-1M rows (docs/benchmarks.md).
@@ -25,8 +25,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD/.site:$PWD" TORCHDYNAMO_DISABLE=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export TRITON_CACHE_DIR="$PWD/.triton"
 mkdir -p .triton
-shared="${TRITON_AUTOTUNE_ARCHIVE:-../shared/tools/triton-autotune-h200.tgz}"
-for archive in "$shared" .tcache/*.tgz; do
+for archive in "${TRITON_AUTOTUNE_ARCHIVE:-}" .tcache/*.tgz; do
   [ -f "$archive" ] && tar xzf "$archive" && echo "restored Triton autotuning: $archive"
 done
 if ls .tcache/triton.tgz.part* >/dev/null 2>&1; then

@@ -96,7 +96,7 @@ SCENARIOS = [
     # copies the least: state 3.8 < allgather 4.7 < a2a 5.1.
     ("tp8-cp2-8K-ib", {"data": {"seq_len": 8192}}, None, "state"),
     # Few heads: 8 heads, hidden 4096, TP1 x CP2 on NVLink, T = 256K, the shape of
-    # docs/benchmarks.md (measured per rank: state and a2a within 1.5% in one run, state 12%
+    # docs/benchmarks-log.md (measured per rank: state and a2a within 1.5% in one run, state 12%
     # ahead in another; 1.36x ahead of a2a once q, k, v had GEMMs of their own; see the test
     # below): state 44.5 < a2a 59.1 < allgather 59.5. The projected width is 0.63x two hidden
     # rows, so a2a moves fewer bytes than allgather (0.75 vs 1.13 GiB), and that outweighs its
@@ -169,7 +169,7 @@ STORED_LAYER_RUNS = sorted(CALIBRATION_RUN.glob("emulated_T*.json"))
 """Layer runs per rank, both ranks, of the code as it is: 128K, 256K and 1M in the run whose
 per-kernel profiles (at 128K) and state recurrence rows (256K, 1M) give the calibration its
 terms (its layer rows are timed separately from the profiled steps and read by no constant).
-(The runs in h200_kda_after_copy_fixes/, h200_kda_peer_blocks/, h200_kda_floor/ and
+(The runs in h200_kda_layer_profiles_one_qkv_gemm/, h200_kda_layer_256k_1m/, h200_kda_floor/ and
 h200_kda_profiles/ measured the code before q, k and v had GEMMs of their own.)"""
 
 

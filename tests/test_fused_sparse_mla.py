@@ -1,7 +1,7 @@
 """``model.dsa.kernel=fused``: our wrapper around megatron-core's TileLang sparse-MLA kernels.
 
 On CPU the kernels are replaced by a torch stand-in with their contract (576-wide queries and
-latent, 512-wide output, int32 [S, 1, k] indices; tests.support.dsa_kernels.py), so what is
+latent, 512-wide output, int32 [S, 1, k] indices; ``tests/support/dsa_kernels.py``), so what is
 checked here is ours: the zero padding of the absorbed queries and the latent, the value
 projection, the query blocks, the recomputed forward in backward and the summed latent gradient.
 The fused path equals the torch kernel (``absorbed_sparse_mla``) in fp64 to 1e-10; controls show

@@ -419,7 +419,7 @@ def test_kda_backward_working_set_is_per_head_token():
 
 
 def test_estimate_within_15_percent_of_the_measured_device_peaks():
-    """The one-H200 slice runs of docs/benchmarks.md (bench/results/slice_cp1_h200.json: peak =
+    """The one-H200 slice runs of docs/benchmarks-log.md (bench/results/slice_cp1_h200.json: peak =
     torch's max_memory_allocated on the busiest rank): the plan stays within 15% of each."""
     import json
     from pathlib import Path
@@ -674,7 +674,7 @@ def test_slice_phases_the_gpu_measured():
 
 def test_plan_within_10_percent_of_the_lever_runs():
     """The slice runs with the memory levers on one H200 (bench/results/
-    h200_memory_levers_after_fixes/slice.json: 131,072 tokens with every lever, 32,768 without
+    h200_slice_memory_levers_131k/slice.json: 131,072 tokens with every lever, 32,768 without
     and with host offload; peak = max_memory_allocated over the steps), rebuilt with the
     benchmark's own recipe function: the plan is within 10% of each measured peak (the issue's
     bound)."""
@@ -686,7 +686,7 @@ def test_plan_within_10_percent_of_the_lever_runs():
     spec = importlib.util.spec_from_file_location("model_slice", root / "bench/model_slice.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    runs = json.loads((root / "bench/results/h200_memory_levers_after_fixes/slice.json").read_text())
+    runs = json.loads((root / "bench/results/h200_slice_memory_levers_131k/slice.json").read_text())
     assert [run["seq_len"] for run in runs] == [131072, 32768, 32768]
     for run in runs:
         recipe = bench.slice_recipe(run["layers"], run["seq_len"], run["cp"], run["exchange"], 3,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 
 class RowGather(Protocol):
-    """The collectives between a rank's shard of rows and the rows it projects (exchange.py).
+    """The collectives between a rank's shard of rows and the rows it projects (``kda/exchanges/``).
 
     The ``start_*`` calls issue their (last) collective asynchronously and return a function
     that waits for it and gives its result, so that backward can compute meanwhile."""

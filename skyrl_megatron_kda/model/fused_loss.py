@@ -1,7 +1,7 @@
 """Output layer + vocab-parallel cross entropy in token chunks, never forming the whole logits.
 
-Why our own: megatron-core 0.19.2 has no fused linear cross entropy (its ``fusions/
-fused_cross_entropy.py`` still takes the full logits), and Liger-Kernel's and Apple's
+Why our own: megatron-core 0.19.2 has no fused linear cross entropy (its fused
+vocab-parallel cross entropy still takes the full logits), and Liger-Kernel's and Apple's
 cut-cross-entropy's fused versions are Triton kernels over the whole vocabulary on one device:
 neither is vocab-parallel over TP nor runs on CPU, where the tests run. This is a torch
 ``autograd.Function`` with megatron's arithmetic, chunk by chunk.
