@@ -77,6 +77,7 @@ def _steps(rank, world):
     from skyrl_megatron_kda.config.dotpath import merge
     from skyrl_megatron_kda.dsa.layer import GlmKPoolIndexer
     from skyrl_megatron_kda.model.glm import build_model
+    from tests.support.tiny_models import token_loss
     from tests.test_glm_model import _batch, tiny_recipe
 
     parallel_state.initialize_model_parallel()
@@ -97,7 +98,7 @@ def _steps(rank, world):
         torch.manual_seed(0)
         model = build_model(recipe, use_cpu=True)
         calls.clear()
-        model(ids, labels=labels).mean().backward()
+        token_loss(model, ids, labels).mean().backward()
         return dict(indexer_calls=len(calls), dsa_layers=len(set(calls)),
                     grads={n: p.grad.clone() for n, p in model.named_parameters()
                            if p.grad is not None})
