@@ -9,7 +9,7 @@ dependencies. Environment variables are read only by ``loading.env_cp_exchange``
 """
 
 from .base import NonNegativeInt, PositiveInt
-from .cluster import ClusterConfig, InterNodeKind, LinkConfig
+from .cluster import LINK_PRESETS, ClusterConfig, InterNodeKind, LinkConfig
 from .data import DataConfig
 from .dotpath import flatten, merge, parse_overrides, unflatten
 from .kda import KDAConfig, cp_exchange_choices
@@ -25,7 +25,6 @@ from .parallel import ParallelConfig
 from .recipe import MeshRecipe, Recipe
 from .run import RunConfig
 from .train import TrainConfig
-from ..kda.calibration import LINK_PRESETS
 
 __all__ = [
     "CP_EXCHANGE_ENV", "LINK_PRESETS", "ClusterConfig", "DSAConfig", "DataConfig",
