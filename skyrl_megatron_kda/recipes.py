@@ -3,6 +3,7 @@
 
 Precedence, lowest first: the recipe's source, dot-path overrides (``--set kda.cp_exchange=a2a``),
 then ``SKYRL_KDA_CP_EXCHANGE`` (applied by ``config.apply_env_overrides``, the only env reader);
+the config validates the result and ``recipe_rules`` applies the registries' rules;
 ``load_recipe`` then resolves ``kda.cp_exchange=auto``.
 Unknown keys are errors at every depth (``extra="forbid"``), named by their dotted path.
 
@@ -22,10 +23,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .config import Recipe, load_recipe_dict, merge, parse_overrides
+from .config import Recipe, merge, parse_overrides
 from .console import yaml_message
 from .dsa import kernels as dsa_kernels
 from .kda.cost import resolve_cp_exchange
+from .recipe_rules import load_recipe_dict
 
 RECIPES_DIR = Path(str(files("skyrl_megatron_kda.builtin_recipes")))
 """Folder of the built-in YAML recipes: ``recipes/`` of the repository, shipped in the wheel as

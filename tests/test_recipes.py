@@ -189,7 +189,7 @@ def test_env_override_from_os_environ(monkeypatch):
 
 
 def test_env_override_is_validated_like_any_value():
-    with pytest.raises(ValidationError, match=r"kda.cp_exchange=state .* kda.allow_inexact=false"):
+    with pytest.raises(ValueError, match=r"kda.cp_exchange=state .* kda.allow_inexact=false"):
         get_recipe(TINY, ["kda.allow_inexact=false"], environ={CP_EXCHANGE_ENV: "state"})
 
 

@@ -98,7 +98,7 @@ def test_command_line_wins_over_the_environment_variable(monkeypatch, caplog):
 
 @pytest.mark.parametrize("bad, error, words", [
     (["trainer.kda.cp_exchang=allgather"], ValueError, "cp_exchang"),            # SkyRL's strict keys
-    (["trainer.kda.cp_exchange=ring"], ValidationError, "kda.cp_exchange"),      # our Literal
+    (["trainer.kda.cp_exchange=ring"], ValueError, "kda.cp_exchange: Input should be"),  # registry
     (["trainer.kda.overrides.parallel.tpp=2"], ValidationError, "parallel.tpp"),  # extra="forbid"
     (["trainer.kda.overrides.parallel.tp=3"], ValidationError, "divisible"),      # a Recipe rule
     (["trainer.kda.cp_exchange=a2a", "trainer.kda.overrides.kda.cp_exchange=state"], ValueError,

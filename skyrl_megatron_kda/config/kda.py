@@ -1,4 +1,4 @@
-"""The KDA linear-attention layer's section, and the values ``kda.cp_exchange`` may take."""
+"""The KDA linear-attention layer's section."""
 
 from __future__ import annotations
 
@@ -6,13 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..kda import exchanges
 from .base import ConfigSection, PositiveInt
-
-
-def cp_exchange_choices() -> tuple[str, ...]:
-    """The values of ``kda.cp_exchange``: the registered exchanges (``kda.exchanges``), then auto."""
-    return exchanges.REGISTRY.choices()
 
 
 class KDAConfig(ConfigSection):
@@ -21,7 +15,8 @@ class KDAConfig(ConfigSection):
     cp_exchange: str = Field(default="a2a", strict=True)
     """How the layer exchanges data across the CP group: a registered exchange (``kda.exchanges``)
     or ``auto``, which the cost model resolves once when the recipe is loaded to run
-    (``recipes.load_recipe``); SKYRL_KDA_CP_EXCHANGE overrides it."""
+    (``recipes.load_recipe``); SKYRL_KDA_CP_EXCHANGE overrides it. The name and whether it can
+    run on the mesh are checked against the live registry (``recipe_rules``)."""
     exchange_reason: str | None = None
     """Why ``cp_exchange`` is what it is when ``auto`` picked it (the cost model's one-line
     reason, recorded in the run folder's recipe.yaml); None when the exchange was configured."""
@@ -68,13 +63,6 @@ class KDAConfig(ConfigSection):
             raise ValueError("kda.cp_layout is now parallel.cp_layout: the CP token layout is the "
                              "whole model's (KDA, DSA, the data's rows)")
         return data
-
-    @field_validator("cp_exchange")
-    @classmethod
-    def _registered_exchange(cls, value: str) -> str:
-        # Checked against the live registry, so a registered plugin exchange is a valid value;
-        # whether it can run on the mesh is the recipe's check (``MeshRecipe``).
-        return exchanges.REGISTRY.check(value)
 
     @field_validator("gate_lower_bound")
     @classmethod

@@ -235,7 +235,7 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
 
 def exclusions(recipe: MeshRecipe) -> dict[str, str]:
     """Why ``auto`` may not pick an exchange for this recipe (absent: allowed): each registered
-    exchange's own ``refusal`` rule, the one config validation and the layer ask too."""
+    exchange's own ``refusal`` rule, the one the recipe rules (``recipe_rules``) and the layer ask too."""
     mesh = ExchangeMesh.of(recipe)
     refusals = {name: exchanges.get(name).refusal(mesh) for name in exchanges.names()}
     return {name: why for name, why in refusals.items() if why is not None}

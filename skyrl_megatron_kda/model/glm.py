@@ -51,6 +51,7 @@ from ..config import Recipe
 from ..kda import exchanges
 from ..kda.exchanges import CommLedger
 from ..kda.layer import kda_layer_spec
+from .. import recipe_rules
 from ..megatron_config import mesh_config_kwargs
 from ..dsa.layer import glm_dsa_layer_spec
 from .fused_loss import chunked_linear_cross_entropy
@@ -314,6 +315,7 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
     ``model.moe.build_moe_layer``), so the same seed gives the same full weights at every mesh:
     TP, CP, EP, ETP."""
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    recipe_rules.check(recipe)  # a recipe not made by recipes.load_recipe meets them here
     _check_mesh(recipe, pgs)
     if recipe.kda.cp_exchange == exchanges.AUTO:
         raise ValueError("kda.cp_exchange=auto is not resolved: load the recipe with recipes.load_recipe "
