@@ -389,6 +389,12 @@ def test_flatten_and_unflatten_are_inverse():
     assert unflatten(flat) == {k: v for k, v in tree.items() if v}
 
 
+def test_the_old_exchange_reason_key_is_refused_naming_it():
+    # The reason auto gave is the loader's answer (recipes.LoadedRecipe), not a setting.
+    with pytest.raises(ValidationError, match="kda.exchange_reason is not a setting: .*auto_choices"):
+        MeshRecipe.model_validate({"kda": {"exchange_reason": "state: 200 ms"}})
+
+
 def test_the_old_cp_layout_key_names_its_new_home():
     with pytest.raises(ValidationError, match="kda.cp_layout is now parallel.cp_layout"):
         MeshRecipe.model_validate({"kda": {"cp_layout": "contiguous"}})

@@ -82,10 +82,10 @@ def test_config_takes_the_toy_and_its_rules(toy):
     assert kernel_split(DSAConfig(kernel=TOY)).tp_split == "heads"  # it cannot split rows
     with pytest.raises(ValueError, match="tp_split=sequence needs model.dsa.kernel fused or torch"):
         check_dsa(DSAConfig(kernel=TOY, tp_split="sequence"))
-    recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"])
+    recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"]).recipe
     assert recipe.model.dsa.kernel == TOY
     with pytest.raises(ValueError, match="the toy kernel runs on CPUs only"):
-        load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}", "run.device=gpu"])
+        load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}", "run.device=gpu"]).recipe
 
 
 def test_without_the_toy_its_name_is_refused():
@@ -96,7 +96,7 @@ def test_without_the_toy_its_name_is_refused():
 def test_auto_is_resolved_once_from_the_registry_order(toy, monkeypatch):
     assert kernels.resolve("auto", "cpu") == "torch" and kernels.resolve("auto", "gpu") == "fused"
     assert kernels.resolve(TOY, "cpu") == TOY
-    assert load_recipe("glm53_flash_tiny", ONE_RANK).model.dsa.kernel == "torch"
+    assert load_recipe("glm53_flash_tiny", ONE_RANK).recipe.model.dsa.kernel == "torch"
     # With only the oracle and the toy registered: the oracle is never auto's pick.
     monkeypatch.setattr(kernels.REGISTRY, "_classes",
                         {"unfused": kernels.UnfusedKernel, TOY: ToyKernel})
@@ -107,8 +107,8 @@ def test_auto_is_resolved_once_from_the_registry_order(toy, monkeypatch):
 
 def test_plan_reads_the_kernels_memory_terms(toy):
     torch_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, "model.dsa.kernel=torch",
-                                                    "model.dsa.tp_split=heads"])
-    toy_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"])
+                                                    "model.dsa.tp_split=heads"]).recipe
+    toy_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"]).recipe
     shape = memory.dsa_shape(toy_recipe)
     assert (memory.dsa_activation_bytes(toy_recipe)
             == memory.dsa_activation_bytes(torch_recipe) + shape.rows)

@@ -9,6 +9,14 @@ from pydantic import Field, field_validator, model_validator
 from .base import ConfigSection, PositiveInt
 
 
+_FORMER_KEYS = {
+    "cp_layout": ("is now parallel.cp_layout: the CP token layout is the whole model's (KDA, DSA, "
+                  "the data's rows)"),
+    "exchange_reason": ("is not a setting: the reason auto gave is recorded beside recipe.yaml in "
+                        "the run folder's auto_choices.yaml; delete the key"),
+}
+
+
 class KDAConfig(ConfigSection):
     """The KDA linear-attention layer; defaults are GLM-5.3-Flash's."""
 
@@ -17,9 +25,6 @@ class KDAConfig(ConfigSection):
     or ``auto``, which the cost model resolves once when the recipe is loaded to run
     (``recipes.load_recipe``); SKYRL_KDA_CP_EXCHANGE overrides it. The name and whether it can
     run on the mesh are checked against the live registry (``recipe_rules``)."""
-    exchange_reason: str | None = None
-    """Why ``cp_exchange`` is what it is when ``auto`` picked it (the cost model's one-line
-    reason, recorded in the run folder's recipe.yaml); None when the exchange was configured."""
     kernel: Literal["auto", "fla", "torch"] = "auto"
     """Chunked-KDA implementation: auto = fla on CUDA, our pure-torch KDA on CPU."""
     num_heads: PositiveInt = 64
@@ -58,10 +63,11 @@ class KDAConfig(ConfigSection):
 
     @model_validator(mode="before")
     @classmethod
-    def _cp_layout_moved(cls, data):
-        if isinstance(data, dict) and "cp_layout" in data:
-            raise ValueError("kda.cp_layout is now parallel.cp_layout: the CP token layout is the "
-                             "whole model's (KDA, DSA, the data's rows)")
+    def _former_keys(cls, data):
+        # Keys a recipe of an earlier release may hold, refused with where their meaning went.
+        for key, why in _FORMER_KEYS.items():
+            if isinstance(data, dict) and key in data:
+                raise ValueError(f"kda.{key} {why}")
         return data
 
     @field_validator("gate_lower_bound")

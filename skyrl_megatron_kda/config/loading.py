@@ -64,5 +64,4 @@ def apply_env_overrides(raw: dict, choices: Sequence[str],
         "%s=%s overrides kda.cp_exchange (config value: %s)", CP_EXCHANGE_ENV, value, configured
     )
     kda["cp_exchange"] = value
-    kda.pop("exchange_reason", None)  # a recorded auto choice no longer applies
     return out

@@ -32,8 +32,8 @@ MODEL_LEVERS = frozenset({
     "model.dsa.indexer_pool_block",
     # mHC's map projection in row chunks (a memory lever: fp32 summation order only).
     "model.hyper_connections.map_chunk_rows",
-    # The KDA layer's CP exchange and its choice, token layout over CP, kernel and chunking.
-    "kda.cp_exchange", "kda.exchange_reason", "kda.allow_inexact", "kda.kernel",
+    # The KDA layer's CP exchange and its choice, kernel and chunking.
+    "kda.cp_exchange", "kda.allow_inexact", "kda.kernel",
     "kda.chunk_size", "kda.kernel_segments", "kda.kernel_head_group",
 })
 """Settings of ``MODEL_SECTIONS`` that change how the same parameters compute the same model

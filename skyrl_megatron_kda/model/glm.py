@@ -184,11 +184,10 @@ class GLMModel(MegatronModule):
     """GLM-5.3-Flash text model on one rank of the TP x CP x EP mesh (see the module docstring)."""
 
     def __init__(self, config: MLATransformerConfig, recipe: Recipe,
-                 pg_collection: ProcessGroupCollection, cp_exchange_reason: str = "configured"):
+                 pg_collection: ProcessGroupCollection):
         super().__init__(config)
         m = recipe.model
         self.recipe = recipe
-        self.cp_exchange_reason = cp_exchange_reason
         self.pg_collection = pg_collection
         self.num_streams = m.hyper_connections.num_streams
         # megatron's VocabParallelEmbedding, not LanguageModelEmbedding: NoPE needs no position
@@ -310,7 +309,7 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
     """The model for ``recipe`` on this rank (megatron parallel state must be initialised).
 
     ``kda.cp_exchange=auto`` must be resolved already (``recipes.load_recipe`` does it, once);
-    the choice and its reason are on ``model.recipe`` and ``model.cp_exchange_reason``. Random
+    the choice is on ``model.recipe`` (its reason is the loader's, ``recipes.LoadedRecipe``). Random
     init on CPU draws full tensors and slices them (the MoE layers' from a seed per tensor,
     ``model.moe.build_moe_layer``), so the same seed gives the same full weights at every mesh:
     TP, CP, EP, ETP."""
@@ -321,7 +320,7 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
         raise ValueError("kda.cp_exchange=auto is not resolved: load the recipe with recipes.load_recipe "
                          "(or kda.cost.resolve_cp_exchange) before building the model")
     config = glm_transformer_config(recipe, use_cpu=use_cpu)
-    return GLMModel(config, recipe, pgs, cp_exchange_reason=recipe.kda.exchange_reason or "configured")
+    return GLMModel(config, recipe, pgs)
 
 
 def _check_mesh(recipe: Recipe, pgs: ProcessGroupCollection) -> None:
