@@ -217,8 +217,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         loaded = load_recipe(args.recipe, args.overrides)
         recipe = loaded.recipe
-        _say_choices(loaded)
-        print("\n".join(plan_lines(recipe, args.state_prepass, loaded.choices)))
+        lines = plan_lines(recipe, args.state_prepass, loaded.choices)
+        _say_choices(loaded)  # after what may still fail: an error is the only line
+        print("\n".join(lines))
         from .memory import GiB, memory_lines
 
         gpu = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB)
