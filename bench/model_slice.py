@@ -63,7 +63,7 @@ def slice_recipe(layers: int, seq_len: int, cp: int, exchange: str, steps: int, 
         f"run.num_workers={cp}", f"kda.cp_exchange={exchange}", f"train.steps={steps}",
         "train.save_at_end=false", f"run.output_dir={output_dir}", f"train.recompute={recompute}",
         f"run.memory_report={str(memory_report).lower()}", *(LEVERS[name] for name in levers),
-    ])
+    ]).recipe
 
 
 @contextlib.contextmanager

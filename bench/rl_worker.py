@@ -109,7 +109,7 @@ def load_checked_recipe(args):
 
     from skyrl_megatron_kda.recipes import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides).recipe
     workers = recipe.run.num_workers
     if recipe.run.device == "gpu":
         if not torch.cuda.is_available():

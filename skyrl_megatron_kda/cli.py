@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,12 +15,15 @@ from .tables import format_table
 
 if TYPE_CHECKING:
     from .config import MeshRecipe, Recipe
+    from .recipes import LoadedRecipe
     from .train.run_folder import RunStart
 
 
-def plan_lines(recipe: MeshRecipe, state_prepass: float | None = None) -> list[str]:
+def plan_lines(recipe: MeshRecipe, state_prepass: float | None = None,
+               choices: Mapping[str, str] | None = None) -> list[str]:
     """The cost model's table of the three exchanges for a recipe, and the choice with its reason;
-    a whole ``Recipe`` gets a first line with its model and mesh."""
+    a whole ``Recipe`` gets a first line with its model and mesh. ``choices``: the settings
+    ``auto`` picked when the recipe was loaded (``recipes.LoadedRecipe.choices``)."""
     from .config import Recipe
     from .kda.cost import DEFAULT_CALIBRATION, Calibration, choose
 
@@ -51,7 +55,7 @@ def plan_lines(recipe: MeshRecipe, state_prepass: float | None = None) -> list[s
           f"{e.total_s * 1e3:.1f}", f"{e.extra_memory_bytes / 2**30:.2f}",
           "yes" if e.exact else "no") for e in table],
         align="<>>>>>>><")
-    if k.cp_exchange == "auto" or k.exchange_reason is not None:  # auto, maybe resolved at load
+    if k.cp_exchange == "auto" or "kda.cp_exchange" in (choices or {}):  # auto, maybe resolved
         lines.append(f"choice: {reason}")
     else:
         lines.append(f"choice: {k.cp_exchange} (configured); auto would pick {reason}")
@@ -211,8 +215,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "plan":
-        recipe = load_recipe(args.recipe, args.overrides)
-        print("\n".join(plan_lines(recipe, args.state_prepass)))
+        loaded = load_recipe(args.recipe, args.overrides)
+        recipe = loaded.recipe
+        lines = plan_lines(recipe, args.state_prepass, loaded.choices)
+        _say_choices(loaded)  # after what may still fail: an error is the only line
+        print("\n".join(lines))
         from .memory import GiB, memory_lines
 
         gpu = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB)
@@ -251,12 +258,19 @@ def placement_lines(recipe: Recipe) -> list[str]:
             f"{recipe.run.device.upper()} ranks", *rank_map_lines(rank_map)]
 
 
-def load_recipe(name: str, overrides: list[str]) -> Recipe:
+def load_recipe(name: str, overrides: list[str]) -> LoadedRecipe:
     """``recipes.load_recipe``, imported when a command needs it (a recipe file's YAML error
     arrives as a ``ValueError`` naming the file)."""
     from .recipes import load_recipe as load
 
     return load(name, overrides)
+
+
+def _say_choices(loaded: LoadedRecipe) -> None:
+    """What ``auto`` picked when the recipe was loaded, one line each on stderr (``plan`` and
+    ``run``: made before logging is configured, so said here)."""
+    for line in loaded.choice_lines():
+        print(line, file=sys.stderr)
 
 
 def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
@@ -291,17 +305,19 @@ def _run(args: argparse.Namespace) -> int:
     from .train.run_lock import hold
 
     resume = ["run.resume=true"] if args.resume else []
-    recipe = load_recipe(args.recipe, [*args.overrides, *resume])
+    loaded = load_recipe(args.recipe, [*args.overrides, *resume])
+    recipe = loaded.recipe
     # One run per folder (train.run_lock): the lock is taken here, before check_run_inputs looks
     # at the folder or --overwrite moves it, and held until train.run.run has shut Ray down.
     # train.run.run takes it itself for Python callers; here it finds it held and keeps it.
     with hold(recipe.run.output_dir, say=lambda line: print(line, file=sys.stderr)):
-        return _run_holding_folder(args, recipe)
+        return _run_holding_folder(args, loaded)
 
 
-def _run_holding_folder(args: argparse.Namespace, recipe: Recipe) -> int:
+def _run_holding_folder(args: argparse.Namespace, loaded: LoadedRecipe) -> int:
     import logging
 
+    recipe = loaded.recipe
     start = check_run_inputs(recipe, overwrite=args.overwrite,
                              override_schedule=args.override_schedule, from_step=args.from_step)
     for note in start.notes:
@@ -314,11 +330,9 @@ def _run_holding_folder(args: argparse.Namespace, recipe: Recipe) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(recipe_line(recipe), file=sys.stderr)
-    if recipe.kda.exchange_reason is not None:
-        # recipes.load_recipe logged the choice before logging was configured here: say it.
-        print(f"kda.cp_exchange=auto -> {recipe.kda.exchange_reason}", file=sys.stderr)
+    _say_choices(loaded)
     try:
-        lines = run(recipe, start=start)
+        lines = run(recipe, start=start, choices=loaded.choices)
     except Interrupted as err:
         print(err, file=sys.stderr)
         return 128 + err.signum

@@ -49,11 +49,12 @@ class Registry(Generic[T]):
         return (*self._classes, AUTO)
 
     def check(self, value: str) -> str:
-        """``value`` if the setting accepts it, else the ``ValueError`` a config validator
-        raises (pydantic's wording for a choice)."""
+        """``value`` if the setting accepts it, else a one-line ``ValueError`` naming the setting,
+        the choices (in pydantic's wording for a choice) and the value."""
         if value not in self.choices():
             quoted = [repr(name) for name in self.choices()]
-            raise ValueError(f"Input should be {', '.join(quoted[:-1])} or {quoted[-1]}")
+            raise ValueError(f"{self.setting}: Input should be {', '.join(quoted[:-1])} or "
+                             f"{quoted[-1]}, got {value!r}")
         return value
 
     def get(self, name: str) -> T:

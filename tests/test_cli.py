@@ -172,7 +172,7 @@ def fake_run(out, steps: int = 4, saved_at: int = 2):
     wrote, ``saved_at`` metrics lines and one checkpoint (a 16 KiB stand-in shard with a real
     manifest) of a ``steps``-step run of the tiny recipe. Returns the shard's path."""
     out.mkdir(parents=True)
-    recipe = load_recipe(TINY, [f"train.steps={steps}", f"run.output_dir={out}"], environ={})
+    recipe = load_recipe(TINY, [f"train.steps={steps}", f"run.output_dir={out}"], environ={}).recipe
     (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"),
                                                     sort_keys=False))  # as train/run.py does
     (out / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 5.0}}\n'

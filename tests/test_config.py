@@ -17,14 +17,17 @@ from skyrl_megatron_kda.config import (
     ParallelConfig,
     TrainConfig,
     apply_env_overrides,
-    load_mesh_recipe,
     merge,
     parse_overrides,
 )
+from skyrl_megatron_kda.kda import exchanges
+from skyrl_megatron_kda.recipe_rules import load_mesh_recipe
 
 
 def recipe(**sections) -> MeshRecipe:
-    return MeshRecipe.model_validate(sections)
+    """The sections validated by the config, then the registries' rules (``recipe_rules``:
+    the exchange on the mesh, the CP layout's row multiple), with no environment override."""
+    return load_mesh_recipe(sections, environ={})
 
 
 # --- defaults --------------------------------------------------------------------------------
@@ -151,13 +154,13 @@ def test_heads_divisible_by_tp():
 
 def test_local_heads_divisible_by_cp():
     # 64 heads / tp8 = 8 local heads, not divisible by cp=3.
-    with pytest.raises(ValidationError, match=r"64/8 = 8 must be divisible by cp=3"):
+    with pytest.raises(ValueError, match=r"64/8 = 8 must be divisible by cp=3"):
         recipe(parallel={"tp": 8, "cp": 3, "sequence_parallel": True}, data={"seq_len": 48})
 
 
 def test_allgather_with_tp_needs_sequence_parallel():
     with pytest.raises(
-        ValidationError,
+        ValueError,
         match=r"allgather with tp=2 needs sequence parallelism.*"
         r"set parallel.sequence_parallel=true, or use kda.cp_exchange=a2a",
     ):
@@ -165,7 +168,7 @@ def test_allgather_with_tp_needs_sequence_parallel():
 
 
 def test_seq_len_divisible_by_two_cp():
-    with pytest.raises(ValidationError, match=r"seq_len=8196 must be divisible by 2\*cp=8"):
+    with pytest.raises(ValueError, match=r"seq_len=8196 must be divisible by 2\*cp=8"):
         recipe(parallel={"cp": 4}, data={"seq_len": 8196})
 
 
@@ -196,8 +199,8 @@ def test_kda_sizes_positive(field):
 
 
 def test_unknown_cp_exchange():
-    with pytest.raises(ValidationError, match=r"Input should be 'a2a', 'allgather'"):
-        KDAConfig(cp_exchange="ring")
+    with pytest.raises(ValueError, match=r"kda.cp_exchange: Input should be 'a2a', 'allgather'"):
+        recipe(kda={"cp_exchange": "ring"})
 
 
 def test_unknown_key_refused():
@@ -286,8 +289,9 @@ def test_env_override_without_kda_section_logs_default(caplog):
 def test_env_unset_or_empty_changes_nothing(caplog):
     raw = {"kda": {"cp_exchange": "allgather"}}
     with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.config"):
-        assert apply_env_overrides(raw, environ={}) == raw
-        assert apply_env_overrides(raw, environ={CP_EXCHANGE_ENV: ""}) == raw
+        choices = exchanges.REGISTRY.choices()
+        assert apply_env_overrides(raw, choices, environ={}) == raw
+        assert apply_env_overrides(raw, choices, environ={CP_EXCHANGE_ENV: ""}) == raw
     assert not caplog.records
 
 
@@ -313,7 +317,7 @@ def test_env_invalid_value_refused():
 def test_env_override_that_breaks_config_refused():
     raw = {"parallel": {"tp": 2, "cp": 2}}  # valid with the default a2a
     assert load_mesh_recipe(raw, environ={}).kda.cp_exchange == "a2a"
-    with pytest.raises(ValidationError, match=r"allgather with tp=2 needs sequence parallelism"):
+    with pytest.raises(ValueError, match=r"allgather with tp=2 needs sequence parallelism"):
         load_mesh_recipe(raw, environ={CP_EXCHANGE_ENV: "allgather"})
 
 
@@ -383,6 +387,12 @@ def test_flatten_and_unflatten_are_inverse():
     assert flat == {"model.dsa.kernel": "torch", "model.dsa.index_topk": 8,
                     "model.hidden_size": 32, "run.device": "cpu"}  # an empty mapping has no leaf
     assert unflatten(flat) == {k: v for k, v in tree.items() if v}
+
+
+def test_the_old_exchange_reason_key_is_refused_naming_it():
+    # The reason auto gave is the loader's answer (recipes.LoadedRecipe), not a setting.
+    with pytest.raises(ValidationError, match="kda.exchange_reason is not a setting: .*auto_choices"):
+        MeshRecipe.model_validate({"kda": {"exchange_reason": "state: 200 ms"}})
 
 
 def test_the_old_cp_layout_key_names_its_new_home():

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from skyrl_megatron_kda import cli
-from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, MeshRecipe, load_mesh_recipe, merge
+from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, MeshRecipe, merge
 from skyrl_megatron_kda.kda import exchanges
 from skyrl_megatron_kda.kda.cost import (
     Calibration,
@@ -27,6 +27,7 @@ from skyrl_megatron_kda.kda.cost import (
     resolve_cp_exchange,
 )
 from skyrl_megatron_kda.kda.exchanges import ExchangeShape
+from skyrl_megatron_kda.recipe_rules import load_mesh_recipe
 
 CONCRETE = exchanges.names()
 shape_of = ExchangeShape.of
@@ -255,7 +256,7 @@ def _grid():
                "data": {"seq_len": seq_len}, "cluster": {"inter_node_kind": kind}}
         try:
             yield load_mesh_recipe(raw, environ={})
-        except ValidationError:
+        except ValueError:
             # Only auto with heads that CP cannot split and state forbidden is refused.
             assert not inexact and (heads // tp) % cp
     # Exchanges that SP excludes, and CP groups that straddle nodes at 4 GPUs per node.

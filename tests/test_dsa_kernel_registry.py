@@ -1,5 +1,6 @@
 """The DSA kernel registry is the one list every part reads: a kernel registered at run time is a
-valid ``model.dsa.kernel``, its own rules (device, TP split) refuse recipes in config, ``plan``
+valid ``model.dsa.kernel``, its own rules (device, TP split) refuse recipes where they are loaded
+(``recipe_rules``), ``plan``
 reads its memory terms, ``auto`` picks among the registered kernels, and the layer runs it
 without knowing its name. The toy kernel is the torch kernel under another name, counting the
 calls the layer makes and keeping one more byte per query than the torch kernel (so the plan
@@ -12,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from skyrl_megatron_kda import memory
 from skyrl_megatron_kda.config import DSAConfig
 from skyrl_megatron_kda.dsa import kernels
 from skyrl_megatron_kda.dsa.kernels import TorchKernel
+from skyrl_megatron_kda.recipe_rules import check_dsa, kernel_split
 from skyrl_megatron_kda.recipes import load_recipe
 from tests.support.ranks import run_ranks
 
@@ -78,24 +79,24 @@ def test_registry_lists_the_toy_after_the_built_in_kernels(toy):
 
 
 def test_config_takes_the_toy_and_its_rules(toy):
-    assert DSAConfig(kernel=TOY).tp_split == "heads"  # its default split: it cannot split rows
-    with pytest.raises(ValidationError, match="tp_split=sequence needs model.dsa.kernel fused or torch"):
-        DSAConfig(kernel=TOY, tp_split="sequence")
-    recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"])
+    assert kernel_split(DSAConfig(kernel=TOY)).tp_split == "heads"  # it cannot split rows
+    with pytest.raises(ValueError, match="tp_split=sequence needs model.dsa.kernel fused or torch"):
+        check_dsa(DSAConfig(kernel=TOY, tp_split="sequence"))
+    recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"]).recipe
     assert recipe.model.dsa.kernel == TOY
-    with pytest.raises(ValidationError, match="the toy kernel runs on CPUs only"):
-        load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}", "run.device=gpu"])
+    with pytest.raises(ValueError, match="the toy kernel runs on CPUs only"):
+        load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}", "run.device=gpu"]).recipe
 
 
 def test_without_the_toy_its_name_is_refused():
-    with pytest.raises(ValidationError, match="Input should be 'fused', 'torch', 'unfused' or 'auto'"):
-        DSAConfig(kernel=TOY)
+    with pytest.raises(ValueError, match="Input should be 'fused', 'torch', 'unfused' or 'auto'"):
+        check_dsa(DSAConfig(kernel=TOY))
 
 
 def test_auto_is_resolved_once_from_the_registry_order(toy, monkeypatch):
     assert kernels.resolve("auto", "cpu") == "torch" and kernels.resolve("auto", "gpu") == "fused"
     assert kernels.resolve(TOY, "cpu") == TOY
-    assert load_recipe("glm53_flash_tiny", ONE_RANK).model.dsa.kernel == "torch"
+    assert load_recipe("glm53_flash_tiny", ONE_RANK).recipe.model.dsa.kernel == "torch"
     # With only the oracle and the toy registered: the oracle is never auto's pick.
     monkeypatch.setattr(kernels.REGISTRY, "_classes",
                         {"unfused": kernels.UnfusedKernel, TOY: ToyKernel})
@@ -106,8 +107,8 @@ def test_auto_is_resolved_once_from_the_registry_order(toy, monkeypatch):
 
 def test_plan_reads_the_kernels_memory_terms(toy):
     torch_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, "model.dsa.kernel=torch",
-                                                    "model.dsa.tp_split=heads"])
-    toy_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"])
+                                                    "model.dsa.tp_split=heads"]).recipe
+    toy_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"]).recipe
     shape = memory.dsa_shape(toy_recipe)
     assert (memory.dsa_activation_bytes(toy_recipe)
             == memory.dsa_activation_bytes(torch_recipe) + shape.rows)

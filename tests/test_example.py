@@ -184,7 +184,7 @@ def _main_params_rank(rank, world, hf_in) -> dict:
         "parallel.tp=1", "parallel.cp=1", "parallel.ep=2", "parallel.sequence_parallel=false",
         f"run.num_workers={world}",
         "model.params_dtype=bfloat16", f"run.init_from_hf={hf_in}", "train.lr=1e-30",
-        "train.weight_decay=0.0", "data.seq_len=64"], environ={})
+        "train.weight_decay=0.0", "data.seq_len=64"], environ={}).recipe
     trainer = RankTrainer(recipe)
     metrics = trainer.train_step()
     worst, moved = 0.0, []
@@ -213,7 +213,7 @@ def _missing_init_rank(rank, world, path) -> str:
     from skyrl_megatron_kda.recipes import load_recipe
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
-    recipe = load_recipe("glm53_flash_tiny", [*TP1, f"run.init_from_hf={path}"], environ={})
+    recipe = load_recipe("glm53_flash_tiny", [*TP1, f"run.init_from_hf={path}"], environ={}).recipe
     try:
         RankTrainer(recipe)
     except FileNotFoundError as err:

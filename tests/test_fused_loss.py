@@ -108,7 +108,7 @@ def test_keeps_no_tokens_by_vocabulary_tensor(world, sp):
     from skyrl_megatron_kda.recipes import load_recipe
 
     per_token = sum(memory.loss_kept_bytes_per_token(
-        load_recipe("glm53_flash_tiny", ["train.loss_chunk_tokens=5"])))
+        load_recipe("glm53_flash_tiny", ["train.loss_chunk_tokens=5"]).recipe))
     for rank, census in enumerate(run_ranks(world, _census, sp)):
         print(rank, census)
         shapes, _ = census["unfused"]
@@ -131,7 +131,7 @@ def _train(rank, world, chunk):
     # Counted, so that equal losses cannot come from the setting being ignored.
     head.chunked_linear_cross_entropy = lambda *a, **k: calls.append(k["chunk"]) or fused(*a, **k)
     setting = [] if chunk is None else [f"train.loss_chunk_tokens={chunk}"]
-    trainer = RankTrainer(load_recipe("glm53_flash_tiny", ["train.steps=2", *setting], environ={}))
+    trainer = RankTrainer(load_recipe("glm53_flash_tiny", ["train.steps=2", *setting], environ={}).recipe)
     steps = [trainer.train_step() for _ in range(2)]
     trainer.close()
     return [(m["loss"], m["grad_norm"]) for m in steps], calls

@@ -241,7 +241,7 @@ def test_map_backward_holds_one_chunk_as_the_plan_counts():
     peaks = {}
     for chunk in (256, 100, 32):
         recipe = load_recipe("glm53_flash_tiny", ["model.params_dtype=bfloat16", "data.seq_len=1024",
-                                                  f"model.hyper_connections.map_chunk_rows={chunk}"])
+                                                  f"model.hyper_connections.map_chunk_rows={chunk}"]).recipe
         m, rows = recipe.model, memory.rows_of(recipe).sp
         width, n = m.hyper_connections.num_streams * m.hidden_size, m.hyper_connections.num_streams
         gen = torch.Generator().manual_seed(0)

@@ -63,7 +63,7 @@ def _model_counts(model) -> tuple[dict, int]:
 def _count_on_rank(rank, world, overrides_list):
     out = []
     for overrides in overrides_list:
-        recipe = load_recipe(TINY, overrides)
+        recipe = load_recipe(TINY, overrides).recipe
         counts, buffers = _model_counts(build_on_mesh(recipe))
         out.append((counts, buffers, memory.param_counts(memory.rank_parameters(recipe)),
                     memory.rank_buffers_bytes(recipe)))
@@ -99,7 +99,7 @@ def test_parameter_count_equals_model_on_mesh():
 
 def test_negative_control_wrong_sharding_is_caught():
     """The comparison is not vacuous: counting experts unsharded by ETP changes the total."""
-    recipe = load_recipe(TINY, ["parallel.cp=1", "parallel.etp=2", "run.num_workers=4"])
+    recipe = load_recipe(TINY, ["parallel.cp=1", "parallel.etp=2", "run.num_workers=4"]).recipe
     good = memory.param_counts(memory.rank_parameters(recipe))
     no_etp = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"etp": 1})})
     assert memory.param_counts(memory.rank_parameters(no_etp)) != good
@@ -164,7 +164,7 @@ def _part(module: str) -> str:
 def _census_on_rank(rank, world, overrides_list):
     out = []
     for overrides in overrides_list:
-        recipe = load_recipe(TINY, overrides)
+        recipe = load_recipe(TINY, overrides).recipe
         model = build_on_mesh(recipe)
         census = _SavedTensorCensus(model)
         ids = token_ids(recipe)
@@ -202,7 +202,7 @@ def census():
         "bf16_moe_chunks": SINGLE + ["model.params_dtype=bfloat16", "train.moe_chunk_tokens=100"],
     }
     (result,) = run_ranks(1, _census_on_rank, list(variants.values()))
-    return dict(zip(variants, result)), {k: load_recipe(TINY, v) for k, v in variants.items()}
+    return dict(zip(variants, result)), {k: load_recipe(TINY, v).recipe for k, v in variants.items()}
 
 
 @pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16_T96", "fp32_unfused", "bf16_unfused",
@@ -284,7 +284,7 @@ def _after_backward_on_rank(rank, world, overrides_list, keep_dispatch_state):
         GLMMoELayer._release_dispatch_state = lambda self: None
     out = []
     for overrides in overrides_list:
-        recipe = load_recipe(TINY, overrides)
+        recipe = load_recipe(TINY, overrides).recipe
         model = build_on_mesh(recipe)
         ids = token_ids(recipe)
         labels = ids.roll(-1, 1)
@@ -309,7 +309,7 @@ def test_nothing_outlives_the_backward():
     for overrides, live in zip(variants, run_ranks(1, _after_backward_on_rank, variants, False)[0]):
         assert live == {}, (overrides, live)
     (leaked,) = run_ranks(1, _after_backward_on_rank, variants[:1], True)[0]
-    recipe = load_recipe(TINY, variants[0])
+    recipe = load_recipe(TINY, variants[0]).recipe
     streams = (96, 1, recipe.model.hyper_connections.num_streams, recipe.model.hidden_size)
     n_moe = recipe.model.mlp_types().count("moe")
     assert sum(shape == streams for _, shape, _ in leaked.values()) == 2 * n_moe, leaked
@@ -335,7 +335,7 @@ ON_GPU_UNFUSED_LOSS = ("train.offload_activations=false", "train.loss_chunk_toke
 
 
 def _full(*overrides: str):
-    return load_recipe(FULL, list(overrides))
+    return load_recipe(FULL, list(overrides)).recipe
 
 
 def test_activations_linear_in_sequence_length():
@@ -434,7 +434,7 @@ def test_estimate_within_15_percent_of_the_measured_device_peaks():
                                                    f"train.recompute={run.get('recompute', 'full')}",
                                                    f"train.offload_activations={str(run.get('offload', False)).lower()}",
                                                    # measured before the torch DSA kernel existed
-                                                   f"model.dsa.kernel={run.get('dsa_kernel', 'unfused')}"])
+                                                   f"model.dsa.kernel={run.get('dsa_kernel', 'unfused')}"]).recipe
         ratio = memory.estimate_memory(recipe).total / 2**30 / run["peak_gib"]
         assert 0.85 <= ratio <= 1.15, (run["layers"], run["seq_len"], ratio)
 
@@ -493,7 +493,7 @@ def test_offload_keeps_only_one_layer_on_the_gpu():
 def _host_census_on_rank(rank, world, overrides_list):
     out = []
     for overrides in overrides_list:
-        recipe = load_recipe(TINY, overrides)
+        recipe = load_recipe(TINY, overrides).recipe
         model = build_on_mesh(recipe)
         ids = token_ids(recipe)
         loss = token_loss(model, ids, ids.roll(-1, 1))
@@ -512,14 +512,14 @@ def test_host_offload_holds_what_the_plan_says():
                      "train.offload_activations=true"]
     variants = [base, base + ["train.loss_chunk_tokens=100"]]
     for overrides, (saved, held, peak) in zip(variants, run_ranks(1, _host_census_on_rank, variants)[0]):
-        recipe = load_recipe(TINY, overrides)
+        recipe = load_recipe(TINY, overrides).recipe
         assert saved == sorted(memory.offloaded_tensor_bytes(recipe)), overrides
         assert held == 0 and peak == sum(saved) == memory.host_activation_bytes(recipe)[0]
-        gpu = load_recipe(TINY, overrides + ["run.device=gpu"])
+        gpu = load_recipe(TINY, overrides + ["run.device=gpu"]).recipe
         pinned = sum(memory.pinned_block_bytes(n) for n in saved)
         assert memory.host_activation_bytes(gpu) == (pinned, True) and pinned > sum(saved)
     # Not modelled tensor by tensor without full recompute: a lower bound, said so.
-    assert memory.offloaded_tensor_bytes(load_recipe(TINY, SINGLE + ["train.offload_activations=true"])) is None
+    assert memory.offloaded_tensor_bytes(load_recipe(TINY, SINGLE + ["train.offload_activations=true"]).recipe) is None
 
 
 def test_pinned_blocks_round_up_to_a_power_of_two():
@@ -632,7 +632,7 @@ def _ffn_backward_census(rank, world, overrides_list):
 
     peaks = []
     for overrides in overrides_list:
-        recipe = load_recipe(TINY, SINGLE + ["model.params_dtype=bfloat16", *overrides])
+        recipe = load_recipe(TINY, SINGLE + ["model.params_dtype=bfloat16", *overrides]).recipe
         mlp = build_on_mesh(recipe).layers[0].mlp
         x = torch.randn(recipe.data.seq_len, 1, recipe.model.hidden_size,
                         dtype=torch.bfloat16, requires_grad=True)
@@ -652,7 +652,7 @@ def test_dense_mlp_backward_working_set_is_the_plans():
     shapes = [[], ["data.seq_len=512"], ["model.dense_ffn_hidden_size=256"], ["model.hidden_size=128"]]
     peaks = run_ranks(1, _ffn_backward_census, shapes)[0]
     for overrides, peak in zip(shapes, peaks):
-        planned = memory.dense_mlp_backward_bytes(load_recipe(TINY, SINGLE + ["model.params_dtype=bfloat16", *overrides]))
+        planned = memory.dense_mlp_backward_bytes(load_recipe(TINY, SINGLE + ["model.params_dtype=bfloat16", *overrides]).recipe)
         assert 0 <= peak - planned <= 2, (overrides, peak, planned)
     assert len(set(peaks)) == len(peaks)  # each shape moved it: the census sees the terms
 
@@ -664,10 +664,10 @@ def test_slice_phases_the_gpu_measured():
     levers = ["model.num_layers=4", "data.seq_len=131072", "train.recompute=full",
               "train.offload_activations=true", "train.loss_chunk_tokens=8192",
               "train.grad_reduce_in_fp32=false", "kda.kernel_head_group=16", "train.moe_chunk_tokens=8192"]
-    chunked = memory.estimate_memory(load_recipe("glm53_flash_slice", levers))
+    chunked = memory.estimate_memory(load_recipe("glm53_flash_slice", levers).recipe)
     assert chunked.peak_phase[0] == "dense MLP backward (largest)", chunked.phases
     whole = memory.estimate_memory(load_recipe(
-        "glm53_flash_slice", [*levers, "model.hyper_connections.map_chunk_rows=131072"]))
+        "glm53_flash_slice", [*levers, "model.hyper_connections.map_chunk_rows=131072"]).recipe)
     assert whole.peak_phase[0] == "mHC map backward (largest)", whole.phases
     assert whole.total - chunked.total > 20 * memory.GiB
 

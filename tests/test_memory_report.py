@@ -45,5 +45,5 @@ def test_an_out_of_memory_error_is_reported_where_it_happened():
 
 def test_memory_report_is_refused_on_cpu():
     with pytest.raises(ValidationError, match="run.memory_report needs run.device=gpu"):
-        load_recipe("glm53_flash_tiny", ["run.memory_report=true"], environ={})
-    assert load_recipe("glm53_flash_slice", ["run.memory_report=true"], environ={}).run.memory_report
+        load_recipe("glm53_flash_tiny", ["run.memory_report=true"], environ={}).recipe
+    assert load_recipe("glm53_flash_slice", ["run.memory_report=true"], environ={}).recipe.run.memory_report

@@ -58,13 +58,13 @@ def _gaps_on_rank(rank, world, mesh, roll_chunk_probs=False):
         GLMMoELayer._routed_experts_on_chunk = (
             lambda self, h, probs, m: on_chunk(self, h, probs.roll(1, 0), m))
     base = mesh + ["data.seq_len=128", "train.recompute=none"]
-    loss0, grads0 = _loss_and_grads(load_recipe(TINY, base))
+    loss0, grads0 = _loss_and_grads(load_recipe(TINY, base).recipe)
     out = {}
     # the chunk sizes, and the smallest under full recompute (chunks rebuilt inside a rebuilt layer)
     runs = {chunk: [] for chunk in CHUNKS} | {f"{CHUNKS[0]} full": ["train.recompute=full"]}
     for name, extra in runs.items():
         chunk = int(str(name).split()[0])
-        loss1, grads1 = _loss_and_grads(load_recipe(TINY, base + [f"train.moe_chunk_tokens={chunk}", *extra]))
+        loss1, grads1 = _loss_and_grads(load_recipe(TINY, base + [f"train.moe_chunk_tokens={chunk}", *extra]).recipe)
         assert grads1.keys() == grads0.keys()
         gaps = {n: float((grads1[n] - grads0[n]).norm() / grads0[n].norm()) for n in grads0}
         bitwise = torch.equal(loss1, loss0) + sum(torch.equal(grads1[n], grads0[n]) for n in grads0)
@@ -107,11 +107,11 @@ def test_negative_control_misrouted_chunk_is_caught():
 
 def _with_other_levers_on_rank(rank, world):
     base = SINGLE + ["data.seq_len=128", f"train.moe_chunk_tokens={CHUNKS[0]}"]
-    loss0, grads0 = _loss_and_grads(load_recipe(TINY, base))
+    loss0, grads0 = _loss_and_grads(load_recipe(TINY, base).recipe)
     out = {}
     for levers in (["train.offload_activations=true"], ["train.recompute=selective"],
                    ["train.recompute=full", "train.offload_activations=true"]):
-        loss1, grads1 = _loss_and_grads(load_recipe(TINY, base + levers))
+        loss1, grads1 = _loss_and_grads(load_recipe(TINY, base + levers).recipe)
         out[" ".join(levers)] = torch.equal(loss1, loss0) and all(
             torch.equal(grads1[n], grads0[n]) for n in grads0)
     return out
@@ -125,9 +125,9 @@ def test_chunks_with_the_other_memory_levers_are_bitwise_the_same():
 
 
 def test_moe_chunk_tokens_is_validated():
-    assert load_recipe(TINY, []).train.moe_chunk_tokens == 0
+    assert load_recipe(TINY, []).recipe.train.moe_chunk_tokens == 0
     with pytest.raises(ValidationError, match="moe_chunk_tokens"):
-        load_recipe(TINY, ["train.moe_chunk_tokens=-1"])
+        load_recipe(TINY, ["train.moe_chunk_tokens=-1"]).recipe
 
 
 def test_chunks_refuse_what_they_do_not_reproduce():
@@ -150,7 +150,7 @@ def _gather_buffers_on_rank(rank, world, meshes):
 
     out = []
     for overrides in meshes:
-        recipe = load_recipe(TINY, overrides)
+        recipe = load_recipe(TINY, overrides).recipe
         _loss_and_grads(recipe)
         buffers = parallel_state.get_global_memory_buffer().buffer
         out.append(sum(t.numel() * t.element_size() for t in buffers.values()))
@@ -167,7 +167,7 @@ def test_gather_buffer_is_the_plans_state():
             "parallel.sequence_parallel=true", "run.num_workers=4", "data.seq_len=128"]
     meshes = [mesh, mesh + ["train.moe_chunk_tokens=40"], mesh + ["train.moe_chunk_tokens=16"]]
     measured = run_ranks(4, _gather_buffers_on_rank, meshes)
-    planned = [memory.gather_buffer_bytes(load_recipe(TINY, m)) for m in meshes]
+    planned = [memory.gather_buffer_bytes(load_recipe(TINY, m).recipe) for m in meshes]
     assert all(rank == planned for rank in measured), (measured, planned)
     # The three requests differ: the unchunked dispatch (256 rows), a 40-row chunk's (160) and
     # the SP gather (128 rows, larger than a 16-row chunk's 64).

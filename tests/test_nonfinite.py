@@ -106,7 +106,7 @@ def _guarded_run(rank, world, overrides, poisoned_steps, steps) -> dict:
     from skyrl_megatron_kda.train.step_guard import NonFiniteStep
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
-    trainer = RankTrainer(load_recipe(TINY, [*TWO_RANKS, *overrides], environ={}))
+    trainer = RankTrainer(load_recipe(TINY, [*TWO_RANKS, *overrides], environ={}).recipe)
     _poison_on(trainer, 1, poisoned_steps)
     lines, unchanged, error = [], [], None
     for _ in range(steps):
@@ -167,7 +167,7 @@ def _megatron_step_as_before(trainer):
 def _three_steps(rank, world, guarded: bool) -> dict:
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
-    trainer = RankTrainer(load_recipe(TINY, TWO_RANKS, environ={}))
+    trainer = RankTrainer(load_recipe(TINY, TWO_RANKS, environ={}).recipe)
     if not guarded:
         _megatron_step_as_before(trainer)
     lines = [trainer.train_step() for _ in range(3)]
@@ -192,7 +192,7 @@ def _save_then_poison(rank, world, out: str) -> dict:
     from skyrl_megatron_kda.train import checkpoint, manifest
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
-    trainer = RankTrainer(load_recipe(TINY, TWO_RANKS, environ={}))
+    trainer = RankTrainer(load_recipe(TINY, TWO_RANKS, environ={}).recipe)
     trainer.train_step()
     first = trainer.save_checkpoint(out)
     trainer.train_step()

@@ -44,28 +44,28 @@ ON_GPU = ["run.device=gpu", "kda.kernel=torch", "model.dsa.kernel=torch"]
 @pytest.mark.parametrize("fraction", ["-0.1", "1.5"])
 def test_offload_fraction_outside_0_1_refused(fraction):
     with pytest.raises(ValidationError, match="optimizer_offload_fraction"):
-        load_recipe(TINY, [*ON_GPU, f"train.optimizer_offload_fraction={fraction}"], environ={})
+        load_recipe(TINY, [*ON_GPU, f"train.optimizer_offload_fraction={fraction}"], environ={}).recipe
 
 
 def test_offload_refused_on_cpu_ranks():
     with pytest.raises(ValidationError, match=r"train\.optimizer_offload_fraction=0\.5 needs "
                                               r"run\.device=gpu"):
-        load_recipe(TINY, ["train.optimizer_offload_fraction=0.5"], environ={})
+        load_recipe(TINY, ["train.optimizer_offload_fraction=0.5"], environ={}).recipe
 
 
 def test_grad_reduce_in_fp32_is_a_strict_bool():
     with pytest.raises(ValidationError, match="grad_reduce_in_fp32"):
-        load_recipe(TINY, ["train.grad_reduce_in_fp32=maybe"], environ={})
+        load_recipe(TINY, ["train.grad_reduce_in_fp32=maybe"], environ={}).recipe
 
 
 def test_built_configs_follow_the_recipe():
-    default = load_recipe(TINY, environ={})
+    default = load_recipe(TINY, environ={}).recipe
     cfg = optimizer_config(default)
     assert not cfg.optimizer_cpu_offload and not cfg.use_precision_aware_optimizer
     assert cfg.optimizer_offload_fraction == 0.0 and cfg.use_distributed_optimizer
     assert ddp_config(default).grad_reduce_in_fp32
 
-    recipe = load_recipe(TINY, ["train.grad_reduce_in_fp32=false"], environ={})
+    recipe = load_recipe(TINY, ["train.grad_reduce_in_fp32=false"], environ={}).recipe
     assert not ddp_config(recipe).grad_reduce_in_fp32
     assert not optimizer_config(recipe).optimizer_cpu_offload
 
@@ -73,7 +73,7 @@ def test_built_configs_follow_the_recipe():
 def test_offload_refused_when_built():
     """The recipe takes the fraction (``plan`` models it); the trainer's optimizer config and
     ``skyrl-kda run`` (before Ray starts) refuse it with one line naming megatron's limitation."""
-    recipe = load_recipe(TINY, [*ON_GPU, "train.optimizer_offload_fraction=0.25"], environ={})
+    recipe = load_recipe(TINY, [*ON_GPU, "train.optimizer_offload_fraction=0.25"], environ={}).recipe
     with pytest.raises(ValueError, match=r"not supported with megatron-core 0\.19\.2: its "
                                          r"HybridDeviceOptimizer cannot hold fp32 model parameters"):
         optimizer_config(recipe)
@@ -158,7 +158,7 @@ def test_megatron_hybrid_optimizer_cannot_hold_fp32_parameters():
 
 
 def _full(*overrides: str):
-    return load_recipe(FULL, list(overrides))
+    return load_recipe(FULL, list(overrides)).recipe
 
 
 def _shard_bytes(recipe, per_element: int, predicate) -> int:
@@ -221,7 +221,7 @@ def _built_bytes(rank, world, overrides) -> dict:
     the fp32 casts of the gradients the step makes, of a 1-rank bf16 tiny model on CPU."""
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
-    recipe = load_recipe(TINY, overrides, environ={})
+    recipe = load_recipe(TINY, overrides, environ={}).recipe
     trainer = RankTrainer(recipe)
     loss = trainer.train_step()["loss"]
     optimizers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
@@ -255,7 +255,7 @@ def _built_bytes(rank, world, overrides) -> dict:
 def test_memory_terms_equal_the_built_optimizer(fp32):
     overrides = [*ONE_RANK, f"train.grad_reduce_in_fp32={str(fp32).lower()}"]
     built = run_ranks(1, _built_bytes, overrides)[0]
-    recipe = load_recipe(TINY, overrides, environ={})
+    recipe = load_recipe(TINY, overrides, environ={}).recipe
     est, split = memory.estimate_memory(recipe), memory.optimizer_split(recipe)
     assert math.isfinite(built["loss"])
     assert built["grads"] == est.grads
@@ -267,7 +267,7 @@ def test_memory_terms_equal_the_built_optimizer(fp32):
 def _three_losses(rank, world, overrides) -> list[float]:
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
-    trainer = RankTrainer(load_recipe(TINY, overrides, environ={}))
+    trainer = RankTrainer(load_recipe(TINY, overrides, environ={}).recipe)
     losses = [trainer.train_step()["loss"] for _ in range(3)]
     trainer.close()
     return losses

@@ -1,9 +1,14 @@
-"""The package's shape: no module imports back into one that imports it, the config modules stay
-small, and imports sit at the top of each module (except optional dependencies)."""
+"""The package's shape: each module imports only from its own floor or below (the table in the
+README's "## Layout"), no module imports back into one that imports it, ``config`` loads neither
+torch nor megatron-core, the config modules stay small, and imports sit at the top of each module
+(except optional dependencies)."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "skyrl_megatron_kda"
@@ -51,12 +56,13 @@ def _imports(path: Path, top_level_only: bool) -> list[tuple[str, int]]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(top_level_only: bool = True) -> dict[str, set[str]]:
+    """Each package module -> the package modules it imports (at module level only, if asked)."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for module, path in files.items():
         deps = set()
-        for name, _ in _imports(path, top_level_only=True):
+        for name, _ in _imports(path, top_level_only):
             # ``from . import x`` names a module; ``from .m import f`` names m (f is not a module).
             while name and name not in files:
                 name = name.rpartition(".")[0]
@@ -120,3 +126,62 @@ def test_imports_are_at_the_top_except_optional_dependencies():
             if (name, line) not in top and not name.startswith(OPTIONAL):
                 inner.append(f"{path.relative_to(PACKAGE)}:{line} {name}")
     assert not inner, inner
+
+
+# --- floors ------------------------------------------------------------------------------------
+
+
+def _readme_floors() -> dict[str, int]:
+    """Top-level module or package -> its floor, from the table in the README's "## Layout"."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    floors = {}
+    for floor, names in re.findall(r"^\| (\d+) \| (.+?) \|$", section, re.MULTILINE):
+        for name in re.findall(r"`([\w.]+)`", names):
+            assert name not in floors, f"{name} is on two floors of the README's table"
+            floors[name] = int(floor)
+    return floors
+
+
+def _top(module: str) -> str:
+    """``skyrl_megatron_kda.kda.layer`` -> ``kda`` (the package itself -> "")."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def _upward_imports(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    """``a -> b`` for each import from a module to one on a higher floor."""
+    return sorted(f"{module} -> {dep}" for module, deps in graph.items() for dep in deps
+                  if _top(module) and _top(dep) and floors[_top(dep)] > floors[_top(module)])
+
+
+def test_every_module_has_a_floor():
+    tops = {_top(m) for m in _graph()} - {""}
+    floors = _readme_floors()
+    assert tops == set(floors), {"without a floor": tops - set(floors),
+                                 "not in the package": set(floors) - tops}
+
+
+def test_no_module_imports_from_a_higher_floor():
+    # Every import counts, also those inside functions (the command line imports its commands'
+    # modules when they run).
+    assert not _upward_imports(_graph(top_level_only=False), _readme_floors())
+
+
+def test_floor_check_finds_an_upward_import():
+    floors = {"config": 0, "kda": 1, "model": 2}
+    graph = {"p.config.a": set(), "p.kda.b": {"p.config.a"}, "p.model.c": {"p.kda.b"}}
+    assert _upward_imports(graph, floors) == []
+    graph["p.config.a"] = {"p.kda.b"}
+    assert _upward_imports(graph, floors) == ["p.config.a -> p.kda.b"]
+
+
+def test_config_loads_neither_torch_nor_the_rest_of_the_package():
+    """Reading a recipe (``skyrl-kda recipes``, SkyRL's driver-side config parse) needs only the
+    config: a fresh interpreter that imports it has no torch, megatron-core or other module of
+    the package loaded."""
+    code = (f"import sys, {NAME}.config; print('\\n'.join(sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout.split()
+    loaded = [m for m in out if m.split(".")[0] in ("torch", "megatron")
+              or (m.startswith(f"{NAME}.") and not m.startswith(f"{NAME}.config"))]
+    assert not loaded, loaded

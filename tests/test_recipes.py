@@ -8,6 +8,7 @@ import types
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from skyrl_megatron_kda import cli, recipes
@@ -25,6 +26,7 @@ from skyrl_megatron_kda.recipes import (
     get_recipe,
     list_recipes,
     load_recipe,
+    raw_recipe,
     register,
     register_recipe,
 )
@@ -189,7 +191,7 @@ def test_env_override_from_os_environ(monkeypatch):
 
 
 def test_env_override_is_validated_like_any_value():
-    with pytest.raises(ValidationError, match=r"kda.cp_exchange=state .* kda.allow_inexact=false"):
+    with pytest.raises(ValueError, match=r"kda.cp_exchange=state .* kda.allow_inexact=false"):
         get_recipe(TINY, ["kda.allow_inexact=false"], environ={CP_EXCHANGE_ENV: "state"})
 
 
@@ -199,7 +201,7 @@ def test_env_override_is_validated_like_any_value():
 def test_load_recipe_from_a_yaml_path(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text((RECIPES_DIR / BUILTIN_RECIPES[TINY]).read_text() + "\n")
-    r = load_recipe(str(path), ["train.steps=2"], environ={})
+    r = load_recipe(str(path), ["train.steps=2"], environ={}).recipe
     assert r.train.steps == 2 and r.model.num_layers == 4
 
 
@@ -208,14 +210,14 @@ def test_yaml_with_a_typo_in_a_nested_key_is_refused(tmp_path):
     path.write_text("model:\n  dsa:\n    index_top_k: 64\n")
     with pytest.raises(ValidationError, match=r"(?s)typo\.yaml.*model\.dsa\.index_top_k\n"
                                               r"  Extra inputs are not permitted"):
-        load_recipe(path, environ={})
+        load_recipe(path, environ={}).recipe
 
 
 def test_yaml_must_be_a_mapping(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match=r"must hold a mapping at top level, got list"):
-        load_recipe(path)
+        load_recipe(path).recipe
 
 
 @pytest.mark.parametrize("text", ["", "\n# only a comment\n"], ids=["empty", "comment-only"])
@@ -224,14 +226,14 @@ def test_empty_yaml_is_refused_naming_the_file(tmp_path, text):
     path = tmp_path / "empty.yaml"
     path.write_text(text)
     with pytest.raises(ValueError, match=rf"recipe file {re.escape(str(path))} is empty"):
-        load_recipe(path, environ={})
+        load_recipe(path, environ={}).recipe
 
 
 def test_broken_yaml_names_the_file_and_line(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("model:\n  hidden_size: [64\nparallel: {tp: 1}\n")
     with pytest.raises(ValueError) as info:
-        load_recipe(path, environ={})
+        load_recipe(path, environ={}).recipe
     text = str(info.value)
     assert text.startswith(f"recipe file {path}: not valid YAML") and "line 3" in text, text
     assert "<unicode string>" not in text and "\n" not in text, text
@@ -239,9 +241,9 @@ def test_broken_yaml_names_the_file_and_line(tmp_path):
 
 def test_missing_yaml_and_unknown_name():
     with pytest.raises(FileNotFoundError, match=r"nope\.yaml does not exist"):
-        load_recipe("/nonexistent/nope.yaml")
+        load_recipe("/nonexistent/nope.yaml").recipe
     with pytest.raises(KeyError, match=r"'glm99' is neither a registered recipe"):
-        load_recipe("glm99")
+        load_recipe("glm99").recipe
     with pytest.raises(KeyError, match=r"no recipe named 'glm99'; registered: .*glm53_flash_1m"):
         get_recipe("glm99")
 
@@ -294,7 +296,7 @@ def test_lazy_module_attr_recipes(registry, monkeypatch):
     assert (r.parallel.tp, r.data_parallel_size, r.description) == (2, 1, "from a function")
     with pytest.raises(ValueError, match=r"fake_recipes_for_test:NOT_A_DICT gave list, expected a dict"):
         get_recipe("lazy_bad")
-    assert load_recipe("lazy_dict", environ={}).description == "as a dict"
+    assert load_recipe("lazy_dict", environ={}).recipe.description == "as a dict"
 
 
 # --- Megatron's world-size rule and other cross-section checks ----------------------------------
@@ -407,7 +409,7 @@ def test_slice_recipe_is_one_gpu_with_the_real_layer_widths():
     one GPU, fla kernels; its memory plan is what bench/model_slice.py checks against the peak."""
     from skyrl_megatron_kda.memory import estimate_memory
 
-    slice_ = load_recipe("glm53_flash_slice")  # the plan takes resolved kernels
+    slice_ = load_recipe("glm53_flash_slice").recipe  # the plan takes resolved kernels
     full = get_recipe(FULL)
     assert (slice_.parallel.tp, slice_.parallel.cp, slice_.run.num_workers) == (1, 1, 1)
     assert slice_.model.hidden_size == full.model.hidden_size
@@ -418,18 +420,34 @@ def test_slice_recipe_is_one_gpu_with_the_real_layer_widths():
     assert estimate_memory(slice_).total / 2**30 < 139  # one H200
 
 
-def test_load_recipe_resolves_auto_once_and_keeps_the_reason(caplog):
+def test_a_recipe_file_with_the_old_exchange_reason_is_refused_in_one_line(tmp_path):
+    from skyrl_megatron_kda.console import error_lines
+
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({**raw_recipe(TINY), "kda": {"exchange_reason": "a2a: 1 ms"}}))
+    with pytest.raises(ValidationError) as err:
+        load_recipe(str(path), environ={})
+    (line,), _ = error_lines(err.value)
+    assert "kda.exchange_reason is not a setting" in line and "auto_choices.yaml" in line, line
+
+
+def test_load_recipe_resolves_auto_once_and_returns_the_reasons(caplog):
     """get_recipe keeps the file's auto; load_recipe (what a run loads) resolves it after the
-    overrides and the environment, logs the reason once and records it in kda.exchange_reason."""
+    overrides and the environment, logs the exchange's reason once and returns each pick's
+    reason beside the recipe (not in it)."""
     import logging
 
     assert get_recipe(FULL, environ={}).kda.cp_exchange == "auto"
     with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.kda.cost"):
-        r = load_recipe(FULL, environ={})
-    assert r.kda.cp_exchange == "state" and r.kda.exchange_reason.startswith("state: ")
-    assert [rec.getMessage() for rec in caplog.records] == [f"kda.cp_exchange=auto -> {r.kda.exchange_reason}"]
+        loaded = load_recipe(FULL, environ={})
+    r, reason = loaded.recipe, loaded.choices["kda.cp_exchange"]
+    assert r.kda.cp_exchange == "state" and reason.startswith("state: ")
+    assert [rec.getMessage() for rec in caplog.records] == [f"kda.cp_exchange=auto -> {reason}"]
+    assert loaded.choices["model.dsa.kernel"].startswith(f"{r.model.dsa.kernel}: ")
+    assert list(loaded.choices) == ["model.dsa.kernel", "kda.cp_exchange"]
+    assert loaded.choice_lines() == [f"{k}=auto -> {v}" for k, v in loaded.choices.items()]
     assert Recipe.model_validate(r.model_dump(mode="json")) == r  # recipe.yaml round-trips
-    pinned = load_recipe(FULL, environ={CP_EXCHANGE_ENV: "a2a"})
-    assert (pinned.kda.cp_exchange, pinned.kda.exchange_reason) == ("a2a", None)
-    forced = load_recipe(FULL, ["kda.cp_exchange=a2a"], environ={CP_EXCHANGE_ENV: "auto"})
+    pinned = load_recipe(FULL, ["model.dsa.kernel=fused"], environ={CP_EXCHANGE_ENV: "a2a"})
+    assert pinned.recipe.kda.cp_exchange == "a2a" and pinned.choices == {}
+    forced = load_recipe(FULL, ["kda.cp_exchange=a2a"], environ={CP_EXCHANGE_ENV: "auto"}).recipe
     assert forced.kda.cp_exchange == "state", "the environment is applied before resolution"

@@ -63,7 +63,7 @@ def fake_train(monkeypatch):
 
     seen = []
 
-    def run(recipe, *, start=None, progress=None):
+    def run(recipe, *, start=None, progress=None, choices=None):
         out = Path(recipe.run.output_dir)
         seen.append((run_lock.holder(out), (out / LOCK_FILE).is_file()))
         return []

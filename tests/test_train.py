@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from skyrl_megatron_kda.config import Recipe
+from skyrl_megatron_kda.train.outputs import AUTO_CHOICES
 from skyrl_megatron_kda.train.report import PLOTS, write_report
 from tests.support import cli_runs
 from tests.support.mesh_runs import EXCHANGES, STEPS, mesh_runs
@@ -34,6 +35,11 @@ def test_tiny_recipe_trains_on_ray_actors():
     assert losses[-1] < losses[0] - 0.1, f"loss did not fall: {losses}"
     recipe = Recipe.model_validate(yaml.safe_load((out / "recipe.yaml").read_text()))
     assert recipe.parallel.tp == 2 and recipe.parallel.cp == 2 and recipe.run.num_workers == 4
+    # The tiny recipe leaves the DSA kernel to auto: its reason beside recipe.yaml and on stderr.
+    choices = yaml.safe_load((out / AUTO_CHOICES).read_text())
+    assert list(choices) == ["model.dsa.kernel"]
+    assert choices["model.dsa.kernel"].startswith("torch: ")
+    assert f"model.dsa.kernel=auto -> {choices['model.dsa.kernel']}" in err
     assert "tok/s" in err and "ETA" in err and f"step {cli_runs.STEPS}/{cli_runs.STEPS}" in err
     assert (out / "checkpoints" / "latest").read_text() == f"step_{cli_runs.STEPS:08d}"
 

@@ -79,7 +79,7 @@ def make_hf_checkpoint(out: Path, seed: int = 0) -> None:
     from skyrl_megatron_kda.model.hf_io import hf_text_config
     from skyrl_megatron_kda.recipes import load_recipe
 
-    text = dict(hf_text_config(load_recipe(RECIPE)), pad_token_id=0, bos_token_id=1,
+    text = dict(hf_text_config(load_recipe(RECIPE).recipe), pad_token_id=0, bos_token_id=1,
                 eos_token_id=2)
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16,
                   out_hidden_size=text["hidden_size"], projection_intermediate_size=16,

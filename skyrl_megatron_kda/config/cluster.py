@@ -1,4 +1,5 @@
-"""The machines and links of the mesh, as the cost model of ``kda.cp_exchange=auto`` sees them."""
+"""The machines and links of the mesh, as the cost model of ``kda.cp_exchange=auto`` sees them, and
+the measured link presets they default to."""
 
 from __future__ import annotations
 
@@ -7,8 +8,23 @@ from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 
-from ..kda.calibration import LINK_PRESETS
 from .base import ConfigSection, PositiveInt
+
+# Defaults, to override with measurements of the target cluster.
+LINK_PRESETS: dict[str, dict[str, float]] = {
+    # NVLink 4 (H200 NV18), measured with NCCL on two H200s, 512 MiB
+    # per rank: all-gather 250 GiB/s; all-to-all 537 GiB/s algorithm bandwidth over the whole
+    # per-rank buffer, of which half stays on the rank at 2 ranks, so 268 GiB/s received from the
+    # peer (537 GiB/s across would exceed NV18's 450 GB/s per direction).
+    "nvlink": {"bandwidth_gib_s": 250.0, "all_to_all_bandwidth_gib_s": 268.0, "latency_us": 10.0},
+    # One 400 Gb/s NIC per GPU (8x ConnectX-7): 46.6 GiB/s line rate, about 45 achieved.
+    "infiniband": {"bandwidth_gib_s": 45.0, "latency_us": 20.0},
+    # AWS EFA on p5 (3200 Gb/s per 8 GPUs): about 40 GiB/s per GPU, higher latency than IB.
+    "efa": {"bandwidth_gib_s": 40.0, "latency_us": 40.0},
+    # Plain TCP sockets (NCCL's socket transport): a few GiB/s per GPU.
+    "tcp": {"bandwidth_gib_s": 3.0, "latency_us": 100.0},
+}
+"""Link defaults by kind (GiB/s per GPU, microseconds); ``nvlink`` is also the intra-node default."""
 
 InterNodeKind = Literal["nvlink", "infiniband", "efa", "tcp"]
 """Named link presets for the hop between nodes (``nvlink``: a multi-node NVLink domain)."""

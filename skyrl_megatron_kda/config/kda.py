@@ -1,4 +1,4 @@
-"""The KDA linear-attention layer's section, and the values ``kda.cp_exchange`` may take."""
+"""The KDA linear-attention layer's section."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..kda import exchanges
 from .base import ConfigSection, PositiveInt
 
 
-def cp_exchange_choices() -> tuple[str, ...]:
-    """The values of ``kda.cp_exchange``: the registered exchanges (``kda.exchanges``), then auto."""
-    return exchanges.REGISTRY.choices()
+_FORMER_KEYS = {
+    "cp_layout": ("is now parallel.cp_layout: the CP token layout is the whole model's (KDA, DSA, "
+                  "the data's rows)"),
+    "exchange_reason": ("is not a setting: the reason auto gave is recorded beside recipe.yaml in "
+                        "the run folder's auto_choices.yaml; delete the key"),
+}
 
 
 class KDAConfig(ConfigSection):
@@ -21,10 +23,8 @@ class KDAConfig(ConfigSection):
     cp_exchange: str = Field(default="a2a", strict=True)
     """How the layer exchanges data across the CP group: a registered exchange (``kda.exchanges``)
     or ``auto``, which the cost model resolves once when the recipe is loaded to run
-    (``recipes.load_recipe``); SKYRL_KDA_CP_EXCHANGE overrides it."""
-    exchange_reason: str | None = None
-    """Why ``cp_exchange`` is what it is when ``auto`` picked it (the cost model's one-line
-    reason, recorded in the run folder's recipe.yaml); None when the exchange was configured."""
+    (``recipes.load_recipe``); SKYRL_KDA_CP_EXCHANGE overrides it. The name and whether it can
+    run on the mesh are checked against the live registry (``recipe_rules``)."""
     kernel: Literal["auto", "fla", "torch"] = "auto"
     """Chunked-KDA implementation: auto = fla on CUDA, our pure-torch KDA on CPU."""
     num_heads: PositiveInt = 64
@@ -63,18 +63,12 @@ class KDAConfig(ConfigSection):
 
     @model_validator(mode="before")
     @classmethod
-    def _cp_layout_moved(cls, data):
-        if isinstance(data, dict) and "cp_layout" in data:
-            raise ValueError("kda.cp_layout is now parallel.cp_layout: the CP token layout is the "
-                             "whole model's (KDA, DSA, the data's rows)")
+    def _former_keys(cls, data):
+        # Keys a recipe of an earlier release may hold, refused with where their meaning went.
+        for key, why in _FORMER_KEYS.items():
+            if isinstance(data, dict) and key in data:
+                raise ValueError(f"kda.{key} {why}")
         return data
-
-    @field_validator("cp_exchange")
-    @classmethod
-    def _registered_exchange(cls, value: str) -> str:
-        # Checked against the live registry, so a registered plugin exchange is a valid value;
-        # whether it can run on the mesh is the recipe's check (``MeshRecipe``).
-        return exchanges.REGISTRY.check(value)
 
     @field_validator("gate_lower_bound")
     @classmethod

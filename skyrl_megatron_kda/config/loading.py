@@ -1,8 +1,10 @@
-"""From raw mappings to validated recipes, with the environment override applied first.
+"""The environment override of ``kda.cp_exchange``, applied to a raw mapping before validation
+(``recipe_rules.load_recipe_dict`` calls it).
 
 This is the only module of the package that reads environment variables
 (``SKYRL_KDA_CP_EXCHANGE``), and it does so only inside ``env_cp_exchange`` (which
-``apply_env_overrides`` calls), never at import.
+``apply_env_overrides`` calls), never at import. The values the variable may take are the
+exchange registry's, passed in: the config imports no registry.
 """
 
 from __future__ import annotations
@@ -10,10 +12,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from .kda import KDAConfig, cp_exchange_choices
-from .recipe import MeshRecipe, Recipe
+from .kda import KDAConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +23,15 @@ CP_EXCHANGE_ENV = "SKYRL_KDA_CP_EXCHANGE"
 plugin's first release, which read only this)."""
 
 
-def env_cp_exchange(environ: Mapping[str, str] | None = None) -> str | None:
-    """The exchange ``SKYRL_KDA_CP_EXCHANGE`` names (checked against the registry), or None when
-    it is unset or empty. ``environ`` defaults to ``os.environ``."""
+def env_cp_exchange(choices: Sequence[str], environ: Mapping[str, str] | None = None) -> str | None:
+    """The exchange ``SKYRL_KDA_CP_EXCHANGE`` names, one of ``choices`` (the registry's
+    ``kda.cp_exchange`` values), or None when it is unset or empty. ``environ`` defaults to
+    ``os.environ``."""
     env = os.environ if environ is None else environ
     value = env.get(CP_EXCHANGE_ENV)
     if not value:
         return None
-    allowed = cp_exchange_choices()
+    allowed = tuple(choices)
     if value not in allowed:
         raise ValueError(
             f"{CP_EXCHANGE_ENV}={value!r} is not a KDA CP exchange; "
@@ -38,15 +40,17 @@ def env_cp_exchange(environ: Mapping[str, str] | None = None) -> str | None:
     return value
 
 
-def apply_env_overrides(raw: dict, environ: Mapping[str, str] | None = None) -> dict:
-    """Return a copy of ``raw`` with ``SKYRL_KDA_CP_EXCHANGE`` applied to ``kda.cp_exchange``.
+def apply_env_overrides(raw: dict, choices: Sequence[str],
+                        environ: Mapping[str, str] | None = None) -> dict:
+    """Return a copy of ``raw`` with ``SKYRL_KDA_CP_EXCHANGE`` (one of ``choices``) applied to
+    ``kda.cp_exchange``.
 
     Jobs written for the plugin's first release select the exchange with this variable; it is
     read here only, explicitly, and logged, so the config stays the single source of truth.
     An empty value counts as unset. ``environ`` defaults to ``os.environ``.
     """
     out = copy.deepcopy(raw)
-    value = env_cp_exchange(environ)
+    value = env_cp_exchange(choices, environ)
     if value is None:
         return out
     kda = out.get("kda")
@@ -60,16 +64,4 @@ def apply_env_overrides(raw: dict, environ: Mapping[str, str] | None = None) -> 
         "%s=%s overrides kda.cp_exchange (config value: %s)", CP_EXCHANGE_ENV, value, configured
     )
     kda["cp_exchange"] = value
-    kda.pop("exchange_reason", None)  # a recorded auto choice no longer applies
     return out
-
-
-def load_mesh_recipe(raw: dict, environ: Mapping[str, str] | None = None) -> MeshRecipe:
-    """Validate ``raw`` after environment overrides, so an override is checked like any value."""
-    return MeshRecipe.model_validate(apply_env_overrides(raw, environ))
-
-
-def load_recipe_dict(raw: dict, environ: Mapping[str, str] | None = None) -> Recipe:
-    """Validate a whole recipe ``raw`` after environment overrides (``recipes.load_recipe`` reads
-    the files and applies ``--set`` overrides first, and resolves ``auto`` after)."""
-    return Recipe.model_validate(apply_env_overrides(raw, environ))

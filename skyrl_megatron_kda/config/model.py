@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from ..dsa import kernels as dsa_kernels
 from .base import ConfigSection, NonNegativeInt, PositiveInt
 
 LayerType = Literal["kda", "dsa"]
@@ -105,7 +104,8 @@ class DSAConfig(ConfigSection):
     megatron-core's ``unfused_dsa_fn`` on whole-sequence keys and values with the full
     [queries x pools] indexer scores (the oracle the others are tested against); auto: fused
     when run.device=gpu, else torch. fused and torch share the blocked indexer top-k; memory is
-    linear in the tokens for both."""
+    linear in the tokens for both. The name, the device and the split are checked against the
+    live registry (``recipe_rules``)."""
     tp_split: Literal["heads", "sequence"] = "sequence"
     """How tensor parallelism splits the sparse attention. heads: each TP rank attends with its
     heads/tp heads from all query rows of its CP rank (the indexer runs on all of them, on every
@@ -113,7 +113,8 @@ class DSAConfig(ConfigSection):
     own sequence-parallel rows (Ulysses), so each selected latent row serves every head and the
     indexer runs once per row. Needs kernel fused or torch. The default by measurement: at the
     1M recipe's per-rank share, sequence took 3.8x less time per step and less memory
-    (docs/benchmarks.md); with kernel unfused the default is heads."""
+    (docs/benchmarks.md); with a kernel that cannot attend by rows (unfused) the default is heads
+    (``recipe_rules.kernel_split``)."""
     attention_block: PositiveInt = 64
     """Queries per step of the torch sparse attention (forward and backward): the step's working
     set is about attention_block x (index_topk + kpool - 1) x kv_lora_rank fp32 values."""
@@ -131,34 +132,6 @@ class DSAConfig(ConfigSection):
         """Whether a rank attends with every head on its own rows (``tp_split=sequence`` where SP
         splits the rows over TP > 1); otherwise with its heads/tp heads on all its CP rank's rows."""
         return self.tp_split == "sequence" and sequence_parallel and tp > 1
-
-    @field_validator("kernel")
-    @classmethod
-    def _registered_kernel(cls, value: str) -> str:
-        # Checked against the live registry, so a registered plugin kernel is a valid value.
-        return dsa_kernels.REGISTRY.check(value)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _heads_split_default(cls, data):
-        # A kernel that cannot attend by rows splits heads: that is its default split, as
-        # sequence is the others'.
-        if not isinstance(data, dict) or "tp_split" in data:
-            return data
-        name = data.get("kernel")
-        if name in dsa_kernels.names() and not dsa_kernels.get(name).splits_rows:
-            return {**data, "tp_split": "heads"}
-        return data
-
-    @model_validator(mode="after")
-    def _split_has_kernel(self) -> DSAConfig:
-        if (self.tp_split == "sequence" and self.kernel != dsa_kernels.AUTO
-                and not dsa_kernels.get(self.kernel).splits_rows):
-            splitting = [n for n in dsa_kernels.names() if dsa_kernels.get(n).splits_rows]
-            raise ValueError(f"model.dsa.tp_split=sequence needs model.dsa.kernel "
-                             f"{' or '.join(splitting)}: the {self.kernel} kernel attends with "
-                             "whole-sequence keys per head")
-        return self
 
     @model_validator(mode="after")
     def _topk_divisible_by_kpool(self) -> DSAConfig:

@@ -1,17 +1,15 @@
 """The whole recipe and the checks that span its sections.
 
 ``MeshRecipe`` is what one KDA layer needs on its mesh (model, mesh, kda, data, cluster);
-``Recipe`` adds the optimisation loop and where the job runs.
+``Recipe`` adds the optimisation loop and where the job runs. The rules that ask a registry (the
+exchange on the mesh, the DSA kernel on the device, the CP layout's row multiple) are
+``recipe_rules``'s, applied wherever a recipe is loaded.
 """
 
 from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from ..distributed.cp_layout import layout_kind
-from ..dsa import kernels as dsa_kernels
-from ..kda import exchanges
-from ..kda.exchanges import ExchangeMesh
 from .base import ConfigSection
 from .cluster import ClusterConfig
 from .data import DataConfig
@@ -34,8 +32,8 @@ MODEL_LEVERS = frozenset({
     "model.dsa.indexer_pool_block",
     # mHC's map projection in row chunks (a memory lever: fp32 summation order only).
     "model.hyper_connections.map_chunk_rows",
-    # The KDA layer's CP exchange and its choice, token layout over CP, kernel and chunking.
-    "kda.cp_exchange", "kda.exchange_reason", "kda.allow_inexact", "kda.kernel",
+    # The KDA layer's CP exchange and its choice, kernel and chunking.
+    "kda.cp_exchange", "kda.allow_inexact", "kda.kernel",
     "kda.chunk_size", "kda.kernel_segments", "kda.kernel_head_group",
 })
 """Settings of ``MODEL_SECTIONS`` that change how the same parameters compute the same model
@@ -74,31 +72,6 @@ class MeshRecipe(ConfigSection):
             raise ValueError(
                 f"kda.num_heads={heads} must be divisible by tp={tp}: each TP rank owns whole heads"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _exchange_fits_mesh(self) -> MeshRecipe:
-        # Each exchange's own rule (``CPExchange.refusal``), the one the cost model and the layer
-        # ask too; auto needs one exchange that no rule refuses.
-        mesh, name = ExchangeMesh.of(self), self.kda.cp_exchange
-        if name != exchanges.AUTO:
-            why = exchanges.get(name).refusal(mesh)
-            if why is not None:
-                raise ValueError(f"kda.cp_exchange={name} is refused on this mesh: {why}")
-            return self
-        refusals = {n: exchanges.get(n).refusal(mesh) for n in exchanges.names()}
-        if all(why is not None for why in refusals.values()):
-            raise ValueError("kda.cp_exchange=auto has no exchange to pick: "
-                             + "; ".join(f"{n}: {why}" for n, why in refusals.items()))
-        return self
-
-    @model_validator(mode="after")
-    def _seq_len_fits_cp_layout(self) -> MeshRecipe:
-        seq_len, cp = self.data.seq_len, self.parallel.cp
-        kind = layout_kind(self.parallel.cp_layout)
-        # At cp=1 nothing is split, so any length works (tiny CPU tests use odd ones).
-        if cp > 1 and seq_len % kind.row_multiple(cp):
-            raise ValueError(f"data.seq_len={seq_len} must be divisible by {kind.row_rule(cp)}")
         return self
 
     @model_validator(mode="after")
@@ -200,11 +173,6 @@ class Recipe(MeshRecipe):
                 "kda.kernel=fla needs run.device=gpu (fla's kernels are Triton on CUDA); "
                 "use kda.kernel=torch or auto on CPU"
             )
-        dsa_kernel = self.model.dsa.kernel
-        if dsa_kernel != dsa_kernels.AUTO:
-            why = dsa_kernels.get(dsa_kernel).refusal(self.run.device)
-            if why is not None:
-                raise ValueError(why)
         if self.run.device == "cpu" and self.run.memory_report:
             raise ValueError("run.memory_report needs run.device=gpu (it reads CUDA's allocator "
                              "history); leave it false on CPU")

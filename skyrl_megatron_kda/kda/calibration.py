@@ -1,32 +1,12 @@
-"""The measured numbers behind the cost model of ``kda.cp_exchange=auto`` (``kda/cost.py``): link
-presets and the kernel / GEMM / state-exchange constants, measured on H200 (docs/benchmarks.md).
-
-Torch-free and config-free, so that the config (``cluster`` section) can take its link defaults
-from here without importing the cost model.
+"""The measured numbers behind the cost model of ``kda.cp_exchange=auto`` (``kda/cost.py``): the
+kernel / GEMM / state-exchange constants, measured on H200 (docs/benchmarks.md). The link presets
+are the ``cluster`` section's defaults (``config.cluster.LINK_PRESETS``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-# Defaults, to override with measurements of the target cluster.
-LINK_PRESETS: dict[str, dict[str, float]] = {
-    # NVLink 4 (H200 NV18), measured with NCCL on two H200s, 512 MiB
-    # per rank: all-gather 250 GiB/s; all-to-all 537 GiB/s algorithm bandwidth over the whole
-    # per-rank buffer, of which half stays on the rank at 2 ranks, so 268 GiB/s received from the
-    # peer (537 GiB/s across would exceed NV18's 450 GB/s per direction).
-    "nvlink": {"bandwidth_gib_s": 250.0, "all_to_all_bandwidth_gib_s": 268.0, "latency_us": 10.0},
-    # One 400 Gb/s NIC per GPU (8x ConnectX-7): 46.6 GiB/s line rate, about 45 achieved.
-    "infiniband": {"bandwidth_gib_s": 45.0, "latency_us": 20.0},
-    # AWS EFA on p5 (3200 Gb/s per 8 GPUs): about 40 GiB/s per GPU, higher latency than IB.
-    "efa": {"bandwidth_gib_s": 40.0, "latency_us": 40.0},
-    # Plain TCP sockets (NCCL's socket transport): a few GiB/s per GPU.
-    "tcp": {"bandwidth_gib_s": 3.0, "latency_us": 100.0},
-}
-"""Link defaults by kind (GiB/s per GPU, microseconds); ``nvlink`` is also the intra-node default."""
-
-
 
 # The kernel terms describe the kernel every fla path runs: chunk_kda on segments of the sequence
 # chained by our state-passing kernel (``kda.kernel_segments=16``, state_kernel.py). Measured on

@@ -235,7 +235,7 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
 
 def exclusions(recipe: MeshRecipe) -> dict[str, str]:
     """Why ``auto`` may not pick an exchange for this recipe (absent: allowed): each registered
-    exchange's own ``refusal`` rule, the one config validation and the layer ask too."""
+    exchange's own ``refusal`` rule, the one the recipe rules (``recipe_rules``) and the layer ask too."""
     mesh = ExchangeMesh.of(recipe)
     refusals = {name: exchanges.get(name).refusal(mesh) for name in exchanges.names()}
     return {name: why for name, why in refusals.items() if why is not None}
@@ -283,15 +283,14 @@ def resolve_cp_exchange(recipe: MeshRecipe, calibration: Calibration = DEFAULT_C
     """Resolve ``kda.cp_exchange=auto`` to a concrete exchange and log why (``recipes.load_recipe``
     calls it once, where a recipe is loaded to run).
 
-    Returns the recipe (re-validated with the choice and its reason in ``kda.exchange_reason``, as
-    its own class: a ``MeshRecipe`` or a whole ``Recipe``; the environment is not re-applied) and
-    the reason. A recipe with a concrete exchange comes back unchanged with the reason it was
-    resolved with, or "configured".
+    Returns the recipe (re-validated with the choice, as its own class: a ``MeshRecipe`` or a
+    whole ``Recipe``; the environment is not re-applied) and the reason. A recipe with a concrete
+    exchange comes back unchanged with the reason "configured".
     """
     if recipe.kda.cp_exchange != exchanges.AUTO:
-        return recipe, recipe.kda.exchange_reason or "configured"
+        return recipe, "configured"
     choice, reason, _ = choose(recipe, calibration)
     logger.info("kda.cp_exchange=auto -> %s", reason)
     resolved = type(recipe).model_validate(
-        merge(recipe.model_dump(), {"kda": {"cp_exchange": choice, "exchange_reason": reason}}))
+        merge(recipe.model_dump(), {"kda": {"cp_exchange": choice}}))
     return resolved, reason

@@ -50,6 +50,7 @@ from ..config import Recipe
 from ..kda import exchanges
 from ..kda.exchanges import CommLedger
 from ..kda.layer import kda_layer_spec
+from .. import recipe_rules
 from ..megatron_config import mesh_config_kwargs
 from ..dsa.kept_selection import KeptSelection, kept_for
 from ..dsa.layer import glm_dsa_layer_spec
@@ -196,11 +197,10 @@ class GLMModel(MegatronModule):
     """GLM-5.3-Flash text model on one rank of the TP x CP x EP mesh (see the module docstring)."""
 
     def __init__(self, config: MLATransformerConfig, recipe: Recipe,
-                 pg_collection: ProcessGroupCollection, cp_exchange_reason: str = "configured"):
+                 pg_collection: ProcessGroupCollection):
         super().__init__(config)
         m = recipe.model
         self.recipe = recipe
-        self.cp_exchange_reason = cp_exchange_reason
         self.pg_collection = pg_collection
         self.num_streams = m.hyper_connections.num_streams
         # megatron's VocabParallelEmbedding, not LanguageModelEmbedding: NoPE needs no position
@@ -332,17 +332,18 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
     """The model for ``recipe`` on this rank (megatron parallel state must be initialised).
 
     ``kda.cp_exchange=auto`` must be resolved already (``recipes.load_recipe`` does it, once);
-    the choice and its reason are on ``model.recipe`` and ``model.cp_exchange_reason``. Random
+    the choice is on ``model.recipe`` (its reason is the loader's, ``recipes.LoadedRecipe``). Random
     init on CPU draws full tensors and slices them (the MoE layers' from a seed per tensor,
     ``model.moe.build_moe_layer``), so the same seed gives the same full weights at every mesh:
     TP, CP, EP, ETP."""
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    recipe_rules.check(recipe)  # a recipe not made by recipes.load_recipe meets them here
     _check_mesh(recipe, pgs)
     if recipe.kda.cp_exchange == exchanges.AUTO:
         raise ValueError("kda.cp_exchange=auto is not resolved: load the recipe with recipes.load_recipe "
                          "(or kda.cost.resolve_cp_exchange) before building the model")
     config = glm_transformer_config(recipe, use_cpu=use_cpu)
-    return GLMModel(config, recipe, pgs, cp_exchange_reason=recipe.kda.exchange_reason or "configured")
+    return GLMModel(config, recipe, pgs)
 
 
 def _check_mesh(recipe: Recipe, pgs: ProcessGroupCollection) -> None:

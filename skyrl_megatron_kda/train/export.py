@@ -47,7 +47,7 @@ def run_recipe(run_dir: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a `skyrl-kda run` output "
                                 "folder")
-    return load_recipe(path, overrides)
+    return load_recipe(path, overrides).recipe
 
 
 def load_run_model(recipe: Recipe, path: str | Path):

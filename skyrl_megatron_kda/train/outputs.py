@@ -11,7 +11,11 @@ METRICS = "metrics.jsonl"
 """One JSON line of merged rank metrics per step."""
 
 RECIPE = "recipe.yaml"
-"""The recipe as the ranks ran it (``kda.cp_exchange=auto`` resolved)."""
+"""The recipe as the ranks ran it (every ``auto`` resolved)."""
+
+AUTO_CHOICES = "auto_choices.yaml"
+"""Beside ``recipe.yaml``: setting -> the reason ``auto`` gave for its value
+(``recipes.LoadedRecipe.choices``); empty when the recipe left nothing to ``auto``."""
 
 RANK_MAP = "rank_map.json"
 """Each rank's node, GPU and mesh coordinates, as this invocation placed them

@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -29,7 +30,7 @@ from ..workers.group import ActorGroup
 from ..workers.lifetime import StartedRay
 from ..workers.rank_map import build_rank_map, rank_map_lines, write_rank_map
 from . import checkpoint
-from .outputs import METRICS, RANK_MAP, RECIPE, read_metrics_lines
+from .outputs import AUTO_CHOICES, METRICS, RANK_MAP, RECIPE, read_metrics_lines
 from .run_folder import RunStart, prepare
 from .run_lock import holds_output_dir
 from .step_guard import NonFiniteStep
@@ -101,11 +102,13 @@ def _start_metrics(path: Path, resume_step: int) -> None:
 
 
 @holds_output_dir
-def run(recipe: Recipe, *, start: RunStart | None = None,
-        progress: TextIO | None = sys.stderr) -> list[dict]:
+def run(recipe: Recipe, *, start: RunStart | None = None, progress: TextIO | None = sys.stderr,
+        choices: Mapping[str, str] | None = None) -> list[dict]:
     """Train ``recipe`` on ``run.num_workers`` Ray actors; returns this invocation's metrics
     (none for a finished run). ``start`` is ``run_folder.prepare``'s answer (made here when not
-    given: a used folder is refused, no overwrite, no schedule override). The folder's run lock
+    given: a used folder is refused, no overwrite, no schedule override). ``choices``: why
+    ``auto`` picked the recipe's values (``recipes.LoadedRecipe.choices``; None: nothing was
+    left to auto), recorded beside ``recipe.yaml``. The folder's run lock
     (``run_lock``) is held throughout, Ray's shutdown included: taken here unless the caller
     (``skyrl-kda run``, before its ``prepare``) holds it; a live run there is refused."""
     out = Path(recipe.run.output_dir)
@@ -125,9 +128,11 @@ def run(recipe: Recipe, *, start: RunStart | None = None,
             group = ActorGroup.for_recipe(recipe)
             _record_rank_map(recipe, group, out, progress)
             group.hold(_make_trainer, recipe)
-            # The recipe as the ranks run it: recipes.load_recipe resolved kda.cp_exchange=auto
-            # and kept the reason in kda.exchange_reason.
-            (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+            # The recipe as the ranks run it (recipes.load_recipe resolved every auto), and why
+            # auto picked what it did: rewritten by every invocation, so never stale.
+            (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"),
+                                                     sort_keys=False))
+            (out / AUTO_CHOICES).write_text(yaml.safe_dump(dict(choices or {}), sort_keys=False))
             step = 0
             if resume_from:
                 step = group.call_held(RankTrainer.load_checkpoint, str(resume_from),

@@ -34,7 +34,7 @@ LEVERS = ["train.recompute=full", "train.offload_activations=true", "train.loss_
 def _recipe(overrides):
     from skyrl_megatron_kda.recipes import load_recipe
 
-    return load_recipe("glm53_flash_tiny", [f"train.steps={STEPS}", *overrides], environ={})
+    return load_recipe("glm53_flash_tiny", [f"train.steps={STEPS}", *overrides], environ={}).recipe
 
 
 def _trainer(overrides):

@@ -12,8 +12,8 @@ The layer (``dsa.layer``) never branches on the kernel; it makes three calls:
 - ``attention(core, query, key, value, kv_up_weight, indices, layout)``: [s, b, heads * dv].
 
 The class side carries what needs no tensors: the ``name`` users choose it by, whether it can
-attend by rows (``tp_split=sequence``), the rule that refuses a recipe (``refusal``: config
-validation and ``auto`` ask it), and the memory terms ``plan`` reads (``kept_bytes``,
+attend by rows (``tp_split=sequence``), the rule that refuses a recipe (``refusal``: the
+recipe rules and ``auto`` ask it), and the memory terms ``plan`` reads (``kept_bytes``,
 ``working_sets``) on a ``DSAShape``.
 """
 

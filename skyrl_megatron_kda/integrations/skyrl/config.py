@@ -85,7 +85,8 @@ class _RecipeSelection(BaseConfig):
         if source.env_ignored:
             logger.warning("kda.cp_exchange from the %s", source.text)
         # An empty environment for the loader: the command line's value stands.
-        return load_recipe(self.recipe, self.recipe_overrides(), {} if source.command_line else None)
+        environ = {} if source.command_line else None
+        return load_recipe(self.recipe, self.recipe_overrides(), environ).recipe
 
     def __post_init__(self) -> None:
         # Fail while parsing the command line, not on the cluster; a section with no recipe

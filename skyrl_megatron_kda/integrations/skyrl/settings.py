@@ -30,7 +30,9 @@ from skyrl.train.config.config import (
     DEFAULT_TRANSFORMER_CONFIG_KWARGS,
 )
 
+from ... import recipe_rules
 from ...config import CP_EXCHANGE_ENV, Recipe, env_cp_exchange, flatten, merge, unflatten
+from ...kda import exchanges
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ def apply_decided(recipe: Recipe, decided: list[Decided]) -> Recipe:
     """``recipe`` with the decided values, validated again (so a SkyRL value the recipe cannot
     take, a negative LR say, is an error that names the recipe key)."""
     tree = unflatten({d.key: d.value for d in decided})
-    return Recipe.model_validate(merge(recipe.model_dump(), tree))
+    return recipe_rules.check(Recipe.model_validate(merge(recipe.model_dump(), tree)))
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,8 @@ class ExchangeSource:
 
 def cp_exchange_source(selection, environ: Mapping[str, str] | None = None) -> ExchangeSource:
     """The command line beats ``SKYRL_KDA_CP_EXCHANGE``, which beats the recipe file."""
-    given, env = command_line_exchange(selection), env_cp_exchange(environ)
+    given = command_line_exchange(selection)
+    env = env_cp_exchange(exchanges.REGISTRY.choices(), environ)
     if given is not None:
         ignored = env if env is not None and env != given else None
         note = f"; {CP_EXCHANGE_ENV}={ignored} ignored" if ignored else ""

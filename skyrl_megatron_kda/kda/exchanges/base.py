@@ -5,7 +5,7 @@ exchange decides which rows and heads each rank computes and moves the data for 
 calls ``to_compute_layout`` (the rows and heads this rank computes), ``conv`` and ``recurrence``
 (on them) and ``to_sequence`` (back to this rank's rows, all local heads); the layer math never
 branches on the exchange. The class side carries everything that needs no process group: the
-rule that refuses a mesh (``refusal``: config validation, the cost model and the layer all ask
+rule that refuses a mesh (``refusal``: the recipe rules, the cost model and the layer all ask
 it), the analytic byte model and the memory model the cost model of ``auto`` reads.
 """
 

@@ -1,7 +1,7 @@
 """What the exchanges' rules and byte models read: the mesh and one KDA layer's dims, torch-free.
 
 Both are built from a recipe by duck typing (``recipe.parallel``, ``recipe.kda``, ...), so nothing
-here imports the config: the config imports the exchange registry, not the other way round.
+here imports the config (``recipe_rules`` asks the exchanges' rules of a recipe).
 """
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""The recipe rules that ask a registry: which names ``kda.cp_exchange`` and ``model.dsa.kernel``
+may take, whether the exchange can run on the mesh (``CPExchange.refusal``), whether the DSA
+kernel runs on the device and attends by rows (``DSAKernel.refusal``, ``splits_rows``), and what
+a packed row's length must divide by under ``parallel.cp_layout`` (the layout kind's row rule).
+
+They live here, not in ``config``: the rules are the strategies' own, whose modules import torch
+and megatron-core, and ``config`` imports nothing above it. Every recipe made to run or plan
+passes through here: ``load_mesh_recipe`` and ``load_recipe_dict`` (``recipes.get_recipe`` and
+``recipes.load_recipe`` build on them) validate a raw mapping and then apply the rules, and the
+model build asks ``check`` again for a recipe made another way. A broken rule is one
+``ValueError`` line naming the setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+from .config import MeshRecipe, Recipe, apply_env_overrides
+from .config.model import DSAConfig
+from .distributed.cp_layout import layout_kind
+from .dsa import kernels as dsa_kernels
+from .kda import exchanges
+from .kda.exchanges import ExchangeMesh
+from .registry import AUTO
+
+R = TypeVar("R", bound=MeshRecipe)
+
+
+def load_mesh_recipe(raw: dict, environ: Mapping[str, str] | None = None) -> MeshRecipe:
+    """The model on its mesh from ``raw``: ``SKYRL_KDA_CP_EXCHANGE`` applied (``environ``
+    defaults to ``os.environ``), validated by the config, then the registries' rules."""
+    return _validated(MeshRecipe, raw, environ)
+
+
+def load_recipe_dict(raw: dict, environ: Mapping[str, str] | None = None) -> Recipe:
+    """A whole recipe from ``raw``, as ``load_mesh_recipe`` (``recipes.load_recipe`` reads the
+    files and applies ``--set`` overrides first, and resolves ``auto`` after)."""
+    return _validated(Recipe, raw, environ)
+
+
+def _validated(cls: type[R], raw: dict, environ: Mapping[str, str] | None) -> R:
+    raw = apply_env_overrides(raw, exchanges.REGISTRY.choices(), environ)
+    return check(with_kernel_split(cls.model_validate(raw)))
+
+
+def with_kernel_split(recipe: R) -> R:
+    """``recipe`` with its DSA section's split completed (``kernel_split``)."""
+    dsa = kernel_split(recipe.model.dsa)
+    if dsa is recipe.model.dsa:
+        return recipe
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"dsa": dsa})})
+
+
+def kernel_split(dsa: DSAConfig) -> DSAConfig:
+    """``dsa`` with ``tp_split`` set to heads where the recipe leaves it unset and the kernel
+    cannot attend by rows: each kernel's default split is one it can run (sequence, the field's
+    default, for the others)."""
+    if ("tp_split" in dsa.model_fields_set or dsa.kernel not in dsa_kernels.names()
+            or dsa_kernels.get(dsa.kernel).splits_rows):
+        return dsa
+    return dsa.model_copy(update={"tp_split": "heads"})
+
+
+def check(recipe: R) -> R:
+    """``recipe`` if it keeps every rule here, else the first broken rule's ``ValueError``. A
+    whole ``Recipe`` is also checked against its device; ``auto`` passes while any registered
+    choice could run."""
+    _check_exchange(recipe)
+    check_dsa(recipe.model.dsa)
+    _check_rows(recipe)
+    if isinstance(recipe, Recipe):
+        _check_dsa_device(recipe)
+    return recipe
+
+
+def _check_exchange(recipe: MeshRecipe) -> None:
+    # Each exchange's own rule (``CPExchange.refusal``), the one the cost model and the layer
+    # ask too; auto needs one exchange that no rule refuses.
+    name = exchanges.REGISTRY.check(recipe.kda.cp_exchange)
+    mesh = ExchangeMesh.of(recipe)
+    if name != AUTO:
+        why = exchanges.get(name).refusal(mesh)
+        if why is not None:
+            raise ValueError(f"kda.cp_exchange={name} is refused on this mesh: {why}")
+        return
+    refusals = {n: exchanges.get(n).refusal(mesh) for n in exchanges.names()}
+    if all(why is not None for why in refusals.values()):
+        raise ValueError("kda.cp_exchange=auto has no exchange to pick: "
+                         + "; ".join(f"{n}: {why}" for n, why in refusals.items()))
+
+
+def check_dsa(dsa: DSAConfig) -> DSAConfig:
+    """``dsa`` if its kernel is registered (or ``auto``) and can run its ``tp_split``, else the
+    ``ValueError`` naming the setting."""
+    name = dsa_kernels.REGISTRY.check(dsa.kernel)
+    if dsa.tp_split == "sequence" and name != AUTO and not dsa_kernels.get(name).splits_rows:
+        splitting = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.splits_rows]
+        raise ValueError(f"model.dsa.tp_split=sequence needs model.dsa.kernel "
+                         f"{' or '.join(splitting)}: the {name} kernel attends with "
+                         "whole-sequence keys per head")
+    return dsa
+
+
+def _check_rows(recipe: MeshRecipe) -> None:
+    seq_len, cp = recipe.data.seq_len, recipe.parallel.cp
+    kind = layout_kind(recipe.parallel.cp_layout)
+    # At cp=1 nothing is split, so any length works (tiny CPU tests use odd ones).
+    if cp > 1 and seq_len % kind.row_multiple(cp):
+        raise ValueError(f"data.seq_len={seq_len} must be divisible by {kind.row_rule(cp)}")
+
+
+def _check_dsa_device(recipe: Recipe) -> None:
+    name = recipe.model.dsa.kernel
+    if name != AUTO:
+        why = dsa_kernels.get(name).refusal(recipe.run.device)
+        if why is not None:
+            raise ValueError(why)
