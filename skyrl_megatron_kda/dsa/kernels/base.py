@@ -39,7 +39,7 @@ class KVDims:
 
 @dataclass(frozen=True)
 class DSAShape:
-    """One rank's DSA layer as the memory terms see it (``memory.dsa_shape`` builds it).
+    """One rank's DSA layer as the memory terms see it (``memory.dsa.dsa_shape`` builds it).
 
     ``whole``: tokens of the sequence (T); ``cp_rows`` / ``sp_rows``: rows of the rank's CP rank
     and of the rank itself; ``rows`` queries with ``heads`` heads each are the rank's attention
