@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from ..distributed.cp_layout import LAYOUTS
-from .data import PackedRow, pack_row, pad_multiple, padded_length, row_multiple
+from .data.packing import PackedRow, pack_row, pad_multiple, padded_length, row_multiple
 
 
 @dataclass(frozen=True)
