@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from .cp_layout import layout_kind, rank_rows
+from .cp_layout import LayoutName, layout_kind, rank_rows
 
 
 class PackedTokens(Protocol):
@@ -46,7 +46,7 @@ class RankShard:
 
 
 def shard_for_rank(row: PackedTokens, cp: int, cp_rank: int, tp: int = 1, tp_rank: int = 0,
-                   sequence_parallel: bool = False, layout: str = "zigzag") -> RankShard:
+                   sequence_parallel: bool = False, layout: LayoutName = "zigzag") -> RankShard:
     """This (cp_rank, tp_rank)'s part of ``row`` in the layout ``cp_layout.LAYOUTS[layout]``."""
     layout_kind(layout)  # an unknown name is refused before the ranks are checked
     if not (0 <= cp_rank < cp and 0 <= tp_rank < tp):

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...config import DataConfig, ParallelConfig
+from ...distributed.cp_layout import LayoutName
 from .loader import PackedLoader
-from .packing import Layout, pad_multiple, row_multiple
+from .packing import pad_multiple, row_multiple
 from .records import RecordRules
 from .sources import JsonlSource, Source, SyntheticSource, list_jsonl
 
@@ -47,7 +48,7 @@ def _record_rules(data: DataConfig, vocab_size: int | None) -> RecordRules:
 
 
 def build_loader(data: DataConfig, *, seed: int, parallel: ParallelConfig | None = None,
-                 layout: Layout = "zigzag", vocab_size: int | None = None, pad_id: int = 0,
+                 layout: LayoutName = "zigzag", vocab_size: int | None = None, pad_id: int = 0,
                  synthetic_documents: int = 1024) -> PackedLoader:
     """The loader for ``data``: JSONL at data.path, or synthetic documents when it is None.
 

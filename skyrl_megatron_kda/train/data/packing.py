@@ -7,24 +7,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
 from ...config import ParallelConfig
-from ...distributed.cp_layout import layout_kind
+from ...distributed.cp_layout import LayoutName, layout_kind
 
 
-Layout = Literal["zigzag", "contiguous"]
-
-
-def pad_multiple(parallel: ParallelConfig, layout: Layout = "zigzag") -> int:
+def pad_multiple(parallel: ParallelConfig, layout: LayoutName = "zigzag") -> int:
     """What every packed sequence's length must divide by, as the layout kind says: the zigzag
     layout cuts each sequence into 2*cp chunks; the contiguous one cuts the row anywhere."""
     return layout_kind(layout).sequence_multiple(parallel.cp)
 
 
-def row_multiple(parallel: ParallelConfig, layout: Layout = "zigzag") -> int:
+def row_multiple(parallel: ParallelConfig, layout: LayoutName = "zigzag") -> int:
     """What ``seq_len`` must divide by: the per-sequence multiple (the tail padding sequence is one
     too), and, under SP, each CP rank's rows must split evenly over the TP group."""
     sp_ranks = parallel.cp * (parallel.tp if parallel.sequence_parallel else 1)
