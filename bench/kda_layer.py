@@ -160,11 +160,11 @@ def segmented_fwd_bwd(args, heads: int, tokens: int):
 def state_recurrence_fwd_bwd(args, tp_group, cp_group):
     """This CP rank's KDA recurrence under the state exchange (its shard, all heads), real NCCL."""
     from skyrl_megatron_kda.kda.exchanges import CommLedger, ExchangeGroups, KernelArgs, StateExchange
-    from skyrl_megatron_kda.distributed.cp_layout import CPLayout
+    from skyrl_megatron_kda.distributed.cp_layout import BatchIndexMaps
 
     cp = cp_group.size()
     exchange = StateExchange(ExchangeGroups(tp=tp_group, cp=cp_group, sequence_parallel=False), CommLedger())
-    layout = CPLayout.build(torch.tensor([0, args.tokens], device="cuda"), cp, 1, packed=False)
+    layout = BatchIndexMaps.build(torch.tensor([0, args.tokens], device="cuda"), cp, 1, packed=False)
     leaves, do = _kda_leaves(args, args.heads, args.tokens // cp)
     kernel = KernelArgs(backend="fla", lower_bound=-5.0, l2norm_eps=1e-6, chunk_size=64,
                         segments=args.segments)

@@ -287,7 +287,7 @@ def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
     optimizer_config(recipe)
     if recipe.run.ray_address is None:
         if recipe.data.path is not None:
-            from .train.data import list_jsonl
+            from .train.data.sources import list_jsonl
 
             list_jsonl(recipe.data.path)
         hf = recipe.run.init_from_hf
@@ -338,7 +338,7 @@ def _run_holding_folder(args: argparse.Namespace, loaded: LoadedRecipe) -> int:
         return 128 + err.signum
     if lines:
         if recipe.data.path is not None:
-            from .train.data import skip_summary
+            from .train.data.stats import skip_summary
 
             print(f"data: {skip_summary(lines[-1]['skipped_records'])}", file=sys.stderr)
         print(f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}; "

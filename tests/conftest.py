@@ -38,6 +38,16 @@ def _ray_module():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def census():
+    """What autograd keeps on CPU for the tiny recipe's variants, by part, and their recipes
+    (``tests/support/memory_recipes.saved_tensor_census``): built once for every memory test
+    module that reads it, as it spawns a rank and builds 14 models."""
+    from tests.support.memory_recipes import saved_tensor_census
+
+    return saved_tensor_census()
+
+
 @pytest.fixture
 def ray_cluster(_ray_module):
     """The module's Ray; placement groups (and their actors) a test leaves behind are removed

@@ -14,20 +14,12 @@ import pytest
 import torch
 
 from skyrl_megatron_kda.config import DataConfig, ParallelConfig
-from skyrl_megatron_kda.train.data import (
-    BadRecord,
-    DataStats,
-    JsonlSource,
-    RecordRules,
-    UNRECORDED_FILE,
-    SyntheticSource,
-    build_loader,
-    pack_row,
-    pad_multiple,
-    row_multiple,
-    shard_for_rank,
-    skip_summary,
-)
+from skyrl_megatron_kda.distributed.rank_split import shard_for_rank
+from skyrl_megatron_kda.train.data import build_loader
+from skyrl_megatron_kda.train.data.packing import pack_row, pad_multiple, row_multiple
+from skyrl_megatron_kda.train.data.records import BadRecord, RecordRules
+from skyrl_megatron_kda.train.data.sources import JsonlSource, SyntheticSource
+from skyrl_megatron_kda.train.data.stats import UNRECORDED_FILE, DataStats, skip_summary
 
 WORDS = "the quick brown fox jumps over lazy dog a long document about packing rows".split()
 VOCAB = 64  # vocabulary bound for input_ids records

@@ -320,7 +320,7 @@ def _run_case(case, single):
     from skyrl_megatron_kda.distributed.cp_layout import rank_rows
     from skyrl_megatron_kda.kda.parity import relative_error
     from skyrl_megatron_kda.distributed.tensor_parallel import load_full_state
-    from skyrl_megatron_kda.dsa import layout as dsa
+    from skyrl_megatron_kda.dsa import batch_rows as dsa
 
     batch = _batch(case)
     ref = _ours(_config(4), 4, ProcessGroupCollection(tp=single, cp=single), kernel="unfused")
@@ -344,17 +344,17 @@ def _run_case(case, single):
     data_layout = "contiguous" if case.corrupt == "wrong_layout" else case.layout
     rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), tp_group.rank(),
                      case.sp, data_layout)
-    saved_sort, saved_own = dsa.sort_index, dsa.DSABatchLayout.own_rows
+    saved_sort, saved_own = dsa.sort_index, dsa.DSABatchRows.own_rows
     if case.corrupt == "no_reorder":
         dsa.sort_index = lambda p: torch.arange(p.numel(), device=p.device)
     if case.corrupt == "first_rows":
-        dsa.DSABatchLayout.own_rows = lambda self, t: t[:t.shape[0] // self.tp_group.size()]
+        dsa.DSABatchRows.own_rows = lambda self, t: t[:t.shape[0] // self.tp_group.size()]
     try:
         x = batch.x[rows].clone().requires_grad_()
         out, _ = layer(x, attention_mask=None, packed_seq_params=batch.packed)
         (out * batch.grad_out[rows]).sum().backward()
     finally:
-        dsa.sort_index, dsa.DSABatchLayout.own_rows = saved_sort, saved_own
+        dsa.sort_index, dsa.DSABatchRows.own_rows = saved_sort, saved_own
 
     errors = {"out": relative_error(out.detach(), out_ref.detach()[rows]),
               "dx": relative_error(x.grad, x_ref.grad[rows])}

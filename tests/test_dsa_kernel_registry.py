@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from skyrl_megatron_kda import memory
+from skyrl_megatron_kda.memory import estimate_memory
+from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes, dsa_shape, dsa_transient_bytes
 from skyrl_megatron_kda.config import DSAConfig
 from skyrl_megatron_kda.dsa import kernels
 from skyrl_megatron_kda.dsa.kernels import TorchKernel
@@ -109,17 +110,17 @@ def test_plan_reads_the_kernels_memory_terms(toy):
     torch_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, "model.dsa.kernel=torch",
                                                     "model.dsa.tp_split=heads"]).recipe
     toy_recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"]).recipe
-    shape = memory.dsa_shape(toy_recipe)
-    assert (memory.dsa_activation_bytes(toy_recipe)
-            == memory.dsa_activation_bytes(torch_recipe) + shape.rows)
-    assert memory.dsa_transient_bytes(toy_recipe) == memory.dsa_transient_bytes(torch_recipe) + 1
-    phases = memory.estimate_memory(toy_recipe).phases
+    shape = dsa_shape(toy_recipe)
+    assert (dsa_activation_bytes(toy_recipe)
+            == dsa_activation_bytes(torch_recipe) + shape.rows)
+    assert dsa_transient_bytes(toy_recipe) == dsa_transient_bytes(torch_recipe) + 1
+    phases = estimate_memory(toy_recipe).phases
     assert any(label.startswith("DSA layer + toy working set") for label in phases), phases
     auto = torch_recipe.model.dsa.model_copy(update={"kernel": "auto"})
     unresolved = torch_recipe.model_copy(
         update={"model": torch_recipe.model.model_copy(update={"dsa": auto})})
     with pytest.raises(ValueError, match="model.dsa.kernel=auto is not resolved"):
-        memory.dsa_activation_bytes(unresolved)
+        dsa_activation_bytes(unresolved)
 
 
 def _toy_layer_run(rank, world):

@@ -6,7 +6,7 @@ compare it with the unfused layer on every mesh and with transformers):
   indices shifted by one, give output errors of order 1e-1 against the unfused layer;
 * the saved-tensor census: the bytes the layer keeps for backward per query are the same at
   T = 48 and T = 192 for both kernels (what grows with T on the unfused path is its working set:
-  whole-sequence keys/values and [queries x pools] scores, not saved tensors), equal memory.py's
+  whole-sequence keys/values and [queries x pools] scores, not saved tensors), equal memory/dsa.py's
   torch term at the test's sizes, and are over 3x smaller than the unfused path's; growing the top-k
   adds 4 bytes (one int32 index) per selected key and query, where megatron's unfused path adds
   the gathered fp32 key and value of every local head (and more);
@@ -99,9 +99,9 @@ def _census(rank, world, cases):
 
 
 def _formula_per_query(kernel: str, topk: int) -> int:
-    """memory.py's DSA term per token for the test layer's sizes (fp32, TP1/CP1), without the
+    """memory/dsa.py's DSA term per token for the test layer's sizes (fp32, TP1/CP1), without the
     layer input (the census leaves the input tensor out)."""
-    from skyrl_megatron_kda import memory
+    from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes
     from skyrl_megatron_kda.config import DSAConfig
     from skyrl_megatron_kda.recipes import load_recipe
 
@@ -113,7 +113,7 @@ def _formula_per_query(kernel: str, topk: int) -> int:
                     index_kpool=4, kernel=kernel)
     recipe = tiny.model_copy(update={"model": tiny.model.model_copy(
         update={"hidden_size": H, "dsa": dsa})})
-    return memory.dsa_activation_bytes(recipe) // 64 - H * 4
+    return dsa_activation_bytes(recipe) // 64 - H * 4
 
 
 def test_kept_bytes_per_query_do_not_grow_with_t():
@@ -124,9 +124,9 @@ def test_kept_bytes_per_query_do_not_grow_with_t():
     for kernel in kernels:
         short, long = per_query[(kernel, 48, 8)][0], per_query[(kernel, 192, 8)][0]
         assert short == long, (kernel, short, long)
-    # memory.py's torch and fused terms, to the byte (fused: the CPU stand-in of the TileLang
+    # memory/dsa.py's torch and fused terms, to the byte (fused: the CPU stand-in of the TileLang
     # kernels, which keeps nothing itself; the unfused term is checked on the GLM model in
-    # tests/test_memory.py; on this layer megatron keeps one more fp32 [heads, s] tensor).
+    # tests/test_memory_terms.py; on this layer megatron keeps one more fp32 [heads, s] tensor).
     for kernel in ("torch", "fused"):
         for topk in (8, 24):
             assert per_query[(kernel, 48, topk)][0] == _formula_per_query(kernel, topk), topk

@@ -103,11 +103,11 @@ def _census(rank, world, sp):
 def test_keeps_no_tokens_by_vocabulary_tensor(world, sp):
     """Megatron's loss keeps the fp32 softmax [S, B, V/tp] (the control: the census finds it);
     the fused one keeps the rank's hidden rows, the labels and two fp32 numbers per token,
-    what memory.py counts for ``train.loss_chunk_tokens``."""
-    from skyrl_megatron_kda import memory
+    what memory/head.py counts for ``train.loss_chunk_tokens``."""
+    from skyrl_megatron_kda.memory.head import loss_kept_bytes_per_token
     from skyrl_megatron_kda.recipes import load_recipe
 
-    per_token = sum(memory.loss_kept_bytes_per_token(
+    per_token = sum(loss_kept_bytes_per_token(
         load_recipe("glm53_flash_tiny", ["train.loss_chunk_tokens=5"]).recipe))
     for rank, census in enumerate(run_ranks(world, _census, sp)):
         print(rank, census)

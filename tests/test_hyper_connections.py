@@ -230,11 +230,12 @@ def _chunked(chunk_rows: int, eps: float | None = None):
 
 def test_map_backward_holds_one_chunk_as_the_plan_counts():
     """Census of the maps' backward working set on CPU (every storage its ops allocate, from
-    allocation to the death of its last tensor), against ``memory.mhc_map_backward_bytes`` for
+    allocation to the death of its last tensor), against ``memory.blocks.mhc_map_backward_bytes`` for
     the recipe's rows, width and ``map_chunk_rows``: within 7% below it (the plan is an upper
     bound), and with chunks a fraction of one whole-rows chunk's (the control: the working set
     without chunks, 6 fp32 copies of every row, 48 GiB at 131,072 rows of GLM's width)."""
-    from skyrl_megatron_kda import memory
+    from skyrl_megatron_kda.memory.blocks import mhc_map_backward_bytes
+    from skyrl_megatron_kda.memory.rows import rows_of
     from skyrl_megatron_kda.recipes import load_recipe
     from tests.support.live_bytes import LiveBytes
 
@@ -242,7 +243,7 @@ def test_map_backward_holds_one_chunk_as_the_plan_counts():
     for chunk in (256, 100, 32):
         recipe = load_recipe("glm53_flash_tiny", ["model.params_dtype=bfloat16", "data.seq_len=1024",
                                                   f"model.hyper_connections.map_chunk_rows={chunk}"]).recipe
-        m, rows = recipe.model, memory.rows_of(recipe).sp
+        m, rows = recipe.model, rows_of(recipe).sp
         width, n = m.hyper_connections.num_streams * m.hidden_size, m.hyper_connections.num_streams
         gen = torch.Generator().manual_seed(0)
         flat = torch.randn(rows, width, generator=gen).to(torch.bfloat16).requires_grad_()
@@ -251,7 +252,7 @@ def test_map_backward_holds_one_chunk_as_the_plan_counts():
         grad = torch.randn(out.shape, generator=gen)
         with LiveBytes() as live:
             out.backward(grad)
-        planned = memory.mhc_map_backward_bytes(recipe)
+        planned = mhc_map_backward_bytes(recipe)
         assert 0.93 * planned < live.peak <= planned, (chunk, live.peak, planned)
         peaks[chunk] = live.peak
     assert peaks[32] < 0.3 * peaks[256], peaks

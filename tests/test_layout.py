@@ -1,14 +1,20 @@
 """CP layouts: zigzag shards, and the one-rank case that holds sequences of any length whole;
-``take_rows`` against autograd's ``index_select``; one layout per batch layout, shared."""
+``take_rows`` against autograd's ``index_select``; one set of index maps per batch, shared; the
+layout kinds' one registry."""
 
 from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 import torch
 
+from skyrl_megatron_kda.config import ParallelConfig
 from skyrl_megatron_kda.distributed.cp_layout import (
+    LAYOUTS,
+    LayoutKind,
+    LayoutName,
     RowOrder,
-    batch_layout,
+    batch_index_maps,
     inverse_permutation,
     take_rows,
     zigzag_positions,
@@ -72,9 +78,9 @@ def test_batch_layout_is_built_once_per_batch_layout():
     argsort-free inverses and exchange-derived plans are built once), and a new packing must not
     reuse the old one."""
     shard = torch.zeros(6, 1, 4)  # this rank's rows: 24 tokens over cp=2 x sp=2
-    first = batch_layout(shard, _thd([0, 8, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
-    again = batch_layout(shard, _thd([0, 8, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
-    other = batch_layout(shard, _thd([0, 16, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
+    first = batch_index_maps(shard, _thd([0, 8, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
+    again = batch_index_maps(shard, _thd([0, 8, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
+    other = batch_index_maps(shard, _thd([0, 16, 24]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
     assert again is first
     assert other is not first
     assert other.cu_seqlens.tolist() == [0, 16, 24]
@@ -84,4 +90,13 @@ def test_batch_layout_is_built_once_per_batch_layout():
     assert first.derived("plan", lambda: built.append(1) or "y") == "x"
     assert built == [1]
     with pytest.raises(ValueError, match="cu_seqlens end at 20 but the CP/SP shards hold 24"):
-        batch_layout(shard, _thd([0, 8, 20]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
+        batch_index_maps(shard, _thd([0, 8, 20]), cp=2, tp=2, sequence_parallel=True, kind="zigzag")
+
+
+def test_layout_names_come_from_the_registry_of_kinds():
+    """Every registered kind is a ``LayoutKind`` under its own name, ``LayoutName`` lists exactly
+    them, and ``parallel.cp_layout`` (config stays a leaf, so it spells the names itself) accepts
+    the same ones."""
+    assert all(isinstance(kind, LayoutKind) and kind.name == name for name, kind in LAYOUTS.items())
+    assert get_args(LayoutName) == tuple(LAYOUTS)
+    assert get_args(ParallelConfig.model_fields["cp_layout"].annotation) == tuple(LAYOUTS)

@@ -21,7 +21,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from skyrl_megatron_kda import cli, memory
+from skyrl_megatron_kda import cli
+from skyrl_megatron_kda.memory import GiB, estimate_memory
+from skyrl_megatron_kda.memory.census import rank_parameters
+from skyrl_megatron_kda.memory.states import optimizer_shards, optimizer_split
 from skyrl_megatron_kda.recipes import load_recipe
 from skyrl_megatron_kda.train.optimizer import (
     OFFLOAD_REFUSED,
@@ -163,16 +166,16 @@ def _full(*overrides: str):
 
 def _shard_bytes(recipe, per_element: int, predicate) -> int:
     """``per_element`` bytes for each element of this rank's optimizer shard (the parameters
-    ``predicate`` picks); a group's bytes divided over its shard group, as memory.py does."""
-    dense, expert = memory.optimizer_shards(recipe)
+    ``predicate`` picks); a group's bytes divided over its shard group, as memory/states.py does."""
+    dense, expert = optimizer_shards(recipe)
     return sum(g.numel * per_element // (expert if g.expert else dense)
-               for g in memory.rank_parameters(recipe) if g.trainable and predicate(g))
+               for g in rank_parameters(recipe) if g.trainable and predicate(g))
 
 
 def test_bf16_grad_buffer_halves_the_bf16_gradients():
-    fp32, bf16 = memory.estimate_memory(_full("train.grad_reduce_in_fp32=true")), memory.estimate_memory(
+    fp32, bf16 = estimate_memory(_full("train.grad_reduce_in_fp32=true")), estimate_memory(
         _full("train.grad_reduce_in_fp32=false"))
-    groups = [g for g in memory.rank_parameters(_full()) if g.trainable]
+    groups = [g for g in rank_parameters(_full()) if g.trainable]
     half = sum(g.numel for g in groups if g.dtype_bytes == 2)
     single = sum(g.numel for g in groups if g.dtype_bytes == 4)  # mHC maps, A_log, dt_bias
     assert fp32.grads == 4 * (half + single)
@@ -186,8 +189,8 @@ def test_bf16_grad_buffer_halves_the_bf16_gradients():
 
 
 def test_full_offload_moves_the_optimizer_term_to_the_host():
-    on_gpu = memory.estimate_memory(_full())
-    offloaded = memory.estimate_memory(_full("train.optimizer_offload_fraction=1.0"))
+    on_gpu = estimate_memory(_full())
+    offloaded = estimate_memory(_full("train.optimizer_offload_fraction=1.0"))
     assert offloaded.optimizer == 0
     assert offloaded.total == on_gpu.total - on_gpu.optimizer
     # Host: fp32 main copy, two moments, pinned fp32 gradient copy per shard element.
@@ -197,7 +200,7 @@ def test_full_offload_moves_the_optimizer_term_to_the_host():
 
 def test_partial_offload_takes_that_share_of_each_term():
     recipe = _full("train.optimizer_offload_fraction=0.25", "train.grad_reduce_in_fp32=false")
-    split, whole = memory.optimizer_split(recipe), memory.optimizer_split(
+    split, whole = optimizer_split(recipe), optimizer_split(
         _full("train.grad_reduce_in_fp32=false"))
     assert whole.host == 0
     assert split.gpu == whole.gpu - round(0.25 * whole.gpu)
@@ -209,11 +212,11 @@ def test_plan_shows_host_memory_and_the_lower_total(capsys):
     assert cli.main(["plan", FULL, "--set", "train.optimizer_offload_fraction=1.0",
                      "--set", "train.grad_reduce_in_fp32=false"]) == 0
     out = capsys.readouterr().out
-    est = memory.estimate_memory(_full("train.optimizer_offload_fraction=1.0",
+    est = estimate_memory(_full("train.optimizer_offload_fraction=1.0",
                                        "train.grad_reduce_in_fp32=false"))
-    assert f"+ optimizer state {est.host_optimizer / memory.GiB:.2f} GiB" in out
+    assert f"+ optimizer state {est.host_optimizer / GiB:.2f} GiB" in out
     assert "gradients (bfloat16 DDP buffer)" in out and "100% on the host" in out
-    assert f"{est.total / memory.GiB:.2f}" in out
+    assert f"{est.total / GiB:.2f}" in out
 
 
 def _built_bytes(rank, world, overrides) -> dict:
@@ -256,7 +259,7 @@ def test_memory_terms_equal_the_built_optimizer(fp32):
     overrides = [*ONE_RANK, f"train.grad_reduce_in_fp32={str(fp32).lower()}"]
     built = run_ranks(1, _built_bytes, overrides)[0]
     recipe = load_recipe(TINY, overrides, environ={}).recipe
-    est, split = memory.estimate_memory(recipe), memory.optimizer_split(recipe)
+    est, split = estimate_memory(recipe), optimizer_split(recipe)
     assert math.isfinite(built["loss"])
     assert built["grads"] == est.grads
     assert built["state"] == split.gpu == est.optimizer

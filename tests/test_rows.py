@@ -79,7 +79,7 @@ def test_odd_widths_are_padded_to_a_multiple_of_8(monkeypatch):
 def test_a_single_unpadded_weight_is_saved_as_the_parameters_view():
     """q, k and v project with row slices of their parameters (``KimiDeltaAttention.project``):
     autograd keeps those views, no copy; only a stacked (or padded) weight is a new tensor, which
-    is why memory.py counts the low-rank | beta stack alone."""
+    is why memory/kda.py counts the low-rank | beta stack alone."""
     shard = torch.randn(6, 2, 64, dtype=torch.float64, requires_grad=True)
     param = torch.nn.Parameter(torch.randn(32, 64, dtype=torch.float64))
     other = torch.nn.Parameter(torch.randn(8, 64, dtype=torch.float64))

@@ -4,7 +4,7 @@ its own message first whatever the exception was."""
 import pytest
 
 from skyrl_megatron_kda.console import error_lines
-from skyrl_megatron_kda.train.data import RecordRules, parse_record
+from skyrl_megatron_kda.train.data.records import RecordRules, parse_record
 from skyrl_megatron_kda.workers.group import ALLOCATOR_CONF, ActorGroup, WorkerError
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Hashable, TypeVar
+from typing import Callable, Hashable, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -58,7 +58,41 @@ def contiguous_positions(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device).view(cp, -1)
 
 
-class ZigzagLayout:
+@runtime_checkable
+class LayoutKind(Protocol):
+    """A CP layout kind: how a packed row's tokens are laid over the CP ranks. Every rule that
+    depends on the kind (padding, the rank's rows, the state exchange's pieces) asks it."""
+
+    name: str
+    pieces_per_sequence: int
+    """Pieces of every sequence on each CP rank, at most (an absent piece is empty)."""
+
+    def positions(self, cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
+        """Natural position of every row of every CP rank: LongTensor ``[cp, T/cp]``."""
+        ...
+
+    def sequence_multiple(self, cp: int) -> int:
+        """What every sequence's length must divide by."""
+        ...
+
+    def row_multiple(self, cp: int) -> int:
+        """What a packed row's length must divide by."""
+        ...
+
+    def row_rule(self, cp: int) -> str:
+        """The row multiple named, and why it is needed."""
+        ...
+
+    def rank_pieces(self, cu_seqlens: torch.Tensor, cp: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Natural starts and lengths ``[sequences, pieces_per_sequence]`` of ``cp_rank``'s pieces."""
+        ...
+
+    def chain_order(self, cp: int) -> list[tuple[int, int]]:
+        """(rank, piece) of each piece of a sequence, in natural order."""
+        ...
+
+
+class ZigzagLayout(LayoutKind):
     """Megatron's load-balanced layout: each sequence cut into ``2*cp`` chunks, CP rank ``r``
     holding chunks ``r`` and ``2cp-1-r`` (its front and back piece of every sequence)."""
 
@@ -72,22 +106,18 @@ class ZigzagLayout:
 
     @staticmethod
     def sequence_multiple(cp: int) -> int:
-        """What every sequence's length must divide by."""
         return 2 * cp if cp > 1 else 1
 
     def row_multiple(self, cp: int) -> int:
-        """What a packed row's length must divide by."""
         return self.sequence_multiple(cp)
 
     @staticmethod
     def row_rule(cp: int) -> str:
-        """The row multiple named, and why it is needed."""
         return (f"2*cp={2 * cp}: Megatron's load-balanced (zigzag) CP layout cuts each sequence "
                 "into 2*cp chunks")
 
     @staticmethod
     def rank_pieces(cu_seqlens: torch.Tensor, cp: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Natural starts and lengths ``[sequences, pieces_per_sequence]`` of ``cp_rank``'s pieces."""
         cu = cu_seqlens.to(torch.long)
         chunk = cu.diff() // (2 * cp)
         starts = torch.stack([cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp - 1 - cp_rank) * chunk], 1)
@@ -95,12 +125,12 @@ class ZigzagLayout:
 
     @staticmethod
     def chain_order(cp: int) -> list[tuple[int, int]]:
-        """(rank, piece) of each piece of a sequence, in natural order: chunks 0..cp-1 are front
-        pieces of ascending ranks, cp..2cp-1 back pieces of descending ranks."""
+        """Chunks 0..cp-1 are front pieces of ascending ranks, cp..2cp-1 back pieces of
+        descending ranks."""
         return [(r, 0) for r in range(cp)] + [(r, 1) for r in range(cp - 1, -1, -1)]
 
 
-class ContiguousLayout:
+class ContiguousLayout(LayoutKind):
     """Rank ``r`` holds rows ``[r*T/cp, (r+1)*T/cp)`` of the packed row, cutting sequences anywhere."""
 
     name = "contiguous"
@@ -136,11 +166,14 @@ class ContiguousLayout:
         return [(r, 0) for r in range(cp)]
 
 
-LAYOUTS = {kind.name: kind for kind in (ZigzagLayout(), ContiguousLayout())}
+LAYOUTS: dict[str, LayoutKind] = {kind.name: kind for kind in (ZigzagLayout(), ContiguousLayout())}
 """The CP layout kinds by name (``parallel.cp_layout``): every rule that depends on the kind asks it."""
 
+LayoutName = Literal[tuple(LAYOUTS)]  # type: ignore[valid-type]  # derived here, not listed again
+"""The name of a registered layout kind."""
 
-def layout_kind(name: str):
+
+def layout_kind(name: str) -> LayoutKind:
     """The layout kind called ``name``; unknown names are refused with the known ones."""
     if name not in LAYOUTS:
         raise ValueError(f"unknown CP layout {name!r}; expected one of {sorted(LAYOUTS)}")
@@ -190,9 +223,9 @@ class RowOrder:
 
 
 @dataclass(frozen=True)
-class CPLayout:
-    """Index maps between this mesh's shard layouts and natural token order, built once per batch
-    layout (``batch_layout``) and shared by every layer that runs on the batch.
+class BatchIndexMaps:
+    """A batch's index maps between this mesh's shards and natural token order, built once per
+    batch (``batch_index_maps``) and shared by every layer that runs on the batch.
 
     ``positions[c, j]`` is the natural position of row ``j`` of CP rank ``c`` (all its TP ranks
     together); ``cu_seqlens`` are the natural boundaries the kernel needs. The row orders below
@@ -207,7 +240,7 @@ class CPLayout:
     kind: str = "zigzag"  # a key of LAYOUTS
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, cp: int, tp: int, packed: bool, kind: str = "zigzag") -> "CPLayout":
+    def build(cls, cu_seqlens: torch.Tensor, cp: int, tp: int, packed: bool, kind: str = "zigzag") -> "BatchIndexMaps":
         return cls(cu_seqlens, layout_kind(kind).positions(cu_seqlens, cp), cp, tp, packed, kind)
 
     @property
@@ -298,25 +331,25 @@ def batch_sequences(hidden_states: torch.Tensor, packed_seq_params, total: int) 
     return torch.tensor(bounds, dtype=torch.long, device=hidden_states.device), packed
 
 
-LAYOUT_CACHE_SIZE = 2
-"""Batch layouts kept (``batch_layout``): the current micro-batch's and one more, so that a
+INDEX_MAPS_CACHE_SIZE = 2
+"""Batches' index maps kept (``batch_index_maps``): the current micro-batch's and one more, so that a
 recompute or a pipeline schedule that alternates two micro-batches does not rebuild. Each holds a
 few int64 tensors of the sequence's length (8 MiB each at 1M tokens)."""
 
 
-@functools.lru_cache(maxsize=LAYOUT_CACHE_SIZE)
-def _layout_of(bounds: tuple[int, ...], device: torch.device, cp: int, tp: int, packed: bool,
-               kind: str) -> CPLayout:
-    return CPLayout.build(torch.tensor(bounds, dtype=torch.long, device=device), cp, tp, packed, kind)
+@functools.lru_cache(maxsize=INDEX_MAPS_CACHE_SIZE)
+def _index_maps_of(bounds: tuple[int, ...], device: torch.device, cp: int, tp: int, packed: bool,
+                   kind: str) -> BatchIndexMaps:
+    return BatchIndexMaps.build(torch.tensor(bounds, dtype=torch.long, device=device), cp, tp, packed, kind)
 
 
-def batch_layout(hidden_states: torch.Tensor, packed_seq_params, cp: int, tp: int,
-                 sequence_parallel: bool, kind: str) -> CPLayout:
-    """The CP layout of this batch's rows (``hidden_states`` [s, b, D]: this rank's CP/SP shard).
+def batch_index_maps(hidden_states: torch.Tensor, packed_seq_params, cp: int, tp: int,
+                     sequence_parallel: bool, kind: str) -> BatchIndexMaps:
+    """The index maps of this batch's rows (``hidden_states`` [s, b, D]: this rank's CP/SP shard).
 
-    Every layer of a forward pass gets the same ``CPLayout`` object for the same boundaries and
-    mesh, so its index maps (and what exchanges derive from it) are built once per batch layout,
-    not once per layer."""
+    Every layer of a forward pass gets the same ``BatchIndexMaps`` object for the same boundaries and
+    mesh, so its index maps (and what exchanges derive from it) are built once per batch, not once
+    per layer."""
     total = hidden_states.shape[0] * (tp if sequence_parallel else 1) * cp
     bounds, packed = batch_bounds(hidden_states, packed_seq_params, total)
-    return _layout_of(bounds, hidden_states.device, cp, tp, packed, kind)
+    return _index_maps_of(bounds, hidden_states.device, cp, tp, packed, kind)

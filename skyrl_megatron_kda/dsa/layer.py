@@ -71,10 +71,10 @@ from megatron.core.transformer.multi_latent_attention import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..config import DSAConfig
-from ..distributed.cp_layout import LAYOUTS
+from ..distributed.cp_layout import layout_kind
 from . import kept_selection, kernels
+from .batch_rows import DSABatchRows, dsa_batch_rows
 from .kernels import DSAKernel, KVDims
-from .layout import DSABatchLayout, dsa_batch_layout
 
 
 class DuplicatedLinear(torch.nn.Module):
@@ -133,7 +133,7 @@ class GlmKPoolIndexer(DSAIndexer):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x, qr, layout: DSABatchLayout):
+    def forward(self, x, qr, layout: DSABatchRows):
         """x [r, b, hidden], qr [r, b, q_lora] (this rank's rows) -> natural key positions
         [b, s, index_topk + kpool - 1] for the query rows of this rank's share."""
         k, _ = self.linear_wk(x)
@@ -153,7 +153,7 @@ class GlmKPoolIndexer(DSAIndexer):
         q, _ = self.linear_wq_b(qr)
         return q.view(*q.shape[:2], self.index_n_heads, self.index_head_dim)
 
-    def cp_rank_queries(self, qr, weights, layout: DSABatchLayout):
+    def cp_rank_queries(self, qr, weights, layout: DSABatchRows):
         """This rank's [q latent | head weights] -> those of all its CP rank's rows (one gather)."""
         return layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
             [qr.shape[-1], self.index_n_heads], dim=-1)
@@ -176,7 +176,7 @@ class GlmDSAttention(DSAttention):
 
     def forward(self, query, key, value, attention_mask, x, qr, packed_seq_params=None,
                 kv_up_weight=None, **_):
-        layout = dsa_batch_layout(x, packed_seq_params, self.pg_collection.tp,
+        layout = dsa_batch_rows(x, packed_seq_params, self.pg_collection.tp,
                                   self.pg_collection.cp, self.config.sequence_parallel,
                                   self.cp_layout)
         if self.skip_topk:  # "shared" layer: reuse the source layer's selection
@@ -199,8 +199,7 @@ class GlmDSASelfAttention(MLASelfAttention):
         # cp_comm_type configures megatron's softmax-attention CP; DSA always gathers the latent.
         if config.qk_pos_emb_head_dim:
             raise NotImplementedError("GlmDSASelfAttention is NoPE MLA (qk_pos_emb_head_dim=0)")
-        if cp_layout not in LAYOUTS:
-            raise ValueError(f"unknown CP layout {cp_layout!r}; expected one of {sorted(LAYOUTS)}")
+        layout_kind(cp_layout)  # an unknown name is refused before megatron builds anything
         super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type,
                          pg_collection, pp_layer_offset, name)
         if self.pg_collection.tp.size() > 1 and not config.sequence_parallel:
@@ -232,7 +231,7 @@ class GlmDSASelfAttention(MLASelfAttention):
         rows."""
         if key_value_states is not None or inference_context is not None or inference_params is not None:
             raise NotImplementedError("GlmDSASelfAttention: self-attention training only")
-        layout = dsa_batch_layout(hidden_states, packed_seq_params, self.pg_collection.tp,
+        layout = dsa_batch_rows(hidden_states, packed_seq_params, self.pg_collection.tp,
                                   self.pg_collection.cp, self.config.sequence_parallel, self.cp_layout)
         q_compressed, kv_latent = self._qkv_down_projection(hidden_states)
         if kv_latent.size(-1) != self.config.kv_lora_rank:  # column-parallel: TP-sharded width

@@ -34,7 +34,7 @@ from ..config import KDAConfig
 from . import exchanges
 from .exchanges import CommLedger, ExchangeGroups, ExchangeMesh, KernelArgs
 from .kernel import gated_rms_norm, resolve_backend
-from ..distributed.cp_layout import batch_layout
+from ..distributed.cp_layout import batch_index_maps
 from ..distributed.tensor_parallel import shard_of
 from .rows import RowGather, project_rows
 
@@ -228,8 +228,8 @@ class KimiDeltaAttention(MegatronModule):
             raise NotImplementedError("KimiDeltaAttention has no inference (decode) path yet")
         if attention_bias is not None:
             raise ValueError("KimiDeltaAttention takes no attention bias")
-        layout = batch_layout(hidden_states, packed_seq_params, self.cp_group.size(), self.tp_group.size(),
-                              self.config.sequence_parallel, self.cp_layout)
+        layout = batch_index_maps(hidden_states, packed_seq_params, self.cp_group.size(), self.tp_group.size(),
+                                  self.config.sequence_parallel, self.cp_layout)
         computed = self.exchange.to_compute_layout(hidden_states, layout, self.project,
                                                    self.num_local_heads)
         heads = computed.heads

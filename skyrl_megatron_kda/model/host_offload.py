@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..memory import pinned_block_bytes
+from ..memory.offload import pinned_block_bytes
 
 
 class _HostCopy:

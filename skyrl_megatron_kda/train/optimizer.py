@@ -1,13 +1,13 @@
 """megatron-core's DDP and distributed-optimizer settings of a recipe: the one place that turns
 ``train``'s optimizer and gradient settings into megatron's configs (``trainer.RankTrainer``
-builds with them; ``memory.py`` models the same settings).
+builds with them; ``memory.states`` models the same settings).
 
 - ``train.grad_reduce_in_fp32``: DDP's gradient buffer in fp32 (default) or in the parameters'
   dtype. With a bf16 buffer the distributed optimizer casts each rank's shard of it to fp32 at
   the step (Adam still runs in fp32).
 - ``train.optimizer_offload_fraction``: megatron's ``HybridDeviceOptimizer`` would keep that
   share of the fp32 main parameters and Adam moments in host memory and run their Adam step on
-  the CPU. ``memory.py`` models it (``plan``), but building a trainer with it is refused
+  the CPU. ``memory.states`` models it (``plan``), but building a trainer with it is refused
   (``OFFLOAD_REFUSED``): megatron-core 0.19.2's hybrid optimizer cannot hold fp32 model
   parameters, and this model always has some (the mHC maps, KDA's ``A_log`` and ``dt_bias``).
   The distributed optimizer hands it those parameters' shards as ``model_param.view(-1)[a:b]``

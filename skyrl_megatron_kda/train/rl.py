@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.cp_layout import LAYOUTS
-from .data import PackedRow, pack_row, pad_multiple, padded_length, row_multiple
+from .data.packing import PackedRow, pack_row, pad_multiple, padded_length, row_multiple
 
 
 @dataclass(frozen=True)

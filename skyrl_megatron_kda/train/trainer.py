@@ -41,17 +41,11 @@ from megatron.core.utils import get_model_config
 
 from ..config import Recipe
 from ..distributed.cpu import cuda_names_cpu
+from ..distributed.rank_split import RankShard, shard_for_rank
 from ..model import glm
 from ..model.hf_io import load_hf_checkpoint
 from . import checkpoint, manifest, memory_report
-from .data import (
-    PackedLoader,
-    PackedRow,
-    RankShard,
-    build_loader,
-    continue_loader,
-    shard_for_rank,
-)
+from .data import PackedLoader, PackedRow, build_loader, continue_loader
 from .optimizer import ddp_config, optimizer_config
 from .setup import init_parallel_state, seed_everything
 from .step_guard import StepGuard

@@ -12,7 +12,7 @@ class RankError(Exception):
     """An exception raised on a rank, reduced to plain text on that rank.
 
     Ray pickles a task's exception to send it to the driver. An exception whose constructor does
-    not take its own ``args`` back (``train.data.BadRecord(file, line, reason, detail)``) cannot
+    not take its own ``args`` back (``train.data.records.BadRecord(file, line, reason, detail)``) cannot
     be rebuilt there and arrives as ``UnserializableException``, its message at the end of a
     traceback; this one is rebuilt from four strings, so the rank's message always arrives."""
 

@@ -46,7 +46,7 @@ class AbsorbedKernel(DSAKernel):
         else:
             qr, weights = indexer.cp_rank_queries(qr, weights, layout)
         P, (s, b) = indexer.index_kpool, qr.shape[:2]
-        cu = layout.layout.cu_seqlens
+        cu = layout.maps.cu_seqlens
         if int(cu[-1]) >= 2**31:
             raise ValueError(f"DSA kernel {self.name!r} keeps int32 token indices: "
                              f"{int(cu[-1])} tokens is too many (at most 2**31 - 1)")

@@ -27,7 +27,7 @@ import torch
 
 if TYPE_CHECKING:
     from ...config import DSAConfig
-    from ..layout import DSABatchLayout
+    from ..batch_rows import DSABatchRows
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class KVDims:
 
 @dataclass(frozen=True)
 class DSAShape:
-    """One rank's DSA layer as the memory terms see it (``memory.dsa_shape`` builds it).
+    """One rank's DSA layer as the memory terms see it (``memory.dsa.dsa_shape`` builds it).
 
     ``whole``: tokens of the sequence (T); ``cp_rows`` / ``sp_rows``: rows of the rank's CP rank
     and of the rank itself; ``rows`` queries with ``heads`` heads each are the rank's attention
@@ -95,7 +95,7 @@ class DSAKernel(ABC):
 
     @abstractmethod
     def indices(self, indexer, qr: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                gate: torch.Tensor, layout: DSABatchLayout) -> torch.Tensor:
+                gate: torch.Tensor, layout: DSABatchRows) -> torch.Tensor:
         """The selection of ``indexer`` (``layer.GlmKPoolIndexer``) for this rank's query rows,
         from its q latent ``qr`` and head ``weights`` [r, b, ...] (this rank's rows) and the
         whole sequence's indexer ``keys`` and pool ``gate`` [T, b, d] in natural order."""
@@ -103,7 +103,7 @@ class DSAKernel(ABC):
     @abstractmethod
     def attention(self, core, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
                   kv_up_weight: torch.Tensor, indices: torch.Tensor,
-                  layout: DSABatchLayout) -> torch.Tensor:
+                  layout: DSABatchRows) -> torch.Tensor:
         """The sparse attention of ``core`` (``layer.GlmDSAttention``: its softmax scale and
         config): query [s, b, n, d] of this CP rank's rows and this TP rank's heads -> [s, b,
         n * dv]."""

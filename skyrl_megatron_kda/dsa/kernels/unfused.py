@@ -34,7 +34,7 @@ class UnfusedKernel(DSAKernel):
         qr, weights = indexer.cp_rank_queries(qr, weights, layout)
         return select_pools(indexer.query_heads(qr), weights, keys, gate,
                             indexer.kpool_compress_ape, layout.query_positions,
-                            layout.query_document_starts, layout.layout.cu_seqlens,
+                            layout.query_document_starts, layout.maps.cu_seqlens,
                             indexer.index_kpool, indexer.index_topk)
 
     def attention(self, core, query, key, value, kv_up_weight, indices, layout):

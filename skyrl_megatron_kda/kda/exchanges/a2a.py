@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.cp_layout import CPLayout
+from ...distributed.cp_layout import BatchIndexMaps
 from .base import ComputeRows, Projection, section_widths
 from .head_parallel import HeadParallelExchange
 from .shape import ExchangeShape, whole_vectors
@@ -35,7 +35,7 @@ class A2AExchange(HeadParallelExchange):
         """The projected tensors received in head layout next to the sequence-layout ones it sent."""
         return 0 if s.cp == 1 else s.rows_bytes(s.tokens // s.cp, s.cp * cls.block_width(s))
 
-    def to_compute_layout(self, x: torch.Tensor, layout: CPLayout, project: Projection,
+    def to_compute_layout(self, x: torch.Tensor, layout: BatchIndexMaps, project: Projection,
                           num_local_heads: int) -> ComputeRows:
         sections = project(*self._rows(x), slice(0, num_local_heads))
         heads = self.heads(num_local_heads)

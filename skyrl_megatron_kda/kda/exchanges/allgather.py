@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.cp_layout import CPLayout
+from ...distributed.cp_layout import BatchIndexMaps
 from .base import ComputeRows, Projection
 from .head_parallel import HeadParallelExchange
 from .shape import ExchangeMesh, ExchangeShape
@@ -51,7 +51,7 @@ class AllGatherExchange(HeadParallelExchange):
         shard's would)."""
         return 0 if s.cp == 1 else s.rows_bytes(s.tokens, s.hidden)
 
-    def to_compute_layout(self, x: torch.Tensor, layout: CPLayout, project: Projection,
+    def to_compute_layout(self, x: torch.Tensor, layout: BatchIndexMaps, project: Projection,
                           num_local_heads: int) -> ComputeRows:
         heads = self.heads(num_local_heads)
         # CP first: when CP spans nodes, only the narrow SP shards cross the slow link.

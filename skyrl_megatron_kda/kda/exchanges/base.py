@@ -22,7 +22,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from ...distributed.cp_layout import CPLayout
+from ...distributed.cp_layout import BatchIndexMaps
 from ..kernel import causal_conv_silu, kda
 from ..rows import RowGather
 from ..state_kernel import IsolatedPieces, Segments, state_passing_kda_on_segments
@@ -149,15 +149,15 @@ class CPExchange(ABC):
     # --- data movement ------------------------------------------------------------------------
 
     @abstractmethod
-    def to_compute_layout(self, x: torch.Tensor, layout: CPLayout, project: Projection,
+    def to_compute_layout(self, x: torch.Tensor, layout: BatchIndexMaps, project: Projection,
                           num_local_heads: int) -> ComputeRows:
         """From this rank's shard ``x`` [s, b, D] to the projected rows and heads it computes."""
 
     @abstractmethod
-    def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    def to_sequence(self, o: torch.Tensor, layout: BatchIndexMaps) -> torch.Tensor:
         """The computed output back to this rank's rows, all local heads: [s, b, local_heads*V]."""
 
-    def conv(self, qkv: list[torch.Tensor], weight: torch.Tensor, layout: CPLayout,
+    def conv(self, qkv: list[torch.Tensor], weight: torch.Tensor, layout: BatchIndexMaps,
              kernel: KernelArgs) -> list[torch.Tensor]:
         """Causal short conv + SiLU of q, k and v on whole sequences in natural order: ``qkv``
         [q, k, v], each [b, T, C] (contiguous, or a strided view read in place), ``weight``
@@ -165,7 +165,7 @@ class CPExchange(ABC):
         return [causal_conv_silu(x, w, cu_seqlens=layout.kernel_cu_seqlens, backend=kernel.backend)
                 for x, w in zip(qkv, weight.unbind(0))]
 
-    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
+    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: BatchIndexMaps, kernel: KernelArgs):
         """The KDA recurrence on whole sequences in natural order ([b, T, H, K]); on the fla
         backend each sequence runs as ``kernel.segments`` chained segments."""
         if kernel.backend != "fla" or kernel.segments == 1:

@@ -7,7 +7,7 @@ import torch
 from megatron.core.ssm.gated_delta_net.common import tensor_a2a_hp2cp
 from megatron.core.tensor_parallel.mappings import all_to_all
 
-from ...distributed.cp_layout import CPLayout
+from ...distributed.cp_layout import BatchIndexMaps
 from .base import CPExchange
 from .ledger import counted, nbytes
 from .shape import ExchangeMesh, ExchangeShape
@@ -48,7 +48,7 @@ class HeadParallelExchange(CPExchange):
             out = tensor_a2a_hp2cp(x, 0, -1, self.groups.cp, redo_attention_load_balancing=False)
         return counted(out, self.ledger, "cp", payload)
 
-    def to_sequence(self, o_heads: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    def to_sequence(self, o_heads: torch.Tensor, layout: BatchIndexMaps) -> torch.Tensor:
         """[T, b, heads_slice*V] in natural order -> [T/cp, b, local_heads*V] on this CP rank's rows."""
         if self.cp == 1:
             return o_heads

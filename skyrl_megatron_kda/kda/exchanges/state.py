@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.cp_layout import CPLayout, layout_kind
+from ...distributed.cp_layout import BatchIndexMaps, layout_kind
 from .. import state_pieces
 from ..kernel import causal_conv_silu, causal_conv_silu_backward
 from ..state_kernel import Segments, identity_summaries, state_passing_kda_on_segments
@@ -69,26 +69,26 @@ class StateExchange(CPExchange):
     def _halo_bytes(cls, s: ExchangeShape) -> int:
         return cls._pieces_per_rank(s) * (s.conv_size - 1) * 3 * (s.num_heads // s.tp) * s.head_dim * s.element_size
 
-    def to_compute_layout(self, x: torch.Tensor, layout: CPLayout, project: Projection,
+    def to_compute_layout(self, x: torch.Tensor, layout: BatchIndexMaps, project: Projection,
                           num_local_heads: int) -> ComputeRows:
         """This rank's own rows (gathered over TP under SP), all local heads: nothing crosses CP."""
         heads = slice(0, num_local_heads)
         return ComputeRows(project(*self._rows(x), heads), heads)
 
-    def to_sequence(self, o: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    def to_sequence(self, o: torch.Tensor, layout: BatchIndexMaps) -> torch.Tensor:
         return o
 
-    def _pieces(self, layout: CPLayout, batch: int, cp_rank: int) -> state_pieces.Pieces:
+    def _pieces(self, layout: BatchIndexMaps, batch: int, cp_rank: int) -> state_pieces.Pieces:
         return layout.derived(("state pieces", batch, cp_rank), lambda: state_pieces.rank_pieces(
             layout.cu_seqlens, self.cp, cp_rank, batch, layout.kind))
 
-    def _halo_plan(self, layout: CPLayout, batch: int, width: int) -> state_pieces.HaloPlan:
+    def _halo_plan(self, layout: BatchIndexMaps, batch: int, width: int) -> state_pieces.HaloPlan:
         # Every rank's pieces follow from the layout, so the tails' positions need no exchange.
         return layout.derived(("state halo", batch, width, self.cp_rank), lambda: state_pieces.halo_plan(
             self._pieces(layout, batch, self.cp_rank),
             [self._pieces(layout, batch, r) for r in range(self.cp)], width))
 
-    def _kernel_pieces(self, layout: CPLayout, batch: int, kernel: KernelArgs) -> tuple[int, torch.Tensor, Segments]:
+    def _kernel_pieces(self, layout: BatchIndexMaps, batch: int, kernel: KernelArgs) -> tuple[int, torch.Tensor, Segments]:
         """How many slots this rank has, the indices of those that hold rows, and those pieces cut
         into the kernel's segments (the kernel only sees non-empty pieces: a sequence that misses
         this rank in the contiguous layout has an empty slot, whose summary is the identity map)."""
@@ -99,7 +99,7 @@ class StateExchange(CPExchange):
         key = ("state kernel pieces", batch, self.cp_rank, kernel.segments, kernel.chunk_size)
         return layout.derived(key, build)
 
-    def conv(self, qkv: list[torch.Tensor], weight: torch.Tensor, layout: CPLayout,
+    def conv(self, qkv: list[torch.Tensor], weight: torch.Tensor, layout: BatchIndexMaps,
              kernel: KernelArgs) -> list[torch.Tensor]:
         """q, k and v each convolved on this rank's pieces, each piece starting from its halo (one
         halo exchange for all three)."""
@@ -112,7 +112,7 @@ class StateExchange(CPExchange):
                                *(x.reshape(batch * rows, channels) for x in qkv))
         return [out.reshape(batch, rows, -1) for out in outs]
 
-    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: CPLayout, kernel: KernelArgs):
+    def recurrence(self, q, k, v, f, b, A_log, dt_bias, layout: BatchIndexMaps, kernel: KernelArgs):
         if self.cp == 1:
             return super().recurrence(q, k, v, f, b, A_log, dt_bias, layout, kernel)
         batch, rows, heads, K = q.shape

@@ -3,7 +3,7 @@
 The DSA layer attends over the whole sequence in natural order: its KV latent and indexer keys
 are gathered over the TP (SP) and CP groups and sorted by the project's CP layouts
 (``distributed.cp_layout``: zigzag or contiguous, packed THD), while the queries stay local.
-``DSABatchLayout`` holds one batch's positions and the gathers (megatron's
+``DSABatchRows`` holds one batch's positions and the gathers (megatron's
 ``gather_from_sequence_parallel_region``: all-gather forward, reduce-scatter backward).
 """
 
@@ -16,18 +16,18 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from ..config import DSAConfig
-from ..distributed.cp_layout import CPLayout, batch_sequences, sort_index
+from ..distributed.cp_layout import BatchIndexMaps, batch_sequences, sort_index
 
 
 @dataclass(frozen=True)
-class DSABatchLayout:
+class DSABatchRows:
     """Where this rank's rows sit in natural token order, and how to gather them.
 
-    ``layout.positions[c, j]`` is the natural position of row ``j`` of CP rank ``c`` (its TP
-    ranks' SP shards together); ``layout.cu_seqlens`` are the natural document boundaries.
+    ``maps.positions[c, j]`` is the natural position of row ``j`` of CP rank ``c`` (its TP
+    ranks' SP shards together); ``maps.cu_seqlens`` are the natural document boundaries.
     """
 
-    layout: CPLayout
+    maps: BatchIndexMaps
     tp_group: torch.distributed.ProcessGroup
     cp_group: torch.distributed.ProcessGroup
     sequence_parallel: bool
@@ -35,12 +35,12 @@ class DSABatchLayout:
     @property
     def query_positions(self) -> torch.Tensor:
         """Natural positions of this CP rank's rows (the rows the attention queries cover)."""
-        return self.layout.positions[self.cp_group.rank()]
+        return self.maps.positions[self.cp_group.rank()]
 
     @property
     def query_document_starts(self) -> torch.Tensor:
         """Natural position of the first token of each query row's document."""
-        cu = self.layout.cu_seqlens
+        cu = self.maps.cu_seqlens
         return cu[torch.bucketize(self.query_positions, cu[1:], right=True)]
 
     @property
@@ -74,13 +74,13 @@ class DSABatchLayout:
         t = self.cp_rank_rows(t)
         if self.cp_group.size() > 1:
             t = gather_from_sequence_parallel_region(t, group=self.cp_group)
-            t = t.index_select(0, sort_index(self.layout.rank_major_positions()))
+            t = t.index_select(0, sort_index(self.maps.rank_major_positions()))
         return t
 
 
-def dsa_batch_layout(hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None,
-                     tp_group, cp_group, sequence_parallel: bool, kind: str) -> DSABatchLayout:
-    """The layout of a batch from this rank's input rows: [s, b, h] (every batch row one
+def dsa_batch_rows(hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None,
+                   tp_group, cp_group, sequence_parallel: bool, kind: str) -> DSABatchRows:
+    """The rows of a batch from this rank's input rows: [s, b, h] (every batch row one
     sequence) or packed THD (b = 1, global natural ``cu_seqlens``, padded ones if given)."""
     sp = tp_group.size() if sequence_parallel else 1
     if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
@@ -88,5 +88,5 @@ def dsa_batch_layout(hidden_states: torch.Tensor, packed_seq_params: PackedSeqPa
     cu, _ = batch_sequences(hidden_states, packed_seq_params, hidden_states.shape[0] * sp * cp_group.size())
     cp = cp_group.size()
     kind = kind if cp > 1 else "contiguous"  # one CP rank: every layout is the identity
-    layout = CPLayout.build(cu, cp, sp, packed_seq_params is not None, kind)
-    return DSABatchLayout(layout, tp_group, cp_group, sequence_parallel)
+    maps = BatchIndexMaps.build(cu, cp, sp, packed_seq_params is not None, kind)
+    return DSABatchRows(maps, tp_group, cp_group, sequence_parallel)

@@ -1,0 +1,54 @@
+"""The DSA layer's memory terms: what megatron's MLA keeps around the attention, and what the
+kernel of ``model.dsa.kernel`` keeps and works in (``DSAKernel.kept_bytes`` and
+``working_sets``, read from the kernel on this rank's ``DSAShape``)."""
+
+from __future__ import annotations
+
+from ..config import Recipe
+from ..dsa import kernels as dsa_kernels
+from ..dsa.kernels import DSAShape
+from .rows import act_bytes, rows_of
+
+
+def dsa_shape(recipe: Recipe) -> DSAShape:
+    """One rank's DSA layer for the kernel's memory terms. Its attention share
+    (``model.dsa.tp_split``): heads: the CP rank's rows with heads/tp; sequence (TP > 1 under
+    SP): the rank's own rows with every head, the kv up-projection weight of every head
+    gathered."""
+    p, a, r = recipe.parallel, recipe.model.dsa, rows_of(recipe)
+    by_rows = a.attends_by_rows(p.tp, p.sequence_parallel)
+    rows = r.sp if by_rows else r.cp
+    return DSAShape(dsa=a, whole=r.whole, cp_rows=r.cp, sp_rows=r.sp, tp=p.tp, cp=p.cp,
+                    act_bytes=act_bytes(recipe), rows=rows,
+                    heads=a.num_heads if by_rows else a.num_heads // p.tp, index_rows=rows,
+                    gathers_weight=by_rows)
+
+
+def dsa_kernel(recipe: Recipe) -> type[dsa_kernels.DSAKernel]:
+    """The kernel class of ``model.dsa.kernel`` (resolved: ``auto`` is refused)."""
+    return dsa_kernels.get(recipe.model.dsa.kernel)
+
+
+def dsa_activation_bytes(recipe: Recipe) -> int:
+    """One DSA layer (dsa/layer.py on megatron's MLA), per rank.
+
+    Every kernel keeps: the layer input [s, D]; the q and KV latent norms; the q latent
+    [s, q_lora]; the normalised KV latent of the whole sequence [T, kv_lora]; the output
+    [S, heads/tp * v_head_dim] the output projection reads. The indexer runs without gradient:
+    nothing kept but the token indices the attention saves. Then what the kernel keeps
+    (``DSAKernel.kept_bytes``)."""
+    m, p, w = recipe.model, recipe.parallel, act_bytes(recipe)
+    a, r = m.dsa, rows_of(recipe)
+    total = r.sp * m.hidden_size * w
+    # torch.nn.RMSNorm (LatentRMSNorm) keeps its fp32 input and fp32 normalised tensor.
+    total += r.sp * (8 * a.q_lora_rank + 4) + r.sp * a.q_lora_rank * w
+    total += r.sp * (8 * a.kv_lora_rank + 4)
+    total += r.whole * a.kv_lora_rank * w
+    total += r.cp * (a.num_heads // p.tp) * a.v_head_dim * w
+    return total + dsa_kernel(recipe).kept_bytes(dsa_shape(recipe))
+
+
+def dsa_transient_bytes(recipe: Recipe) -> int:
+    """Working set of one DSA layer that is not kept between forward and backward, per rank:
+    the largest stage of the kernel's (``DSAKernel.working_sets``)."""
+    return max(dsa_kernel(recipe).working_sets(dsa_shape(recipe)).values())

@@ -1,0 +1,165 @@
+"""The blocks' terms (``memory/blocks.py``, ``kda.py``, ``dsa.py``, ``moe.py``, ``head.py``): what each
+block keeps equals the bytes autograd keeps on CPU for every block except KDA's attention (whose
+kernels differ between CPU and GPU), the dense MLP's backward working set equals its census, and
+how each term scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron_kda.memory import GiB, estimate_memory
+from skyrl_megatron_kda.memory.blocks import (
+    dense_mlp_activation_bytes, dense_mlp_backward_bytes, mhc_activation_bytes,
+    norm_activation_bytes)
+from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes
+from skyrl_megatron_kda.memory.head import head_activation_bytes
+from skyrl_megatron_kda.memory.kda import kda_activation_bytes, kda_backward_bytes
+from skyrl_megatron_kda.memory.moe import moe_activation_bytes, moe_routed_bytes
+from skyrl_megatron_kda.memory.rows import rows_of
+from skyrl_megatron_kda.recipes import load_recipe
+from tests.support.memory_recipes import SINGLE, TINY, full_recipe
+from tests.support.ranks import run_ranks
+from tests.support.tiny_models import build_on_mesh
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16_T96", "fp32_unfused", "bf16_unfused",
+                                     "fp32_fused_loss", "bf16_fused_loss", "fp32_moe_chunks",
+                                     "bf16_moe_chunks"])
+def test_activation_terms_equal_saved_tensors(census, variant):
+    """Every block but KDA attention, exactly: mHC + norms per layer, DSA (both kernels), dense
+    MLP, MoE (whole, and in ``train.moe_chunk_tokens`` chunks), head (with megatron's loss, and
+    with ``train.loss_chunk_tokens``)."""
+    measured, recipes = census
+    parts, recipe = measured[variant], recipes[variant]
+    m = recipe.model
+    rows = rows_of(recipe)
+    mhc_norms = (mhc_activation_bytes(recipe)
+                 + 2 * norm_activation_bytes(recipe, m.hidden_size, rows.sp))
+    print(variant, parts)
+    for i, (kind, mlp) in enumerate(zip(m.layer_types(), m.mlp_types())):
+        assert parts[f"{i}.mhc_norms"] == mhc_norms, (i, parts[f"{i}.mhc_norms"], mhc_norms)
+        want = (dense_mlp_activation_bytes(recipe) if mlp == "dense"
+                else moe_activation_bytes(recipe))
+        assert parts[f"{i}.mlp"] == want, (i, mlp, parts[f"{i}.mlp"], want)
+        if kind == "dsa":
+            assert parts[f"{i}.attention"] == dsa_activation_bytes(recipe), (
+                i, m.dsa.kernel, parts[f"{i}.attention"], dsa_activation_bytes(recipe))
+    assert parts["head"] == head_activation_bytes(recipe)
+
+
+def test_moe_chunks_keep_only_the_router_and_the_chunk_inputs(census):
+    """``train.moe_chunk_tokens``: each MoE block keeps its input, the router's and the shared
+    expert's tensors and the dense routing probabilities and map [s, E], instead of the routed
+    experts' per-assignment tensors."""
+    measured, recipes = census
+    chunked, whole = measured["bf16_moe_chunks"], measured["bf16"]
+    recipe = recipes["bf16_moe_chunks"]
+    r, e = rows_of(recipe), recipe.model.moe
+    for i, mlp in enumerate(recipe.model.mlp_types()):
+        if mlp == "moe":
+            assert whole[f"{i}.mlp"] - chunked[f"{i}.mlp"] == (
+                moe_routed_bytes(recipe, r.sp) - r.sp * 5 * e.num_experts) > 0
+
+
+def test_cp_halves_sequence_sharded_terms():
+    """Doubling CP halves every per-token term; what stays is the part independent of the
+    tokens (KDA's concatenated projection weights; nothing elsewhere) and DSA's whole-sequence
+    KV latent and gathered kv up-projection weight."""
+    def recipe(cp, seq_len):
+        return full_recipe("train.recompute=none", "kda.cp_exchange=a2a", f"data.seq_len={seq_len}",
+                     f"parallel.cp={cp}")
+
+    for fn in (kda_activation_bytes, moe_activation_bytes,
+               dense_mlp_activation_bytes, mhc_activation_bytes,
+               head_activation_bytes):
+        fixed = [2 * fn(recipe(cp, 131072)) - fn(recipe(cp, 262144)) for cp in (1, 2)]
+        assert fixed[0] == fixed[1], fn.__name__
+        assert (fixed[0] > 0) == (fn is kda_activation_bytes), fn.__name__
+        one, two = fn(recipe(1, 262144)) - fixed[0], fn(recipe(2, 262144)) - fixed[0]
+        assert one == 2 * two, fn.__name__
+    a = full_recipe().model.dsa
+    # Independent of CP: the whole-sequence latent and (tp_split=sequence) the gathered weight.
+    fixed = 262144 * a.kv_lora_rank * 2 + a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank * 2
+    dsa = dsa_activation_bytes
+    assert a.tp_split == "sequence"
+    assert dsa(recipe(1, 262144)) - fixed == 2 * (dsa(recipe(2, 262144)) - fixed)
+
+
+def test_kda_backward_working_set_is_per_head_token():
+    """fla's chunk_kda_bwd allocations: linear in the rank's tokens and in its heads (TP halves
+    them), 6,664 bytes per head-token at GLM's K = 128, chunk 64, bf16; with
+    ``kda.kernel_head_group`` (the 1M recipe's 4) those of the largest group."""
+    whole = "kda.kernel_head_group=null"
+    one = kda_backward_bytes(full_recipe("data.seq_len=262144", "parallel.cp=1", whole))
+    assert kda_backward_bytes(full_recipe("data.seq_len=524288", "parallel.cp=1", whole)) == 2 * one
+    assert kda_backward_bytes(full_recipe("data.seq_len=524288", "parallel.cp=2", whole)) == one
+    tp8 = full_recipe("data.seq_len=262144", "parallel.cp=1", whole)
+    assert one == 262144 * (64 // tp8.parallel.tp) * 6664
+    grouped = full_recipe("data.seq_len=262144", "parallel.cp=1")
+    assert kda_backward_bytes(grouped) == one * grouped.kda.kernel_head_group // (64 // 8)
+
+
+def test_exchange_buffers_come_from_the_cost_model():
+    from skyrl_megatron_kda.kda import exchanges
+    from skyrl_megatron_kda.kda.exchanges import ExchangeShape
+
+    def extra_memory_bytes(name, shape):
+        return exchanges.get(name).extra_memory_bytes(shape)
+
+    shape_of = ExchangeShape.of
+
+    recipe = full_recipe("train.recompute=none", "kda.cp_exchange=a2a")
+    est = estimate_memory(recipe)
+    assert est.exchange == "a2a"
+    assert est.exchange_buffers == extra_memory_bytes("a2a", shape_of(recipe))  # one layer
+    assert est.exchange_buffers > 0
+
+
+def _ffn_backward_census(rank, world, overrides_list):
+    """Bytes megatron's dense MLP (layer 0 of the tiny model, bf16) allocates at the highest
+    point of its backward, per recipe: LiveBytes over ``backward`` of its output."""
+    from tests.support.live_bytes import LiveBytes
+
+    peaks = []
+    for overrides in overrides_list:
+        recipe = load_recipe(TINY, SINGLE + ["model.params_dtype=bfloat16", *overrides]).recipe
+        mlp = build_on_mesh(recipe).layers[0].mlp
+        x = torch.randn(recipe.data.seq_len, 1, recipe.model.hidden_size,
+                        dtype=torch.bfloat16, requires_grad=True)
+        out, _ = mlp(x)
+        grad = torch.randn_like(out)
+        with LiveBytes() as live:
+            out.backward(grad)
+        peaks.append(live.peak)
+    return peaks
+
+
+def test_dense_mlp_backward_working_set_is_the_plans():
+    """The dense MLP's backward working set (the phase the full-width slice's GPU peak hit at
+    131,072 tokens: the rebuilt first layer with its MLP's gradients) equals
+    ``dense_mlp_backward_bytes`` on three shapes (rows, FFN width, hidden each changed
+    alone), within the 2 bytes of a scalar."""
+    shapes = [[], ["data.seq_len=512"], ["model.dense_ffn_hidden_size=256"], ["model.hidden_size=128"]]
+    peaks = run_ranks(1, _ffn_backward_census, shapes)[0]
+    for overrides, peak in zip(shapes, peaks):
+        planned = dense_mlp_backward_bytes(load_recipe(TINY, SINGLE + ["model.params_dtype=bfloat16", *overrides]).recipe)
+        assert 0 <= peak - planned <= 2, (overrides, peak, planned)
+    assert len(set(peaks)) == len(peaks)  # each shape moved it: the census sees the terms
+
+
+def test_fused_loss_replaces_the_logits():
+    """``train.loss_chunk_tokens``: the head keeps 16 bytes per token instead of the fp32 softmax
+    over the vocabulary shard, and the loss phase holds one chunk's logits instead of all."""
+    plain = estimate_memory(full_recipe("train.loss_chunk_tokens=null"))
+    fused_recipe = full_recipe("train.loss_chunk_tokens=8192")
+    fused = estimate_memory(fused_recipe)
+    r, m = rows_of(fused_recipe), fused_recipe.model
+    head = "embedding + head + loss"
+    assert plain.activations[head] - fused.activations[head] == r.cp * (m.vocab_size // 8 * 4 + 9 - 16)
+    loss = "loss: kept + head + fused loss chunk of 8192"
+    assert fused.phases[loss] < plain.phases["loss: kept + head + bf16 logits"] - 40 * GiB
+    # The chunk's logits scale with the chunk, not with the rank's tokens.
+    half = estimate_memory(full_recipe("train.loss_chunk_tokens=4096"))
+    assert (fused.phases[loss] - half.phases["loss: kept + head + fused loss chunk of 4096"]
+            == 4096 * (m.vocab_size // 8) * (4 + 2))
