@@ -6,7 +6,8 @@
 * On one rank of the tiny model under ``full`` and ``selective`` recompute: the indexer runs once
   per DSA layer per step with ``train.keep_dsa_selection`` (twice without), the loss and every
   gradient equal the reselecting run's bit for bit, and a corrupted kept selection changes them
-  (so the recompute really attends with the kept one).
+  (so the recompute really attends with the kept one). What the holders keep after the forward
+  is ``plan``'s term (``memory.dsa.dsa_kept_selection_bytes``), and backward frees all of it.
 
 The loss and gradients of each setting against keeping every activation, and against
 transformers, are in ``tests/test_glm_model.py`` (its ``MEMORY_VARIANTS``).
@@ -76,7 +77,8 @@ def _steps(rank, world):
 
     from skyrl_megatron_kda.config.dotpath import merge
     from skyrl_megatron_kda.dsa.layer import GlmKPoolIndexer
-    from skyrl_megatron_kda.model.glm import build_model
+    from skyrl_megatron_kda.memory.dsa import dsa_kept_selection_bytes
+    from skyrl_megatron_kda.model.glm import GLMDecoderLayer, build_model
     from tests.support.tiny_models import token_loss
     from tests.test_glm_model import _batch, tiny_recipe
 
@@ -91,6 +93,16 @@ def _steps(rank, world):
         return indexer_forward(self, *args, **kwargs)
 
     GlmKPoolIndexer.forward = counted
+    holders = []
+    make_holder = GLMDecoderLayer.kept_selection
+
+    def recorded(self):
+        holder = make_holder(self)
+        if holder is not None:
+            holders.append(holder)
+        return holder
+
+    GLMDecoderLayer.kept_selection = recorded
 
     def step(recompute: str, keep: bool) -> dict:
         recipe = type(base).model_validate(merge(base.model_dump(), {"train": {
@@ -98,8 +110,16 @@ def _steps(rank, world):
         torch.manual_seed(0)
         model = build_model(recipe, use_cpu=True)
         calls.clear()
-        token_loss(model, ids, labels).mean().backward()
-        return dict(indexer_calls=len(calls), dsa_layers=len(set(calls)),
+        holders.clear()
+        loss = token_loss(model, ids, labels).mean()
+        # The saved-tensor census of the kept selections: what the holders hold after the forward.
+        kept = sum(t.nbytes for h in holders if h.compact is not None for t in h.compact)
+        loss.backward()
+        layers = len(set(calls))
+        return dict(indexer_calls=len(calls), dsa_layers=layers, kept_bytes=kept,
+                    # plan counts one row of data.seq_len tokens; the batch holds ids.shape[0]
+                    planned_bytes=dsa_kept_selection_bytes(recipe) * layers * ids.shape[0],
+                    holding_after_backward=sum(h.compact is not None for h in holders),
                     grads={n: p.grad.clone() for n, p in model.named_parameters()
                            if p.grad is not None})
 
@@ -132,6 +152,15 @@ def test_the_indexer_runs_once_per_step_with_the_same_gradients(steps, mode):
     assert kept["grads"].keys() == reselecting["grads"].keys()
     unequal = [n for n, g in kept["grads"].items() if not torch.equal(g, reselecting["grads"][n])]
     assert not unequal, f"keeping the selection changed gradients: {unequal}"
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_kept_selections_are_what_plan_counts_and_freed_by_backward(steps, mode):
+    kept, reselecting = steps[f"{mode}/True"], steps[f"{mode}/False"]
+    assert kept["kept_bytes"] > 0 and kept["kept_bytes"] == kept["planned_bytes"], kept
+    assert kept["holding_after_backward"] == 0
+    assert reselecting["kept_bytes"] == reselecting["planned_bytes"] == 0
+    assert steps["none/True"]["kept_bytes"] == steps["none/True"]["planned_bytes"] == 0
 
 
 def test_a_corrupted_kept_selection_changes_the_gradients(steps):

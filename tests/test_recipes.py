@@ -1,6 +1,7 @@
 """Recipes: the GLM-5.3-Flash model config, the whole-job Recipe and its cross-section checks,
 the registry, override precedence, and the `recipes` / `plan RECIPE` commands."""
 
+import os
 import re
 import sys
 import tomllib
@@ -345,6 +346,33 @@ def test_dsa_heads_and_dense_ffn_must_divide_by_tp():
 def test_fla_kernel_needs_gpu():
     with pytest.raises(ValidationError, match=r"kda.kernel=fla needs run.device=gpu"):
         get_recipe(TINY, ["kda.kernel=fla"], environ={})
+
+
+def test_fla_tilelang_backward_needs_gpu():
+    with pytest.raises(ValidationError, match=r"kda.fla_backward=tilelang needs run.device=gpu"):
+        get_recipe(TINY, ["kda.fla_backward=tilelang"], environ={})
+    with pytest.raises(ValidationError, match=r"fla_backward"):
+        get_recipe(TINY, ["kda.fla_backward=cuda"], environ={})
+
+
+def test_the_recipe_sets_flas_backward_switch(monkeypatch):
+    """fla reads FLA_TILELANG at every call; the recipe's choice is what it reads, whatever was
+    set before, and TileLang where fla cannot use it (here: no nvcc / no tilelang) is refused."""
+    pytest.importorskip("fla", reason="fla-core is a test dependency of this check")
+    from fla.backends import TileLangBackend
+
+    from skyrl_megatron_kda.kda.kernel import use_fla_backward
+
+    monkeypatch.setenv("FLA_TILELANG", "1")
+    use_fla_backward("triton")
+    assert os.environ["FLA_TILELANG"] == "0" and not TileLangBackend().is_enabled()
+    monkeypatch.setattr(TileLangBackend, "is_available", classmethod(lambda cls: False))
+    with pytest.raises(RuntimeError, match="kda.fla_backward=tilelang: fla's TileLang backend is unavailable"):
+        use_fla_backward("tilelang")
+    assert os.environ["FLA_TILELANG"] == "0"
+    monkeypatch.setattr(TileLangBackend, "is_available", classmethod(lambda cls: True))
+    use_fla_backward("tilelang")
+    assert os.environ["FLA_TILELANG"] == "1" and TileLangBackend().is_enabled()
 
 
 def test_layer_checks_still_apply_to_recipes():

@@ -27,6 +27,13 @@ class KDAConfig(ConfigSection):
     run on the mesh are checked against the live registry (``recipe_rules``)."""
     kernel: Literal["auto", "fla", "torch"] = "auto"
     """Chunked-KDA implementation: auto = fla on CUDA, our pure-torch KDA on CPU."""
+    fla_backward: Literal["triton", "tilelang"] = "triton"
+    """Which implementation fla runs for the fused piece of KDA's backward
+    (``chunk_kda_bwd_wy_dqkg_fused``): its Triton kernel, or its TileLang one (needs tilelang and
+    nvcc). fla would otherwise take TileLang whenever it imports, so a run with DSA's fused kernel
+    (which installs TileLang) would run another KDA backward; the run sets fla's switch from this
+    (``kda.kernel.use_fla_backward``). On an H200 the two were within 3% at 256K tokens, and
+    TileLang compiles for minutes on a fresh machine (docs/benchmarks.md), hence Triton."""
     num_heads: PositiveInt = 64
     """Number of KDA heads (q, k and v alike; no grouped values)."""
     head_dim: PositiveInt = 128

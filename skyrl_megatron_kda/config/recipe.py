@@ -33,7 +33,7 @@ MODEL_LEVERS = frozenset({
     # mHC's map projection in row chunks (a memory lever: fp32 summation order only).
     "model.hyper_connections.map_chunk_rows",
     # The KDA layer's CP exchange and its choice, kernel and chunking.
-    "kda.cp_exchange", "kda.allow_inexact", "kda.kernel",
+    "kda.cp_exchange", "kda.allow_inexact", "kda.kernel", "kda.fla_backward",
     "kda.chunk_size", "kda.kernel_segments", "kda.kernel_head_group",
 })
 """Settings of ``MODEL_SECTIONS`` that change how the same parameters compute the same model
@@ -173,6 +173,9 @@ class Recipe(MeshRecipe):
                 "kda.kernel=fla needs run.device=gpu (fla's kernels are Triton on CUDA); "
                 "use kda.kernel=torch or auto on CPU"
             )
+        if self.run.device == "cpu" and self.kda.fla_backward == "tilelang":
+            raise ValueError("kda.fla_backward=tilelang needs run.device=gpu (fla's TileLang "
+                             "kernels are CUDA); use kda.fla_backward=triton on CPU")
         if self.run.device == "cpu" and self.run.memory_report:
             raise ValueError("run.memory_report needs run.device=gpu (it reads CUDA's allocator "
                              "history); leave it false on CPU")

@@ -12,12 +12,14 @@ tensors for autograd).
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 Backend = Literal["fla", "torch"]
+FlaBackward = Literal["triton", "tilelang"]
 
 # fla's chunk_kda normalises q/k with l2norm_fwd's default eps; it has no argument to change it.
 FLA_L2NORM_EPS = 1e-6
@@ -41,6 +43,22 @@ def resolve_backend(requested: Literal["auto", "fla", "torch"], device: torch.de
     if requested == "torch":
         return "torch"
     raise ValueError(f"unknown kernel backend {requested!r}; expected 'auto', 'fla' or 'torch'")
+
+
+def use_fla_backward(choice: FlaBackward) -> None:
+    """Make fla run KDA's fused backward piece (``chunk_kda_bwd_wy_dqkg_fused``) in ``choice``.
+
+    fla 0.6.0 registers a TileLang implementation of it and takes it whenever ``tilelang`` imports
+    and nvcc works, unless ``FLA_TILELANG=0`` (read at every call); setting the variable here lets
+    the recipe decide instead of what happens to be installed (TileLang comes with DSA's fused
+    kernel). ``tilelang`` where fla cannot use it is refused."""
+    if choice == "tilelang":
+        from fla.backends import TileLangBackend
+
+        if not TileLangBackend.is_available():
+            raise RuntimeError("kda.fla_backward=tilelang: fla's TileLang backend is unavailable here "
+                               "(it needs the tilelang package and nvcc); use kda.fla_backward=triton")
+    os.environ["FLA_TILELANG"] = "1" if choice == "tilelang" else "0"
 
 
 def kda_gate(f_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..config import Recipe
 from ..dsa import kernels as dsa_kernels
+from ..dsa.kept_selection import kept_bytes_per_row
 from ..dsa.kernels import DSAShape
 from .rows import act_bytes, rows_of
 
@@ -46,6 +47,21 @@ def dsa_activation_bytes(recipe: Recipe) -> int:
     total += r.whole * a.kv_lora_rank * w
     total += r.cp * (a.num_heads // p.tp) * a.v_head_dim * w
     return total + dsa_kernel(recipe).kept_bytes(dsa_shape(recipe))
+
+
+SELECTION_LABEL = "DSA selections (kept for the recompute)"
+
+
+def dsa_kept_selection_bytes(recipe: Recipe) -> int:
+    """What one recomputed DSA layer keeps from its forward to its backward under
+    ``train.keep_dsa_selection``: its indexer's selection in compact form, int32, for each of
+    the indexer's query rows (``dsa.kept_selection``). Held by the checkpoint, not saved for
+    autograd: it stays on the GPU under ``train.offload_activations``. 0 when the layer is not
+    recomputed or the recompute selects again."""
+    t, a = recipe.train, recipe.model.dsa
+    if t.recompute_of("dsa") == "none" or not t.keep_dsa_selection:
+        return 0
+    return dsa_shape(recipe).index_rows * kept_bytes_per_row(a.index_kpool, a.index_topk)
 
 
 def dsa_transient_bytes(recipe: Recipe) -> int:

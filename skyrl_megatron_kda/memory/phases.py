@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from ..config import Recipe
 from .blocks import dense_mlp_backward_bytes, mhc_map_backward_bytes
-from .dsa import dsa_kernel, dsa_transient_bytes
+from .dsa import SELECTION_LABEL, dsa_kept_selection_bytes, dsa_kernel, dsa_transient_bytes
 from .head import HEAD_LABEL, head_activation_bytes, loss_working_bytes
 from .kda import exchange_extra_bytes, kda_backward_bytes
 from .layers import ffn_backward_bytes, layer_backward_bytes, layer_kept_bytes
@@ -40,12 +40,16 @@ def kept_activations(recipe: Recipe) -> tuple[dict[str, int], list[int]]:
     and on the GPU what the layers before layer ``i`` keep, at index ``i``."""
     activations: dict[str, int] = {}
     kept_below = [0]
-    for i in range(recipe.model.num_layers):
+    for i, kind in enumerate(recipe.model.layer_types()):
         kept = layer_kept_bytes(recipe, i)
         for label, nbytes in kept.items():
             activations[label] = activations.get(label, 0) + nbytes
+        # A kept DSA selection is the checkpoint's, not a saved tensor: never offloaded.
+        selection = dsa_kept_selection_bytes(recipe) if kind == "dsa" else 0
+        if selection:
+            activations[SELECTION_LABEL] = activations.get(SELECTION_LABEL, 0) + selection
         on_gpu = 0 if recipe.train.offload_activations else sum(kept.values())
-        kept_below.append(kept_below[-1] + on_gpu)
+        kept_below.append(kept_below[-1] + on_gpu + selection)
     activations[HEAD_LABEL] = head_activation_bytes(recipe)
     return activations, kept_below
 
@@ -78,7 +82,8 @@ def step_phases(recipe: Recipe, activations: dict[str, int], kept_below: list[in
     kinds = m.layer_types()
     loss_label, loss_working = loss_working_bytes(recipe)
     head = activations[HEAD_LABEL]
-    kept = head if recipe.train.offload_activations else sum(activations.values())
+    kept = (head + activations.get(SELECTION_LABEL, 0) if recipe.train.offload_activations
+            else sum(activations.values()))
     phases = {f"loss: kept + head + {loss_label}": kept + loss_working}
     if "kda" in kinds:
         working = max(exchange_extra_bytes(recipe)[1], kda_backward_bytes(recipe))

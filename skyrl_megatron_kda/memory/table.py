@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from ..config import Recipe
 from ..tables import format_table
 from .estimate import MemoryEstimate, estimate_memory
+from .dsa import SELECTION_LABEL
 from .head import HEAD_LABEL
 from .offload import host_activation_bytes
 from .rows import rows_of
@@ -48,8 +49,10 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
         ("megatron's all-gather buffer (its largest gather)", est.gather_buffer),
         ("activations kept for backward", sum(est.activations.values())),
     ])
-    # Offloaded: the layers' tensors (and the token ids) are in host memory, the head's are not.
-    table += rows(((label + (" (host memory)" if est.offloaded and label != HEAD_LABEL else ""), v)
+    # Offloaded: the layers' tensors (and the token ids) are in host memory, the head's and the
+    # kept DSA selections (the checkpoints', not saved tensors) are not.
+    on_gpu = (HEAD_LABEL, SELECTION_LABEL)
+    table += rows(((label + (" (host memory)" if est.offloaded and label not in on_gpu else ""), v)
                    for label, v in est.activations.items() if v), 2)
     table += rows([(f"KDA exchange transient ({est.exchange}, one layer)", est.exchange_buffers),
                    ("peak phase (activations + working set)", est.peak_phase[1])])

@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import Recipe
 from ..kda import exchanges
 from ..kda.exchanges import CommLedger
+from ..kda.kernel import use_fla_backward
 from ..kda.layer import kda_layer_spec
 from .. import recipe_rules
 from ..megatron_config import mesh_config_kwargs
@@ -342,6 +343,7 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
     if recipe.kda.cp_exchange == exchanges.AUTO:
         raise ValueError("kda.cp_exchange=auto is not resolved: load the recipe with recipes.load_recipe "
                          "(or kda.cost.resolve_cp_exchange) before building the model")
+    use_fla_backward(recipe.kda.fla_backward)
     config = glm_transformer_config(recipe, use_cpu=use_cpu)
     return GLMModel(config, recipe, pgs)
 
