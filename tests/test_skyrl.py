@@ -8,6 +8,7 @@ by our pydantic ``Recipe``; the dispatch test runs SkyRL's real ``main_base`` in
 
 import importlib.metadata
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from skyrl.train.config import SkyRLTrainConfig
 from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, Recipe
 from skyrl_megatron_kda.integrations.skyrl import ENTRYPOINT, SKYRL_VERSION
 from skyrl_megatron_kda.integrations.skyrl.config import KDASkyRLConfig, apply_recipe
+from skyrl_megatron_kda.model.hf_io import hf_text_config
 from skyrl_megatron_kda.recipes import get_recipe, load_recipe
 from tests.support.ranks import run_ranks
 
@@ -180,16 +182,27 @@ def test_mesh_rank_matches_megatrons_groups():
         assert {m.dp_size for m, _ in pairs} == {dp}
 
 
-def _run(code_or_module: list[str]) -> subprocess.CompletedProcess:
+def _hf_folder(path, **changed):
+    """A folder whose config.json describes the tiny recipe's model, with ``changed`` fields."""
+    text = hf_text_config(get_recipe("glm53_flash_tiny"))
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**text, **changed}))
+    return path
+
+
+def _run(code_or_module: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *code_or_module], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={**os.environ, **(env or {})})
+
+
+MAIN_BASE = ["-m", "skyrl.train.entrypoints.main_base", f"trainer.override_entrypoint={ENTRYPOINT}"]
+"""SkyRL's own launcher, dispatching to our entrypoint."""
 
 
 def test_skyrl_main_dispatches_to_our_entrypoint():
     """SkyRL's own main_base, given trainer.override_entrypoint, runs our main (dry run)."""
-    done = _run(["-m", "skyrl.train.entrypoints.main_base", f"trainer.override_entrypoint={ENTRYPOINT}",
-                 *ALLGATHER, "trainer.kda.dry_run=true"])
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run([*MAIN_BASE, *ALLGATHER, "trainer.kda.dry_run=true"])
+    assert done.returncode == 1, done.stderr[-3000:]  # blocked (the recipe's run.device=cpu)
     lines = done.stdout.splitlines()
     assert f"entrypoint: {ENTRYPOINT}" in lines
     dumped = next(line for line in lines if line.startswith("recipe json: "))
@@ -221,24 +234,99 @@ entrypoint.main(sys.argv[1:])
 """
 
 
-def test_a_launch_is_no_longer_refused():
+def test_a_launch_is_no_longer_refused(tmp_path):
     """Without dry_run, main checks the job and goes on to start Ray (the test stops it there):
     the trainer SkyRL's experiment builds hands SkyRL our worker classes."""
-    done = _run(["-c", _LAUNCH, *ALLGATHER, "trainer.kda.overrides.run.device=gpu"])
+    done = _run(["-c", _LAUNCH, *ALLGATHER, "trainer.kda.overrides.run.device=gpu",
+                 f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
     assert "build_models injects KDAPolicyWorker and KDARefWorker" in done.stdout, done.stderr[-3000:]
     assert "the launch reached initialize_ray" in done.stderr, done.stderr[-3000:]
     assert "cannot run yet" not in done.stderr
 
 
-def test_dry_run_lists_only_what_remains():
+def test_dry_run_lists_only_what_remains(tmp_path):
     """The dry run's blockers are exactly this job's settings that cannot run (here the tiny
     recipe's CPU device), one line each."""
-    done = _run(["-m", "skyrl.train.entrypoints.main_base", f"trainer.override_entrypoint={ENTRYPOINT}",
-                 *ALLGATHER, "trainer.kda.dry_run=true"])
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run([*MAIN_BASE, *ALLGATHER, "trainer.kda.dry_run=true",
+                 f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert [b.split(":")[0] for b in _blockers(done)] == ["run.device=cpu"]
+
+
+# --- the dry run as a gate: exit 0 only when nothing blocks the launch ------------------------
+
+def _gate(model_path, *extra: str) -> list[str]:
+    """SkyRL's launcher, dry-running a job that only ``model_path`` and ``extra`` may block."""
+    return [*MAIN_BASE, *ALLGATHER, "trainer.kda.overrides.run.device=gpu",
+            "trainer.kda.dry_run=true", f"trainer.policy.model.path={model_path}", *extra]
+
+
+def _blockers(done: subprocess.CompletedProcess) -> list[str]:
+    """The dry run's ``launch blocked by:`` lines, after the provenance table."""
     lines = done.stdout.splitlines()
-    blockers = lines[lines.index("launch blocked by:") + 1:]
-    assert [b.split(":")[0] for b in blockers] == ["  - run.device=cpu"]
+    assert "what comes from where:" in lines, done.stderr[-3000:]
+    at = lines.index("launch blocked by:")
+    assert at > lines.index("what comes from where:")
+    return [line.removeprefix("  - ") for line in lines[at + 1:]]
+
+
+def test_dry_run_ready_with_a_matching_model_folder_exits_0(tmp_path):
+    done = _run(_gate(_hf_folder(tmp_path / "hf")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "launch: ready"
+
+
+def test_dry_run_blocks_a_hub_id():
+    """A hub id is not a folder here; the workers download nothing, so the launch is blocked on
+    the head node (not in the workers, after Ray and the placement group are up)."""
+    done = _run(_gate("zai-org/GLM-5.3-Flash"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    [line] = _blockers(done)
+    assert line.startswith("trainer.policy.model.path='zai-org/GLM-5.3-Flash' is not a folder on ")
+    assert line.endswith("at this path on every node (they download nothing)")
+
+
+def test_dry_run_names_each_field_a_model_folder_disagrees_on(tmp_path):
+    folder = _hf_folder(tmp_path / "hf", hidden_size=96, index_topk=32)
+    done = _run(_gate(folder))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert _blockers(done) == [
+        f"trainer.policy.model.path: {folder}/config.json does not match the recipe: "
+        "hidden_size: checkpoint 96, recipe 64; index_topk: checkpoint 32, recipe 64"]
+
+
+def test_dry_run_lists_skyrls_own_validation_error(tmp_path):
+    """SkyRL's validate_cfg asserts; the dry run prints its table, then the assertion as one
+    line (colocate_all with SkyRL's default of one inference engine for 4 policy GPUs)."""
+    done = _run(_gate(_hf_folder(tmp_path / "hf"), "trainer.placement.colocate_all=true"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert _blockers(done) == [
+        "SkyRL's validate_cfg: num_policy_gpus (4) and num_rollout_gpus (1) must be the same when "
+        "colocating all models"]
+
+
+@pytest.mark.parametrize("extra, env, error", [
+    (["trainer.kda.recipe=no_such_recipe"], {},
+     "error: 'no_such_recipe' is neither a registered recipe (glm53_flash_1m, glm53_flash_slice, "
+     "glm53_flash_tiny) nor a .yaml/.yml file"),
+    ([], {CP_EXCHANGE_ENV: "bogus"},
+     f"error: {CP_EXCHANGE_ENV}='bogus' is not a KDA CP exchange; allowed values: a2a, allgather, "
+     "state, auto"),
+    (["trainer.kda.overrides.parallel.tp=abc"], {},
+     "error: recipe glm53_flash_tiny (glm53_flash_tiny.yaml): parallel.tp: Input should be a "
+     "valid integer, got 'abc'"),
+], ids=["recipe-name", "env-variable", "pydantic"])
+def test_main_base_refuses_a_bad_command_line_in_one_line(extra, env, error):
+    """Under SkyRL's main_base, what the command line gets wrong is one ``error:`` line on stderr
+    and exit 2, as with skyrl-kda, not a traceback."""
+    replaced = {a.split("=")[0] for a in extra}
+    job = [a for a in JOB if a.split("=")[0] not in replaced]
+    done = _run([*MAIN_BASE, *job, *extra, "trainer.kda.dry_run=true"], env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [error]
+    assert done.stderr.splitlines()[-1] == error
 
 
 def test_worker_refuses_settings_it_does_not_implement():

@@ -5,7 +5,8 @@
 ``config.KDASkyRLConfig`` (SkyRL's config plus a ``trainer.kda`` section naming the recipe) and
 injects ``workers.KDAPolicyWorker`` and ``reference.KDARefWorker`` through
 ``RayPPOTrainer.build_models``. ``settings`` maps SkyRL's own settings onto the recipe (or refuses
-them by name); ``offload`` serves colocation with SkyRL's Megatron offload helpers.
+them by name); ``gate`` lists what blocks a launch (the dry run exits 1 on any); ``offload``
+serves colocation with SkyRL's Megatron offload helpers.
 
 skyrl is optional: importing this package without it raises an ImportError naming the extra.
 """

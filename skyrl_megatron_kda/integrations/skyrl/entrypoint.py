@@ -2,12 +2,14 @@
 
 SkyRL's ``main_base.main`` sees ``trainer.override_entrypoint=<this module>`` before it parses
 anything and calls ``main()`` here, which parses the same command line with ``KDASkyRLConfig``,
-resolves the recipe, mirrors its mesh into SkyRL's Megatron sizes, runs SkyRL's own validation,
-and launches SkyRL's experiment with ``KDAPolicyWorker`` and ``KDARefWorker`` injected through
+resolves the recipe, mirrors its mesh into SkyRL's Megatron sizes, checks the job
+(``gate.launch_blockers``: unsupported settings, SkyRL's own validation, the model folders), and
+launches SkyRL's experiment with ``KDAPolicyWorker`` and ``KDARefWorker`` injected through
 ``RayPPOTrainer.build_models`` (they also stand in for SkyRL's import of its own Megatron
-workers). ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved and where
-each setting came from; a job that needs something the workers do not implement yet is refused
-before Ray starts, with the list.
+workers). ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved, where each
+setting came from and what blocks the launch (exit 1 if anything does); a blocked job is refused
+before Ray starts, with the list. A command line that cannot be taken at all is one ``error:``
+line per problem, exit 2.
 """
 
 import contextlib
@@ -19,16 +21,21 @@ from typing import List, Optional
 import ray
 from skyrl.train.entrypoints.main_base import BasePPOExp
 from skyrl.train.trainer import RayPPOTrainer
-from skyrl.train.utils import validate_cfg
 from skyrl.train.utils.utils import initialize_ray
 
+from ...console import USAGE_ERROR, error_lines, message
 from . import ENTRYPOINT
 from .config import KDASkyRLConfig, apply_recipe, uses_reference
+from .gate import launch_blockers
 from .reference import KDARefWorker
 from .settings import cp_exchange_source, decided_settings
 from .workers import KDAPolicyWorker
 
 _FLAG = "trainer.override_entrypoint="
+
+BLOCKED = 1
+"""Exit status of a job that ``gate.launch_blockers`` blocks (the command line itself was fine:
+that one is ``console.USAGE_ERROR``, 2)."""
 
 
 class KDAPPOTrainer(RayPPOTrainer):
@@ -111,13 +118,29 @@ def provenance(cfg, recipe) -> List[str]:
     return ["what comes from where:"] + lines
 
 
+def configure(argv: List[str]):
+    """(cfg, recipe, refused settings) of SkyRL's command line ``argv``; a command line the
+    entrypoint cannot take (a recipe name or path, a value, ``SKYRL_KDA_CP_EXCHANGE``, a key)
+    exits 2 with one ``error:`` line per problem, as ``skyrl-kda`` does."""
+    try:
+        cfg = parse(argv)
+        recipe = cfg.trainer.kda.resolve()
+        return cfg, recipe, apply_recipe(cfg, recipe)
+    except Exception as err:
+        lines, status = error_lines(err)
+        if isinstance(err, AssertionError):  # SkyRL's config classes check values with assert
+            lines, status = [f"error: {message(err)}"], USAGE_ERROR
+        if status != USAGE_ERROR:
+            raise  # not the command line's fault: the traceback is what helps
+        print("\n".join(lines), file=sys.stderr)
+        raise SystemExit(status) from None
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point SkyRL's ``main_base`` dispatches to; ``argv`` defaults to ``sys.argv[1:]``."""
-    cfg = parse(sys.argv[1:] if argv is None else argv)
-    recipe = cfg.trainer.kda.resolve()
-    problems = apply_recipe(cfg, recipe)
-    validate_cfg(cfg)
-    blockers = problems
+    """Entry point SkyRL's ``main_base`` dispatches to; ``argv`` defaults to ``sys.argv[1:]``.
+    Exits 2 on a command line it cannot take, 1 when the launch is blocked (dry run or not)."""
+    cfg, recipe, refused = configure(sys.argv[1:] if argv is None else argv)
+    blockers = launch_blockers(cfg, recipe, refused)
     if cfg.trainer.kda.dry_run:
         p = recipe.parallel
         print(f"entrypoint: {ENTRYPOINT}")
@@ -129,6 +152,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         print("launch blocked by:" if blockers else "launch: ready")
         for line in blockers:
             print(f"  - {line}")
+        if blockers:
+            raise SystemExit(BLOCKED)
         return
     if blockers:
         raise SystemExit("the KDA SkyRL job cannot run yet:\n  - " + "\n  - ".join(blockers))

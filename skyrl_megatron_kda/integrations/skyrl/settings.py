@@ -118,14 +118,21 @@ def steps_only_extend_a_constant_schedule(saved: Mapping[str, Any], recipe: Reci
     return changed == {"train.steps"} and recipe.train.min_lr == recipe.train.lr
 
 
+def missing_weights_folders(decided: list[Decided]) -> list[str]:
+    """One line per model path in ``decided`` that is not a folder on this node, naming the SkyRL
+    setting: the KDA workers load a glm5_next HF folder (``model.hf_io``) and download nothing, so
+    a hub id is refused too."""
+    return [f"{d.source}={d.value!r} is not a folder on {socket.gethostname()}: the KDA workers "
+            "load their weights from a glm5_next Hugging Face folder at this path on every node "
+            "(they download nothing)"
+            for d in decided if d.key == "run.init_from_hf" and not os.path.isdir(d.value)]
+
+
 def check_weights_folder(decided: list[Decided]) -> None:
-    """Refuse a model path that is not a folder on this node, naming the SkyRL setting: the KDA
-    workers load a glm5_next HF folder (``model.hf_io``) and download nothing."""
-    for d in decided:
-        if d.key == "run.init_from_hf" and not os.path.isdir(d.value):
-            raise FileNotFoundError(
-                f"{d.source}={d.value!r} is not a folder on {socket.gethostname()}: the KDA "
-                "workers load their weights from a glm5_next Hugging Face folder on every node")
+    """Refuse a model path that is not a folder on this node (``missing_weights_folders``)."""
+    missing = missing_weights_folders(decided)
+    if missing:
+        raise FileNotFoundError("; ".join(missing))
 
 
 SKYRL_DECIDES = ("train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
