@@ -177,8 +177,8 @@ class GlmDSAttention(DSAttention):
     def forward(self, query, key, value, attention_mask, x, qr, packed_seq_params=None,
                 kv_up_weight=None, **_):
         layout = dsa_batch_rows(x, packed_seq_params, self.pg_collection.tp,
-                                  self.pg_collection.cp, self.config.sequence_parallel,
-                                  self.cp_layout)
+                                self.pg_collection.cp, self.config.sequence_parallel,
+                                self.cp_layout)
         if self.skip_topk:  # "shared" layer: reuse the source layer's selection
             topk = self._get_index_share_topk_holder(packed_seq_params, attention_mask)[self.source_layer]
         else:
@@ -232,7 +232,7 @@ class GlmDSASelfAttention(MLASelfAttention):
         if key_value_states is not None or inference_context is not None or inference_params is not None:
             raise NotImplementedError("GlmDSASelfAttention: self-attention training only")
         layout = dsa_batch_rows(hidden_states, packed_seq_params, self.pg_collection.tp,
-                                  self.pg_collection.cp, self.config.sequence_parallel, self.cp_layout)
+                                self.pg_collection.cp, self.config.sequence_parallel, self.cp_layout)
         q_compressed, kv_latent = self._qkv_down_projection(hidden_states)
         if kv_latent.size(-1) != self.config.kv_lora_rank:  # column-parallel: TP-sharded width
             kv_latent = gather_from_tensor_model_parallel_region(kv_latent, group=self.tp_group)

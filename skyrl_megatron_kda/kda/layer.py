@@ -228,8 +228,9 @@ class KimiDeltaAttention(MegatronModule):
             raise NotImplementedError("KimiDeltaAttention has no inference (decode) path yet")
         if attention_bias is not None:
             raise ValueError("KimiDeltaAttention takes no attention bias")
-        layout = batch_index_maps(hidden_states, packed_seq_params, self.cp_group.size(), self.tp_group.size(),
-                                  self.config.sequence_parallel, self.cp_layout)
+        layout = batch_index_maps(hidden_states, packed_seq_params, self.cp_group.size(),
+                                  self.tp_group.size(), self.config.sequence_parallel,
+                                  self.cp_layout)
         computed = self.exchange.to_compute_layout(hidden_states, layout, self.project,
                                                    self.num_local_heads)
         heads = computed.heads
