@@ -122,6 +122,17 @@ def test_two_grpo_steps_ran_through_skyrls_trainer(job):
     assert "SkyRL settings: trainer.strategy=megatron" in job["stdout"]  # what ran is shown
 
 
+def test_each_worker_group_says_once_what_it_built(tmp_path_factory):
+    """The first rank of the policy and of the reference group prints its mesh, KDA exchange and
+    DSA kernel once (the exchange the job asked for, not the recipe's default)."""
+    output = _run("tp2cp2_allgather", tmp_path_factory)["output"]
+    for role in ("policy", "reference"):
+        lines = [line for line in output.splitlines() if f"{role}: 4 ranks built:" in line]
+        assert len(lines) == 1, (role, lines)
+        assert all(part in lines[0] for part in ("TP2 x CP2 +SP", "KDA exchange allgather",
+                                                 "DSA kernel torch")), lines[0]
+
+
 def test_sampler_logprobs_equal_the_trainers_before_and_after_a_step(job):
     for step, m in _steps(job).items():
         diff = m["policy/rollout_train_logprobs_abs_diff_max"]

@@ -32,3 +32,15 @@ def megatron_mesh_rank(recipe: Recipe) -> MeshRank:
                     pp=ps.get_pipeline_model_parallel_rank(),
                     world_size=recipe.run.num_workers, dp_size=ps.get_data_parallel_world_size(),
                     pp_size=ps.get_pipeline_model_parallel_world_size())
+
+
+def build_line(recipe: Recipe, role: str) -> str:
+    """What a worker group built, said once by its first rank: the mesh, the KDA exchange and
+    the DSA kernel in use (a run's logs then show which exchange each group really runs)."""
+    p, m = recipe.parallel, recipe.model
+    parts = [f"TP{p.tp} x CP{p.cp}" + (" +SP" if p.sequence_parallel else "")
+             + f", EP{p.ep} x ETP{p.etp}", f"KDA exchange {recipe.kda.cp_exchange}"]
+    if "dsa" in m.layer_types():
+        parts.append(f"DSA kernel {m.dsa.kernel} (tp_split {m.dsa.tp_split})")
+    return f"{role}: {recipe.run.num_workers} ranks built: " + ", ".join(parts)
+

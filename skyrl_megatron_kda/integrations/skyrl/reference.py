@@ -17,9 +17,11 @@ from typing import Optional
 
 import ray
 import torch
+import torch.distributed as dist
 from skyrl.backends.skyrl_train.workers.worker import RefWorkerBase
 
 from ...train.trainer import RankModel
+from .mesh import build_line
 from .settings import apply_decided, check_weights_folder, reference_settings
 from .workers import KDAPolicyWorkerBase
 
@@ -49,6 +51,8 @@ class KDARefWorkerBase(RefWorkerBase):
         check_weights_folder(self.decided)
         self.trainer = RankModel(apply_decided(recipe, self.decided))
         self.model = self.trainer.model
+        if dist.get_rank() == 0:  # Ray forwards an actor's stdout to the driver's console
+            print(build_line(self.trainer.recipe, "reference"), flush=True)
 
     def forward(self, data):
         """Per-sample ``logprobs`` of the rollout batch under the reference model, in

@@ -40,7 +40,7 @@ from ...train.rl import pack_rollout, token_logprobs
 from ...train.trainer import RankTrainer
 from . import offload, weight_sync
 from .config import unsupported_trainer_settings
-from .mesh import megatron_mesh_rank, mesh_rank
+from .mesh import build_line, megatron_mesh_rank, mesh_rank
 from .settings import (
     apply_decided,
     check_weights_folder,
@@ -106,6 +106,8 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         if actual != self.mesh_rank:
             raise RuntimeError(f"rank {dist.get_rank()}: SkyRL was given {self.mesh_rank} but "
                                f"megatron built {actual}")
+        if dist.get_rank() == 0:  # Ray forwards an actor's stdout to the driver's console
+            print(build_line(self.trainer.recipe, "policy"), flush=True)
 
     def _set_pad_token_id(self, pad_token_id: int) -> None:
         self.pad_token_id = pad_token_id
