@@ -9,6 +9,11 @@ named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint and
   other tokens.
 - Colocation: asleep (SkyRL's ``sleep``, and after ``wake_up(["weights"])`` only) it refuses to
   generate; once ``kv_cache`` wakes too, it serves the newest published version.
+- ``offload_kv_for_weight_sync`` under the fully async trainer: SkyRL's own sync bracket
+  (``WorkerDispatch.save_weights_for_sampler``: pause, ``sleep_for_weight_sync``, wake weights,
+  send, wake KV cache, resume) runs against the client; it generates nothing inside the bracket
+  and the newest version after it. A send that fails inside the first sync (nothing published)
+  reaches the caller as itself, not as the resume's "no published weights".
 """
 
 from __future__ import annotations
@@ -100,3 +105,55 @@ def test_a_colocated_client_generates_only_awake_on_the_newest_weights(checkpoin
     assert len(_sample(client)) == len(PROMPTS)
     with pytest.raises(ValueError, match=r"unknown sleep tags \['gpu'\]"):
         asyncio.run(client.sleep(tags=["gpu"]))
+
+
+def _dispatch(client, send):
+    """SkyRL's ``WorkerDispatch`` with only what its sync bracket reads: a non-colocated fully
+    async job with ``offload_kv_for_weight_sync``, ``send`` standing in for the workers'
+    broadcast (no worker actors)."""
+    from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
+    from skyrl.train.config import SkyRLTrainConfig
+
+    dispatch = object.__new__(WorkerDispatch)
+    dispatch.cfg = SkyRLTrainConfig.from_cli_overrides([
+        "trainer.strategy=megatron", "trainer.placement.colocate_all=false",
+        "trainer.fully_async.enabled=true", "generator.batched=false",
+        "generator.inference_engine.offload_kv_for_weight_sync=true"])
+    dispatch.colocate_all, dispatch._inference_engine_client = False, client
+
+    async def prepare(adapter_only_sync):
+        pass
+
+    dispatch._prepare_for_weight_sync = prepare
+    dispatch.ensure_active_adapter = lambda *args, **kwargs: None
+    dispatch._broadcast_to_inference_engines = lambda client, model_id: send()
+    dispatch._finish_weight_sync = lambda adapter_only_sync: None
+    return dispatch
+
+
+def test_fully_async_sync_sleeps_and_wakes_the_client_and_shows_a_failed_send(checkpoint, tmp_path):
+    client = _client(checkpoint, tmp_path)
+
+    def failing_send():
+        raise RuntimeError("the send failed")
+
+    # The first sync (nothing published yet) fails inside the bracket: its error, not the resume's.
+    with pytest.raises(RuntimeError, match="the send failed"):
+        asyncio.run(_dispatch(client, failing_send).save_weights_for_sampler())
+    # SkyRL's finally resumes generation; it wakes the KV cache only after a send that worked.
+    assert not client.paused and client.asleep == {"kv_cache"}
+
+    seen = {}
+
+    def send():
+        seen["asleep"], seen["paused"] = set(client.asleep), client.paused
+        with pytest.raises(RuntimeError, match="paused"):  # inside SkyRL's running loop
+            client.generate(BATCH).send(None)
+        _publish(checkpoint, tmp_path, 1, train_step=0)
+
+    asyncio.run(_dispatch(client, send).save_weights_for_sampler())
+    assert seen == {"asleep": {"kv_cache"}, "paused": True}  # weights woken for the send
+    assert (client.loaded_version, client.paused, client.asleep) == (1, False, set())
+    assert len(_sample(client)) == len(PROMPTS)
+    with pytest.raises(RuntimeError, match="without pause_generation"):
+        asyncio.run(client.sleep_for_weight_sync())

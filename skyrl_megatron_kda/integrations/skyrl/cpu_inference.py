@@ -4,9 +4,13 @@ policy worker publishes on disk (``weight_sync.DiskPublisher``).
 It stands where SkyRL's HTTP client over vLLM servers stands (``BasePPOExp.get_inference_client``
 returns it): the generator calls ``generate``; the trainer brackets each weight sync with
 ``pause_generation`` / ``resume_generation``, or, under ``trainer.placement.colocate_all``, with
-``wake_up(tags=["weights"])`` / ``wake_up(tags=["kv_cache"])`` after a ``sleep``. Generation
-resumes, or the client becomes fully awake, on the newest published version; it refuses to
-generate while paused or asleep, as a colocated vLLM engine cannot.
+``wake_up(tags=["weights"])`` / ``wake_up(tags=["kv_cache"])`` after a ``sleep``, or, with
+``generator.inference_engine.offload_kv_for_weight_sync``, with ``sleep_for_weight_sync`` /
+``wake_for_weight_sync`` inside the pause. Generation resumes, or the client becomes fully awake,
+on the newest published version; it refuses to generate while paused or asleep, as a colocated
+vLLM engine cannot. Before the first publication there is nothing to load: resuming or waking
+then loads nothing (``generate`` raises that no weights are published), so an error inside the
+first sync reaches SkyRL as itself, not hidden by the ``finally`` that resumes generation.
 
 Randomness: each ``generate`` call draws from its own generator, seeded from the client's seed,
 the optimizer steps of the weights it samples (``weight_sync.TRAIN_STEP``, which a checkpoint
@@ -159,6 +163,12 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
             self.loaded_train_step, self._calls = published_train_step(folder), 0
         return version
 
+    def _reload_if_published(self) -> None:
+        """``reload`` once weights are published. Resuming and waking run in SkyRL's ``finally``
+        around a sync: an error there would replace the sync's own."""
+        if latest_version(self.weight_sync_dir) is not None:
+            self.reload()
+
     @property
     def model(self) -> torch.nn.Module:
         if self._model is None:
@@ -226,7 +236,7 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
 
     async def resume_generation(self) -> None:
         """Generation resumes on the newest published weights (SkyRL resumes after each sync)."""
-        self.reload()
+        self._reload_if_published()
         self.paused = False
 
     async def sleep(self, level: int = 2, tags: Optional[List[str]] = None) -> None:
@@ -240,7 +250,22 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         was_asleep = bool(self.asleep)
         self.asleep -= _tags(tags)
         if was_asleep and not self.asleep:
-            self.reload()
+            self._reload_if_published()
+
+    async def sleep_for_weight_sync(self, offload_kv: bool = True) -> None:
+        """``offload_kv_for_weight_sync`` on the fully async trainer: vLLM frees its GPU pools with
+        in-flight requests frozen. Here there is nothing to free or offload (CPU weights, no KV
+        cache: every token recomputes its prefix, and no request is in flight during a pause,
+        since each ``generate`` runs to its end); it only stops generating until woken."""
+        if not self.paused:
+            raise RuntimeError("CPUInferenceClient.sleep_for_weight_sync without pause_generation "
+                               "first (SkyRL pauses, then sleeps for the sync)")
+        self.asleep |= set(SLEEP_TAGS)
+
+    async def wake_for_weight_sync(self, tags: List[str]) -> None:
+        """Wakes ``tags`` (SkyRL: ``weights`` before the sync writes them, ``kv_cache`` after);
+        loads nothing: generation resumes, on the newest version, with ``resume_generation``."""
+        self.asleep -= _tags(tags)
 
     async def is_sleeping(self) -> bool:
         return bool(self.asleep)
