@@ -3,11 +3,13 @@
 SkyRL's ``main_base.main`` sees ``trainer.override_entrypoint=<this module>`` before it parses
 anything and calls ``main()`` here, which parses the same command line with ``KDASkyRLConfig``,
 resolves the recipe, mirrors its mesh into SkyRL's Megatron sizes, runs SkyRL's own validation,
-and launches SkyRL's experiment with ``KDAPolicyWorker`` and ``KDARefWorker`` injected through
-``RayPPOTrainer.build_models`` (they also stand in for SkyRL's import of its own Megatron
-workers). ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved and where
-each setting came from; a job that needs something the workers do not implement yet is refused
-before Ray starts, with the list.
+and launches SkyRL's experiment with the trainer SkyRL's settings ask for (``trainers``: the
+synchronous one, or the fully async one under ``trainer.fully_async.enabled=true``) and
+``KDAPolicyWorker`` and ``KDARefWorker`` injected through its ``build_models`` (they also stand in
+for SkyRL's import of its own Megatron workers). ``trainer.kda.dry_run=true`` stops before Ray and
+prints what it resolved, which trainer will run and where each setting came from; a job that
+needs something the workers do not implement yet, or that SkyRL's fully async trainer refuses, is
+refused before Ray starts, with the list.
 """
 
 import contextlib
@@ -24,20 +26,13 @@ from skyrl.train.utils.utils import initialize_ray
 
 from . import ENTRYPOINT
 from .config import KDASkyRLConfig, apply_recipe, uses_reference
+from .fully_async import fully_async_problems
 from .reference import KDARefWorker
 from .settings import cp_exchange_source, decided_settings
+from .trainers import trainer_class, trainer_line
 from .workers import KDAPolicyWorker
 
 _FLAG = "trainer.override_entrypoint="
-
-
-class KDAPPOTrainer(RayPPOTrainer):
-    """SkyRL's trainer with the KDA policy worker in place of the workers SkyRL picked."""
-
-    def build_models(self, PolicyWorker, CriticWorker, RefWorker):
-        # apply_recipe refused a critic, so SkyRL never starts that group; it starts the
-        # reference group only for its KL terms (use_kl_loss / use_kl_in_reward).
-        return super().build_models(KDAPolicyWorker, None, KDARefWorker)
 
 
 SKYRL_MEGATRON_WORKERS = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
@@ -67,7 +62,8 @@ def kda_workers_for_skyrl_import() -> Iterator[None]:
 
 
 class KDAPPOExp(BasePPOExp):
-    """SkyRL's experiment (tokenizer, datasets, inference engines, generator) with our trainer."""
+    """SkyRL's experiment (tokenizer, datasets, inference engines, generator) with our trainer
+    (``trainers.trainer_class``)."""
 
     def _setup_trainer(self):
         # SkyRL picks its worker classes by trainer.strategy with a hard-coded import of its own
@@ -77,10 +73,10 @@ class KDAPPOExp(BasePPOExp):
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset,
                     inference_engine_client, generator, colocate_pg) -> RayPPOTrainer:
-        return KDAPPOTrainer(cfg=cfg, tracker=tracker, tokenizer=tokenizer,
-                             train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             inference_engine_client=inference_engine_client,
-                             generator=generator, colocate_pg=colocate_pg)
+        return trainer_class(cfg)(cfg=cfg, tracker=tracker, tokenizer=tokenizer,
+                                  train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                  inference_engine_client=inference_engine_client,
+                                  generator=generator, colocate_pg=colocate_pg)
 
 
 @ray.remote(num_cpus=1)
@@ -117,13 +113,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     recipe = cfg.trainer.kda.resolve()
     problems = apply_recipe(cfg, recipe)
     validate_cfg(cfg)
-    blockers = problems
+    blockers = problems + fully_async_problems(cfg)
     if cfg.trainer.kda.dry_run:
         p = recipe.parallel
         print(f"entrypoint: {ENTRYPOINT}")
         print(f"recipe: {cfg.trainer.kda.recipe} -> kda.cp_exchange={recipe.kda.cp_exchange} "
               f"tp={p.tp} cp={p.cp} ep={p.ep} etp={p.etp} num_workers={recipe.run.num_workers}")
         print("recipe json: " + recipe.model_dump_json())
+        print(trainer_line(cfg))
         for line in provenance(cfg, recipe):
             print(line)
         print("launch blocked by:" if blockers else "launch: ready")
