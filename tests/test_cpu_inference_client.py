@@ -3,7 +3,8 @@ written here the way ``weight_sync.DiskPublisher`` writes them (an HF folder wit
 named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint and tokenizer.
 
 - Reproducible across a restart: a call's samples depend on the client's seed, the optimizer
-  steps of the weights (``TRAIN_STEP``) and the call's index on them, not on what the client drew
+  steps of the weights (``TRAIN_STEP``), its prompts and its index among the calls with those
+  prompts on them, not on what the client drew
   before; a fresh client (a resumed job) draws what a long-lived one drew. Negative controls:
   the same weights under another ``TRAIN_STEP``, and the next call on the same weights, draw
   other tokens.
@@ -157,3 +158,15 @@ def test_fully_async_sync_sleeps_and_wakes_the_client_and_shows_a_failed_send(ch
     assert len(_sample(client)) == len(PROMPTS)
     with pytest.raises(RuntimeError, match="without pause_generation"):
         asyncio.run(client.sleep_for_weight_sync())
+
+
+def test_a_calls_samples_do_not_depend_on_the_order_of_other_prompts_calls(checkpoint, tmp_path):
+    """The fully async trainer's generation workers take turns by timing: a prompt's draws on
+    the same weights are the same whichever other prompts were sampled before it."""
+    _publish(checkpoint, tmp_path, 1, train_step=0)
+    one, two = ({**BATCH, "prompt_token_ids": [p]} for p in PROMPTS[1:])
+    forward, backward = _client(checkpoint, tmp_path), _client(checkpoint, tmp_path)
+    first = [asyncio.run(forward.generate(b))["response_ids"] for b in (one, two, one)]
+    second = [asyncio.run(backward.generate(b))["response_ids"] for b in (two, one, one)]
+    assert (first[0], first[1], first[2]) == (second[1], second[0], second[2])
+    assert first[0] != first[2]  # the same prompt's next call draws anew

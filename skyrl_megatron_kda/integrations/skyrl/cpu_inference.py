@@ -14,9 +14,11 @@ first sync reaches SkyRL as itself, not hidden by the ``finally`` that resumes g
 
 Randomness: each ``generate`` call draws from its own generator, seeded from the client's seed,
 the optimizer steps of the weights it samples (``weight_sync.TRAIN_STEP``, which a checkpoint
-restores) and the call's index among the calls on those weights. So a job resumed from a
-checkpoint samples what the uninterrupted job sampled at the same step (one generator for the
-client's life would restart at the seed). A request's own ``seed`` replaces that, as in vLLM.
+restores), the call's prompts and how many calls with the same prompts came before it on those
+weights. So a job resumed from a checkpoint samples what the uninterrupted job sampled at the
+same step (one generator for the client's life would restart at the seed), and the fully async
+trainer's generation workers, whose turns depend on timing, draw the same for a prompt whatever
+order they call in. A request's own ``seed`` replaces that, as in vLLM.
 
 Sampling follows vLLM's semantics for what it supports (temperature, ``max_tokens``,
 ``min_tokens``, EOS stop, the sampled token's log-prob of the temperature-scaled distribution when
@@ -87,11 +89,12 @@ def load_glm5_next(folder: str | Path) -> torch.nn.Module:
     return model.float().eval()
 
 
-def call_seed(seed: int, train_step: int, call: int) -> int:
+def call_seed(seed: int, train_step: int, prompts: str, call: int) -> int:
     """The generator seed of one ``generate`` call: a hash of the client's ``seed``, the optimizer
-    steps of the weights it samples and the call's index on those weights (63 bits, a valid
-    torch seed). A hash, not a sum, so that neighbouring steps draw unrelated streams."""
-    digest = hashlib.sha256(f"{seed}/{train_step}/{call}".encode()).digest()
+    steps of the weights it samples, the call's ``prompts`` (their token ids, as text) and its
+    index among the calls with those prompts on those weights (63 bits, a valid torch seed). A
+    hash, not a sum, so that neighbouring steps draw unrelated streams."""
+    digest = hashlib.sha256(f"{seed}/{train_step}/{prompts}/{call}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
@@ -138,7 +141,7 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         self.loaded_version: Optional[int] = None
         self.loaded_train_step: Optional[int] = None
         self._model: Optional[torch.nn.Module] = None
-        self._calls = 0  # generate calls on the loaded version
+        self._calls: Dict[str, int] = {}  # prompts -> generate calls on the loaded version
         self._weight_version = 0
         self.paused = False
         self.asleep: set = set()  # the SLEEP_TAGS that are asleep
@@ -160,7 +163,7 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         version, folder = latest
         if version != self.loaded_version:
             self._model, self.loaded_version = load_glm5_next(folder), version
-            self.loaded_train_step, self._calls = published_train_step(folder), 0
+            self.loaded_train_step, self._calls = published_train_step(folder), {}
         return version
 
     def _reload_if_published(self) -> None:
@@ -211,9 +214,10 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         if float(params.get("temperature", 1.0)) < 0:
             raise ValueError(f"CPUInferenceClient: temperature={params['temperature']} is negative")
         model = self.model  # loads the newest version if none is loaded yet
+        prompts = repr([list(p) for p in input_batch["prompt_token_ids"]])
         seed = (int(params["seed"]) if params.get("seed") is not None
-                else call_seed(self.seed, self.loaded_train_step, self._calls))
-        self._calls += 1
+                else call_seed(self.seed, self.loaded_train_step, prompts, self._calls.get(prompts, 0)))
+        self._calls[prompts] = self._calls.get(prompts, 0) + 1
         generator = torch.Generator().manual_seed(seed)
         want_logprobs = params.get("logprobs") is not None
         responses, response_ids, stop_reasons, logprobs = [], [], [], []
