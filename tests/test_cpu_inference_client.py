@@ -3,12 +3,18 @@ written here the way ``weight_sync.DiskPublisher`` writes them (an HF folder wit
 named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint and tokenizer.
 
 - Reproducible across a restart: a call's samples depend on the client's seed, the optimizer
-  steps of the weights (``TRAIN_STEP``) and the call's index on them, not on what the client drew
+  steps of the weights (``TRAIN_STEP``), its prompts and its index among the calls with those
+  prompts on them, not on what the client drew
   before; a fresh client (a resumed job) draws what a long-lived one drew. Negative controls:
   the same weights under another ``TRAIN_STEP``, and the next call on the same weights, draw
   other tokens.
 - Colocation: asleep (SkyRL's ``sleep``, and after ``wake_up(["weights"])`` only) it refuses to
   generate; once ``kv_cache`` wakes too, it serves the newest published version.
+- ``offload_kv_for_weight_sync`` under the fully async trainer: SkyRL's own sync bracket
+  (``WorkerDispatch.save_weights_for_sampler``: pause, ``sleep_for_weight_sync``, wake weights,
+  send, wake KV cache, resume) runs against the client; it generates nothing inside the bracket
+  and the newest version after it. A send that fails inside the first sync (nothing published)
+  reaches the caller as itself, not as the resume's "no published weights".
 """
 
 from __future__ import annotations
@@ -100,3 +106,67 @@ def test_a_colocated_client_generates_only_awake_on_the_newest_weights(checkpoin
     assert len(_sample(client)) == len(PROMPTS)
     with pytest.raises(ValueError, match=r"unknown sleep tags \['gpu'\]"):
         asyncio.run(client.sleep(tags=["gpu"]))
+
+
+def _dispatch(client, send):
+    """SkyRL's ``WorkerDispatch`` with only what its sync bracket reads: a non-colocated fully
+    async job with ``offload_kv_for_weight_sync``, ``send`` standing in for the workers'
+    broadcast (no worker actors)."""
+    from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
+    from skyrl.train.config import SkyRLTrainConfig
+
+    dispatch = object.__new__(WorkerDispatch)
+    dispatch.cfg = SkyRLTrainConfig.from_cli_overrides([
+        "trainer.strategy=megatron", "trainer.placement.colocate_all=false",
+        "trainer.fully_async.enabled=true", "generator.batched=false",
+        "generator.inference_engine.offload_kv_for_weight_sync=true"])
+    dispatch.colocate_all, dispatch._inference_engine_client = False, client
+
+    async def prepare(adapter_only_sync):
+        pass
+
+    dispatch._prepare_for_weight_sync = prepare
+    dispatch.ensure_active_adapter = lambda *args, **kwargs: None
+    dispatch._broadcast_to_inference_engines = lambda client, model_id: send()
+    dispatch._finish_weight_sync = lambda adapter_only_sync: None
+    return dispatch
+
+
+def test_fully_async_sync_sleeps_and_wakes_the_client_and_shows_a_failed_send(checkpoint, tmp_path):
+    client = _client(checkpoint, tmp_path)
+
+    def failing_send():
+        raise RuntimeError("the send failed")
+
+    # The first sync (nothing published yet) fails inside the bracket: its error, not the resume's.
+    with pytest.raises(RuntimeError, match="the send failed"):
+        asyncio.run(_dispatch(client, failing_send).save_weights_for_sampler())
+    # SkyRL's finally resumes generation; it wakes the KV cache only after a send that worked.
+    assert not client.paused and client.asleep == {"kv_cache"}
+
+    seen = {}
+
+    def send():
+        seen["asleep"], seen["paused"] = set(client.asleep), client.paused
+        with pytest.raises(RuntimeError, match="paused"):  # inside SkyRL's running loop
+            client.generate(BATCH).send(None)
+        _publish(checkpoint, tmp_path, 1, train_step=0)
+
+    asyncio.run(_dispatch(client, send).save_weights_for_sampler())
+    assert seen == {"asleep": {"kv_cache"}, "paused": True}  # weights woken for the send
+    assert (client.loaded_version, client.paused, client.asleep) == (1, False, set())
+    assert len(_sample(client)) == len(PROMPTS)
+    with pytest.raises(RuntimeError, match="without pause_generation"):
+        asyncio.run(client.sleep_for_weight_sync())
+
+
+def test_a_calls_samples_do_not_depend_on_the_order_of_other_prompts_calls(checkpoint, tmp_path):
+    """The fully async trainer's generation workers take turns by timing: a prompt's draws on
+    the same weights are the same whichever other prompts were sampled before it."""
+    _publish(checkpoint, tmp_path, 1, train_step=0)
+    one, two = ({**BATCH, "prompt_token_ids": [p]} for p in PROMPTS[1:])
+    forward, backward = _client(checkpoint, tmp_path), _client(checkpoint, tmp_path)
+    first = [asyncio.run(forward.generate(b))["response_ids"] for b in (one, two, one)]
+    second = [asyncio.run(backward.generate(b))["response_ids"] for b in (two, one, one)]
+    assert (first[0], first[1], first[2]) == (second[1], second[0], second[2])
+    assert first[0] != first[2]  # the same prompt's next call draws anew

@@ -221,12 +221,13 @@ _LAUNCH = """
 import sys
 from skyrl.train.trainer import RayPPOTrainer
 from skyrl_megatron_kda.integrations.skyrl import entrypoint
+from skyrl_megatron_kda.integrations.skyrl.trainers import KDAPPOTrainer
 from skyrl_megatron_kda.integrations.skyrl.reference import KDARefWorker
 from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorker
 
 seen = []
 RayPPOTrainer.build_models = lambda self, *workers: seen.extend(workers)
-entrypoint.KDAPPOTrainer.build_models(object.__new__(entrypoint.KDAPPOTrainer), "skyrl's", None, None)
+KDAPPOTrainer.build_models(object.__new__(KDAPPOTrainer), "skyrl's", None, None)
 assert seen == [KDAPolicyWorker, None, KDARefWorker], seen
 print("build_models injects KDAPolicyWorker and KDARefWorker")
 entrypoint.initialize_ray = lambda cfg: sys.exit("the launch reached initialize_ray")
@@ -558,3 +559,74 @@ def test_a_resume_may_change_only_the_step_count_of_skyrls_constant_schedule():
     assert not extends({**saved, "train.lr": 1e-3}, constant)  # another LR too
     decaying = with_train(lr=3e-3, min_lr=0.0, steps=4)  # steps shape a decaying schedule
     assert not extends({**decaying.train.schedule(), "train.steps": 2}, decaying)
+
+
+# A fully async job SkyRL's FullyAsyncRayPPOTrainer accepts: one mini-batch per step, as many
+# generation workers as the staleness bound allows, unbatched generation, a loss against the
+# rollout's log-probs, no colocation (JOB's).
+FULLY_ASYNC = JOB + [
+    "trainer.fully_async.enabled=true", "trainer.fully_async.max_staleness_steps=1",
+    "trainer.fully_async.num_parallel_generation_workers=8", "trainer.train_batch_size=4",
+    "trainer.policy_mini_batch_size=4", "generator.batched=false",
+    "trainer.algorithm.policy_loss_type=rollout_is"]
+
+
+def test_fully_async_settings_choose_skyrls_fully_async_trainer_with_the_kda_workers(monkeypatch):
+    from skyrl.train.fully_async_trainer import FullyAsyncRayPPOTrainer
+    from skyrl.train.fully_async_trainer_sim import FullyAsyncTrainerSim
+    from skyrl.train.trainer import RayPPOTrainer
+
+    from skyrl_megatron_kda.integrations.skyrl.reference import KDARefWorker
+    from skyrl_megatron_kda.integrations.skyrl.trainers import (
+        KDAFullyAsyncTrainer, KDAPPOTrainer, trainer_class)
+    from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorker
+
+    assert trainer_class(KDASkyRLConfig.from_cli_overrides(JOB)) is KDAPPOTrainer
+    assert trainer_class(KDASkyRLConfig.from_cli_overrides(FULLY_ASYNC)) is KDAFullyAsyncTrainer
+    assert issubclass(KDAFullyAsyncTrainer, FullyAsyncRayPPOTrainer)
+    # simulate_training: SkyRL builds no models, so its simulated trainer runs as it is
+    simulated = KDASkyRLConfig.from_cli_overrides(
+        FULLY_ASYNC + ["trainer.fully_async.simulate_training=true"])
+    assert trainer_class(simulated) is FullyAsyncTrainerSim
+    seen = []
+    monkeypatch.setattr(RayPPOTrainer, "build_models", lambda self, *workers: seen.append(workers))
+    KDAFullyAsyncTrainer.build_models(object.__new__(KDAFullyAsyncTrainer), "skyrl's", None, None)
+    assert seen == [(KDAPolicyWorker, None, KDARefWorker)]
+
+
+@pytest.mark.parametrize("setting, reason", [
+    ("trainer.train_batch_size=8", "trainer.train_batch_size=8 must equal"),
+    ("trainer.fully_async.num_parallel_generation_workers=9",
+     "trainer.fully_async.num_parallel_generation_workers=9 must lie in [4, 8]"),
+    ("trainer.fully_async.num_parallel_generation_workers=3",
+     "trainer.fully_async.num_parallel_generation_workers=3 must lie in [4, 8]"),
+    ("generator.batched=true", "generator.batched=true: set it to false"),
+    ("trainer.placement.colocate_all=true", "trainer.placement.colocate_all=true: set it to false"),
+    ("trainer.algorithm.policy_loss_type=regular",
+     "trainer.algorithm.policy_loss_type=regular needs the old policy's log-probs"),
+    ("trainer.algorithm.policy_loss_type=cispo",
+     "trainer.algorithm.policy_loss_type=cispo needs the old policy's log-probs"),
+    ("trainer.fully_async.sample_full_batch=true",
+     "trainer.fully_async.sample_full_batch=true needs trainer.algorithm.zero_variance_filter"),
+])
+def test_each_fully_async_requirement_the_job_breaks_is_named(setting, reason):
+    from skyrl_megatron_kda.integrations.skyrl.fully_async import fully_async_problems
+
+    assert fully_async_problems(KDASkyRLConfig.from_cli_overrides(FULLY_ASYNC)) == []
+    cfg = KDASkyRLConfig.from_cli_overrides(FULLY_ASYNC + [setting])
+    assert [p[:len(reason)] for p in fully_async_problems(cfg)] == [reason]
+
+
+def test_fully_async_job_without_its_requirements_gets_them_listed_in_the_dry_run():
+    """SkyRL's main_base, dispatched to our entrypoint: the dry run names the trainer and, among
+    the blockers, each fully async requirement the job breaks."""
+    done = _run(["-m", "skyrl.train.entrypoints.main_base", f"trainer.override_entrypoint={ENTRYPOINT}",
+                 *FULLY_ASYNC, "generator.batched=true", "trainer.algorithm.policy_loss_type=regular",
+                 "trainer.kda.dry_run=true"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert ("trainer: KDAFullyAsyncTrainer (fully async: max_staleness_steps=1, "
+            "num_parallel_generation_workers=8)") in lines
+    blockers = [b.split(":")[0] for b in lines[lines.index("launch blocked by:") + 1:]]
+    assert blockers == ["  - run.device=cpu", "  - generator.batched=true",
+                        "  - trainer.algorithm.policy_loss_type=regular needs the old policy's log-probs"]

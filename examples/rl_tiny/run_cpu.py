@@ -20,7 +20,9 @@ sampling from the weights the worker publishes on disk after every step
    ``policy/policy_kl``, ``policy/rollout_train_logprobs_abs_diff_max`` (sampler vs trainer
    log-probs of the same tokens, with the same weights), ...
 
-Usage: ``python examples/rl_tiny/run_cpu.py WORKDIR [--steps 2] [--mesh tp1|tp2cp2] [KEY=VALUE ...]``.
+Usage: ``python examples/rl_tiny/run_cpu.py WORKDIR [--steps 2] [--mesh tp1|tp2cp2]
+[--fully-async STALENESS] [KEY=VALUE ...]``. ``--fully-async N`` runs SkyRL's fully async trainer
+instead (``fully_async_args``: generation overlaps training, rollouts at most N steps stale).
 Nothing is downloaded. SkyRL's own settings checkpoint and resume the job
 (``trainer.ckpt_interval``, ``trainer.resume_mode=from_path``, ``trainer.resume_path``) and
 colocate it (``trainer.placement.colocate_all=true``: the client then starts asleep, as SkyRL's
@@ -138,6 +140,22 @@ def skyrl_args(work: Path, mesh: str, steps: int, batch: int = 4, samples: int =
     ]
 
 
+def fully_async_args(staleness: int, batch: int = 4) -> List[str]:
+    """What SkyRL's fully async trainer needs on top of ``skyrl_args``: its switch and staleness
+    bound, as many generation workers as the bound lets run (one mini-batch per staleness step),
+    unbatched generation (a batched call cannot be paused for a sync), the loss against the
+    rollout's log-probs (the policy that sampled a stale rollout is not kept), and SkyRL's
+    off-policy correction metrics (is_ratio_*: trainer vs sampler probability of each token; the
+    thresholds are loose, they mask only a broken sync)."""
+    return [
+        "trainer.fully_async.enabled=true", f"trainer.fully_async.max_staleness_steps={staleness}",
+        f"trainer.fully_async.num_parallel_generation_workers={batch * (staleness + 1)}",
+        "generator.batched=false", "trainer.algorithm.policy_loss_type=rollout_is",
+        "trainer.algorithm.off_policy_correction.outlier_token_is_threshold_low=1e-4",
+        "trainer.algorithm.off_policy_correction.outlier_token_is_threshold_high=1e4",
+    ]
+
+
 def make_experiment_class():
     """The SkyRL experiment: the KDA one, with the CPU sampler as inference client, the toy
     environment registered, and a tracker that also writes metrics.jsonl."""
@@ -206,12 +224,14 @@ def job_config(args: List[str]):
 
     from skyrl_megatron_kda.integrations.skyrl.config import apply_recipe
     from skyrl_megatron_kda.integrations.skyrl.entrypoint import parse
+    from skyrl_megatron_kda.integrations.skyrl.fully_async import fully_async_problems
 
     cfg = parse(args)  # SkyRL's strict keys; the recipe is resolved and validated here too
     recipe = cfg.trainer.kda.resolve()
     # The recipe runs on CPU ranks; Ray declares a logical GPU per rank for SkyRL's placement,
     # so the one refusal that does not apply here is the device's.
     problems = [p for p in apply_recipe(cfg, recipe) if not p.startswith("run.device=cpu")]
+    problems += fully_async_problems(cfg)
     try:
         validate_cfg(cfg)
     except AssertionError as err:  # SkyRL states some of its checks as asserts
@@ -258,13 +278,18 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--mesh", choices=sorted(MESHES), default="tp1")
+    parser.add_argument("--fully-async", type=int, metavar="STALENESS", default=None,
+                        help="SkyRL's fully async trainer, rollouts at most STALENESS steps stale")
     parser.add_argument("overrides", nargs="*", help="more SkyRL KEY=VALUE settings (they win)")
     args = parser.parse_intermixed_args(argv)  # KEY=VALUE settings may follow the options
     work = args.workdir.resolve()
     if (work / "metrics.jsonl").exists():
         print(f"error: {work} holds a finished job: use a fresh WORKDIR", file=sys.stderr)
         return USAGE_ERROR
-    skyrl = skyrl_args(work, args.mesh, args.steps) + args.overrides
+    skyrl = skyrl_args(work, args.mesh, args.steps)
+    if args.fully_async is not None:
+        skyrl += fully_async_args(args.fully_async)
+    skyrl += args.overrides
     # All checks come before the files below, so that a refused command leaves WORKDIR as it was:
     # none of them reads the checkpoint or the dataset that the settings name.
     try:
@@ -277,7 +302,10 @@ def main(argv: List[str] | None = None) -> int:
     if lines:
         print("\n".join(lines), file=sys.stderr)
         return status
+    from skyrl_megatron_kda.integrations.skyrl.trainers import trainer_line
+
     print("SkyRL settings: " + " ".join(skyrl), flush=True)
+    print(trainer_line(cfg), flush=True)
     work.mkdir(parents=True, exist_ok=True)
     make_hf_checkpoint(work / "GLM-tiny-hf")
     make_tokenizer(work / "GLM-tiny-hf")

@@ -4,15 +4,21 @@ policy worker publishes on disk (``weight_sync.DiskPublisher``).
 It stands where SkyRL's HTTP client over vLLM servers stands (``BasePPOExp.get_inference_client``
 returns it): the generator calls ``generate``; the trainer brackets each weight sync with
 ``pause_generation`` / ``resume_generation``, or, under ``trainer.placement.colocate_all``, with
-``wake_up(tags=["weights"])`` / ``wake_up(tags=["kv_cache"])`` after a ``sleep``. Generation
-resumes, or the client becomes fully awake, on the newest published version; it refuses to
-generate while paused or asleep, as a colocated vLLM engine cannot.
+``wake_up(tags=["weights"])`` / ``wake_up(tags=["kv_cache"])`` after a ``sleep``, or, with
+``generator.inference_engine.offload_kv_for_weight_sync``, with ``sleep_for_weight_sync`` /
+``wake_for_weight_sync`` inside the pause. Generation resumes, or the client becomes fully awake,
+on the newest published version; it refuses to generate while paused or asleep, as a colocated
+vLLM engine cannot. Before the first publication there is nothing to load: resuming or waking
+then loads nothing (``generate`` raises that no weights are published), so an error inside the
+first sync reaches SkyRL as itself, not hidden by the ``finally`` that resumes generation.
 
 Randomness: each ``generate`` call draws from its own generator, seeded from the client's seed,
 the optimizer steps of the weights it samples (``weight_sync.TRAIN_STEP``, which a checkpoint
-restores) and the call's index among the calls on those weights. So a job resumed from a
-checkpoint samples what the uninterrupted job sampled at the same step (one generator for the
-client's life would restart at the seed). A request's own ``seed`` replaces that, as in vLLM.
+restores), the call's prompts and how many calls with the same prompts came before it on those
+weights. So a job resumed from a checkpoint samples what the uninterrupted job sampled at the
+same step (one generator for the client's life would restart at the seed), and the fully async
+trainer's generation workers, whose turns depend on timing, draw the same for a prompt whatever
+order they call in. A request's own ``seed`` replaces that, as in vLLM.
 
 Sampling follows vLLM's semantics for what it supports (temperature, ``max_tokens``,
 ``min_tokens``, EOS stop, the sampled token's log-prob of the temperature-scaled distribution when
@@ -83,11 +89,12 @@ def load_glm5_next(folder: str | Path) -> torch.nn.Module:
     return model.float().eval()
 
 
-def call_seed(seed: int, train_step: int, call: int) -> int:
+def call_seed(seed: int, train_step: int, prompts: str, call: int) -> int:
     """The generator seed of one ``generate`` call: a hash of the client's ``seed``, the optimizer
-    steps of the weights it samples and the call's index on those weights (63 bits, a valid
-    torch seed). A hash, not a sum, so that neighbouring steps draw unrelated streams."""
-    digest = hashlib.sha256(f"{seed}/{train_step}/{call}".encode()).digest()
+    steps of the weights it samples, the call's ``prompts`` (their token ids, as text) and its
+    index among the calls with those prompts on those weights (63 bits, a valid torch seed). A
+    hash, not a sum, so that neighbouring steps draw unrelated streams."""
+    digest = hashlib.sha256(f"{seed}/{train_step}/{prompts}/{call}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
@@ -134,7 +141,7 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         self.loaded_version: Optional[int] = None
         self.loaded_train_step: Optional[int] = None
         self._model: Optional[torch.nn.Module] = None
-        self._calls = 0  # generate calls on the loaded version
+        self._calls: Dict[str, int] = {}  # prompts -> generate calls on the loaded version
         self._weight_version = 0
         self.paused = False
         self.asleep: set = set()  # the SLEEP_TAGS that are asleep
@@ -156,8 +163,14 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         version, folder = latest
         if version != self.loaded_version:
             self._model, self.loaded_version = load_glm5_next(folder), version
-            self.loaded_train_step, self._calls = published_train_step(folder), 0
+            self.loaded_train_step, self._calls = published_train_step(folder), {}
         return version
+
+    def _reload_if_published(self) -> None:
+        """``reload`` once weights are published. Resuming and waking run in SkyRL's ``finally``
+        around a sync: an error there would replace the sync's own."""
+        if latest_version(self.weight_sync_dir) is not None:
+            self.reload()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -201,9 +214,10 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         if float(params.get("temperature", 1.0)) < 0:
             raise ValueError(f"CPUInferenceClient: temperature={params['temperature']} is negative")
         model = self.model  # loads the newest version if none is loaded yet
+        prompts = repr([list(p) for p in input_batch["prompt_token_ids"]])
         seed = (int(params["seed"]) if params.get("seed") is not None
-                else call_seed(self.seed, self.loaded_train_step, self._calls))
-        self._calls += 1
+                else call_seed(self.seed, self.loaded_train_step, prompts, self._calls.get(prompts, 0)))
+        self._calls[prompts] = self._calls.get(prompts, 0) + 1
         generator = torch.Generator().manual_seed(seed)
         want_logprobs = params.get("logprobs") is not None
         responses, response_ids, stop_reasons, logprobs = [], [], [], []
@@ -226,7 +240,7 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
 
     async def resume_generation(self) -> None:
         """Generation resumes on the newest published weights (SkyRL resumes after each sync)."""
-        self.reload()
+        self._reload_if_published()
         self.paused = False
 
     async def sleep(self, level: int = 2, tags: Optional[List[str]] = None) -> None:
@@ -240,7 +254,22 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         was_asleep = bool(self.asleep)
         self.asleep -= _tags(tags)
         if was_asleep and not self.asleep:
-            self.reload()
+            self._reload_if_published()
+
+    async def sleep_for_weight_sync(self, offload_kv: bool = True) -> None:
+        """``offload_kv_for_weight_sync`` on the fully async trainer: vLLM frees its GPU pools with
+        in-flight requests frozen. Here there is nothing to free or offload (CPU weights, no KV
+        cache: every token recomputes its prefix, and no request is in flight during a pause,
+        since each ``generate`` runs to its end); it only stops generating until woken."""
+        if not self.paused:
+            raise RuntimeError("CPUInferenceClient.sleep_for_weight_sync without pause_generation "
+                               "first (SkyRL pauses, then sleeps for the sync)")
+        self.asleep |= set(SLEEP_TAGS)
+
+    async def wake_for_weight_sync(self, tags: List[str]) -> None:
+        """Wakes ``tags`` (SkyRL: ``weights`` before the sync writes them, ``kv_cache`` after);
+        loads nothing: generation resumes, on the newest version, with ``resume_generation``."""
+        self.asleep -= _tags(tags)
 
     async def is_sleeping(self) -> bool:
         return bool(self.asleep)

@@ -3,13 +3,15 @@
 SkyRL's ``main_base.main`` sees ``trainer.override_entrypoint=<this module>`` before it parses
 anything and calls ``main()`` here, which parses the same command line with ``KDASkyRLConfig``,
 resolves the recipe, mirrors its mesh into SkyRL's Megatron sizes, checks the job
-(``gate.launch_blockers``: unsupported settings, SkyRL's own validation, the model folders), and
-launches SkyRL's experiment with ``KDAPolicyWorker`` and ``KDARefWorker`` injected through
-``RayPPOTrainer.build_models`` (they also stand in for SkyRL's import of its own Megatron
-workers). ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved, where each
-setting came from and what blocks the launch (exit 1 if anything does); a blocked job is refused
-before Ray starts, with the list. A command line that cannot be taken at all is one ``error:``
-line per problem, exit 2.
+(``gate.launch_blockers``: unsupported settings, SkyRL's own validation and its fully async
+trainer's requirements, the model folders), and launches SkyRL's experiment with the trainer
+SkyRL's settings ask for (``trainers``: the synchronous one, or the fully async one under
+``trainer.fully_async.enabled=true``) and ``KDAPolicyWorker`` and ``KDARefWorker`` injected
+through its ``build_models`` (they also stand in for SkyRL's import of its own Megatron
+workers). ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved, which
+trainer will run, where each setting came from and what blocks the launch (exit 1 if anything
+does); a blocked job is refused before Ray starts, with the list. A command line that cannot be
+taken at all is one ``error:`` line per problem, exit 2.
 """
 
 import contextlib
@@ -29,6 +31,7 @@ from .config import KDASkyRLConfig, apply_recipe, uses_reference
 from .gate import launch_blockers
 from .reference import KDARefWorker
 from .settings import cp_exchange_source, decided_settings
+from .trainers import trainer_class, trainer_line
 from .workers import KDAPolicyWorker
 
 _FLAG = "trainer.override_entrypoint="
@@ -36,15 +39,6 @@ _FLAG = "trainer.override_entrypoint="
 BLOCKED = 1
 """Exit status of a job that ``gate.launch_blockers`` blocks (the command line itself was fine:
 that one is ``console.USAGE_ERROR``, 2)."""
-
-
-class KDAPPOTrainer(RayPPOTrainer):
-    """SkyRL's trainer with the KDA policy worker in place of the workers SkyRL picked."""
-
-    def build_models(self, PolicyWorker, CriticWorker, RefWorker):
-        # apply_recipe refused a critic, so SkyRL never starts that group; it starts the
-        # reference group only for its KL terms (use_kl_loss / use_kl_in_reward).
-        return super().build_models(KDAPolicyWorker, None, KDARefWorker)
 
 
 SKYRL_MEGATRON_WORKERS = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
@@ -74,7 +68,8 @@ def kda_workers_for_skyrl_import() -> Iterator[None]:
 
 
 class KDAPPOExp(BasePPOExp):
-    """SkyRL's experiment (tokenizer, datasets, inference engines, generator) with our trainer."""
+    """SkyRL's experiment (tokenizer, datasets, inference engines, generator) with our trainer
+    (``trainers.trainer_class``)."""
 
     def _setup_trainer(self):
         # SkyRL picks its worker classes by trainer.strategy with a hard-coded import of its own
@@ -84,10 +79,10 @@ class KDAPPOExp(BasePPOExp):
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset,
                     inference_engine_client, generator, colocate_pg) -> RayPPOTrainer:
-        return KDAPPOTrainer(cfg=cfg, tracker=tracker, tokenizer=tokenizer,
-                             train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             inference_engine_client=inference_engine_client,
-                             generator=generator, colocate_pg=colocate_pg)
+        return trainer_class(cfg)(cfg=cfg, tracker=tracker, tokenizer=tokenizer,
+                                  train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                  inference_engine_client=inference_engine_client,
+                                  generator=generator, colocate_pg=colocate_pg)
 
 
 @ray.remote(num_cpus=1)
@@ -147,6 +142,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"recipe: {cfg.trainer.kda.recipe} -> kda.cp_exchange={recipe.kda.cp_exchange} "
               f"tp={p.tp} cp={p.cp} ep={p.ep} etp={p.etp} num_workers={recipe.run.num_workers}")
         print("recipe json: " + recipe.model_dump_json())
+        print(trainer_line(cfg))
         for line in provenance(cfg, recipe):
             print(line)
         print("launch blocked by:" if blockers else "launch: ready")

@@ -15,6 +15,7 @@ from ...config import Recipe
 from ...console import message
 from ...model.hf_io import check_hf_config
 from .config import uses_reference
+from .fully_async import fully_async_problems
 from .settings import decided_settings, missing_weights_folders, reference_settings
 
 
@@ -24,6 +25,7 @@ def launch_blockers(cfg, recipe: Recipe, refused: List[str]) -> List[str]:
     return [
         *refused,
         *skyrl_config_errors(cfg),
+        *fully_async_problems(cfg),
         *model_folder_problems(cfg, recipe),
     ]
 
