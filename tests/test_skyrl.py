@@ -623,10 +623,12 @@ def test_fully_async_job_without_its_requirements_gets_them_listed_in_the_dry_ru
     done = _run(["-m", "skyrl.train.entrypoints.main_base", f"trainer.override_entrypoint={ENTRYPOINT}",
                  *FULLY_ASYNC, "generator.batched=true", "trainer.algorithm.policy_loss_type=regular",
                  "trainer.kda.dry_run=true"])
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 1, done.stderr[-3000:]  # blocked: the dry run is a gate
     lines = done.stdout.splitlines()
     assert ("trainer: KDAFullyAsyncTrainer (fully async: max_staleness_steps=1, "
             "num_parallel_generation_workers=8)") in lines
     blockers = [b.split(":")[0] for b in lines[lines.index("launch blocked by:") + 1:]]
-    assert blockers == ["  - run.device=cpu", "  - generator.batched=true",
-                        "  - trainer.algorithm.policy_loss_type=regular needs the old policy's log-probs"]
+    assert blockers[:3] == ["  - run.device=cpu", "  - generator.batched=true",
+                            "  - trainer.algorithm.policy_loss_type=regular needs the old policy's log-probs"]
+    # then the model folder: SkyRL's default trainer.policy.model.path is a hub id
+    assert len(blockers) == 4 and blockers[3].startswith("  - trainer.policy.model.path="), blockers
