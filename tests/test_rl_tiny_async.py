@@ -12,10 +12,10 @@ ranks: the runtime is CI's). Three jobs:
   than fp32 rounding, and SkyRL's off-policy correction reports it (``is_ratio_*``, outlier
   masks) at every step;
 - TP1 resumed from the first job's step-2 checkpoint (SkyRL's ``fully_async_state.pt``, the
-  consumed prompts, beside the worker's checkpoint): its step 3 samples the same rollouts and
-  trains to the same grad norm bit for bit; the batch's rows come in the order the generation
-  workers finished, which depends on timing, so the means over rows (loss, is_ratio, log-prob
-  diff statistics) agree to fp32 summation order (loss measured 1.4e-7 relative; the log-prob
+  consumed prompts, beside the worker's checkpoint): its step 3 samples the same rollouts
+  (rewards bit for bit); the batch's rows come in the order the generation workers finished,
+  which depends on timing, so the sums over rows (grad norm, loss, is_ratio, log-prob diff
+  statistics) agree to fp32 summation order (loss measured 1.4e-7 relative; the log-prob
   diff statistics, themselves rounding noise of about 3e-7, by up to 7e-9; a lost Adam moment or
   a wrong prompt changes the loss at order 1e-3 or more). At staleness 0 generation for a step
   starts only after the previous sync, so what is sampled does not depend on timing; at
@@ -114,8 +114,10 @@ def test_a_resumed_fully_async_job_continues_exactly_like_the_uninterrupted_one(
 
     again, before = resumed["steps"][RESUME_FROM + 1], whole["steps"][RESUME_FROM + 1]
     exact = [k for k in before if k.startswith(("reward/", "loss/avg_final_rewards", "async/"))]
-    assert {k: again[k] for k in exact + ["policy/grad_norm"]} == {
-        k: before[k] for k in exact + ["policy/grad_norm"]}
+    assert {k: again[k] for k in exact} == {k: before[k] for k in exact}
+    # The rows reach the trainer in the order the generation workers finish (timing on a busy
+    # machine), so sums over rows, the gradient norm included, agree to rounding only; a resume
+    # that lost the optimizer state or the weights moves them by far more.
     means = [k for k in before if k.startswith("policy/")]
     assert {k: again[k] for k in means} == pytest.approx({k: before[k] for k in means},
                                                          rel=1e-5, abs=1e-7)
