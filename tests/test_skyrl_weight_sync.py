@@ -312,8 +312,11 @@ def test_cpu_client_refuses_to_generate_during_a_sync_or_before_weights_exist(tm
     asyncio.run(client.pause_generation())
     with pytest.raises(RuntimeError, match="paused for a weight sync"):
         asyncio.run(client.generate(batch))
+    # Resuming loads nothing before weights are published (it runs in SkyRL's cleanup, where
+    # raising would hide the sync's own error); generating then says why it cannot.
+    asyncio.run(client.resume_generation())
     with pytest.raises(FileNotFoundError, match="holds no published weights"):
-        asyncio.run(client.resume_generation())
+        asyncio.run(client.generate(batch))
 
 
 def test_a_vllm_client_goes_through_skyrls_own_engine_and_bracket():
