@@ -1,19 +1,27 @@
-"""How a packed row is cut over the mesh: each (CP rank, TP rank)'s rows in the recipe's CP
-layout (``cp_layout``), and the positions its hidden states hold under sequence parallelism."""
+"""A packed row (``train.data.packing`` builds them) and how it is cut over the mesh: each
+(CP rank, TP rank)'s rows in the recipe's CP layout (``cp_layout``), and the positions its
+hidden states hold under sequence parallelism."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from .cp_layout import LayoutName, layout_kind, rank_rows
 
 
-class PackedTokens(Protocol):
-    """What the split reads of a packed row (``train.data.packing.PackedRow`` is one): per-token
-    tensors in natural order and the row's sequence boundaries."""
+@dataclass(frozen=True)
+class PackedRow:
+    """One THD row of exactly seq_len tokens in natural order.
+
+    ``labels[i]`` is the next token of the same document; ``loss_mask`` is 0 on each document's
+    last token and on all padding (whose tokens and labels are ``pad_id``). ``cu_seqlens`` [n+1]
+    int32 are the padded boundaries the CP layout and the kernels use (the tail padding, when
+    there is one, is the last sequence); ``cu_seqlens_unpadded`` are the cumulative real (unpadded)
+    lengths of the same sequences, the tail counting 0 (Megatron's ``cu_seqlens_q`` beside
+    ``cu_seqlens_q_padded``); ``position_ids`` restart at 0 in every sequence.
+    """
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -21,6 +29,10 @@ class PackedTokens(Protocol):
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_unpadded: torch.Tensor
+
+    @property
+    def num_documents(self) -> int:
+        return int((self.cu_seqlens_unpadded.diff() > 0).sum())
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class RankShard:
     cu_seqlens_unpadded: torch.Tensor
 
 
-def shard_for_rank(row: PackedTokens, cp: int, cp_rank: int, tp: int = 1, tp_rank: int = 0,
+def shard_for_rank(row: PackedRow, cp: int, cp_rank: int, tp: int = 1, tp_rank: int = 0,
                    sequence_parallel: bool = False, layout: LayoutName = "zigzag") -> RankShard:
     """This (cp_rank, tp_rank)'s part of ``row`` in the layout ``cp_layout.LAYOUTS[layout]``."""
     layout_kind(layout)  # an unknown name is refused before the ranks are checked

@@ -13,8 +13,8 @@ Records become documents in ``records.py``; bad ones raise :class:`records.BadRe
 
 from __future__ import annotations
 
+from ...distributed.rank_split import PackedRow
 from .build import build_loader
 from .loader import PackedLoader, continue_loader
-from .packing import PackedRow
 
 __all__ = ["PackedLoader", "PackedRow", "build_loader", "continue_loader"]

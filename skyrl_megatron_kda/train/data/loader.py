@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .packing import PackedRow, pack_row, padded_length
+from ...distributed.rank_split import PackedRow
+from .packing import pack_row, padded_length
 from .records import Document, Ref
 from .sources import Source
 from .stats import DataStats

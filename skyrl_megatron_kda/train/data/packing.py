@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 import torch
 
 from ...config import ParallelConfig
 from ...distributed.cp_layout import LayoutName, layout_kind
+from ...distributed.rank_split import PackedRow
 
 
 def pad_multiple(parallel: ParallelConfig, layout: LayoutName = "zigzag") -> int:
@@ -29,30 +29,6 @@ def row_multiple(parallel: ParallelConfig, layout: LayoutName = "zigzag") -> int
 def padded_length(length: int, multiple: int) -> int:
     """``length`` rounded up to a multiple of ``multiple``."""
     return -(-length // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class PackedRow:
-    """One THD row of exactly seq_len tokens in natural order.
-
-    ``labels[i]`` is the next token of the same document; ``loss_mask`` is 0 on each document's
-    last token and on all padding (whose tokens and labels are ``pad_id``). ``cu_seqlens`` [n+1]
-    int32 are the padded boundaries the CP layout and the kernels use (the tail padding, when
-    there is one, is the last sequence); ``cu_seqlens_unpadded`` are the cumulative real (unpadded)
-    lengths of the same sequences, the tail counting 0 (Megatron's ``cu_seqlens_q`` beside
-    ``cu_seqlens_q_padded``); ``position_ids`` restart at 0 in every sequence.
-    """
-
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_unpadded: torch.Tensor
-
-    @property
-    def num_documents(self) -> int:
-        return int((self.cu_seqlens_unpadded.diff() > 0).sum())
 
 
 def pack_row(docs: Sequence[torch.Tensor], seq_len: int, multiple: int, pad_id: int = 0) -> PackedRow:
