@@ -20,13 +20,11 @@ named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint and
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_tiny" / "run_cpu.py"
 PROMPTS = [[5, 9, 14, 3], [5, 9, 14, 3], [7, 7, 21]]  # a repeated prompt, as GRPO sends it
 BATCH = {"prompt_token_ids": PROMPTS,
          "sampling_params": {"max_tokens": 6, "temperature": 1.0, "logprobs": 0}}
@@ -37,9 +35,8 @@ def checkpoint(tmp_path_factory) -> Path:
     from skyrl_megatron_kda.integrations.skyrl.cpu_inference import _glm5_next_class
 
     _glm5_next_class()  # the client's torch-path import of glm5_next, before the example's
-    spec = importlib.util.spec_from_file_location("rl_tiny_run_cpu", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    from examples.rl_tiny import make_inputs as example
+
     hf = tmp_path_factory.mktemp("hf")
     example.make_hf_checkpoint(hf)
     example.make_tokenizer(hf)

@@ -1,7 +1,9 @@
-"""The RL example (``examples/rl_tiny/run_cpu.py``) end to end on CPU, as a user runs it: SkyRL's
-real ``RayPPOTrainer.train()`` for 2 GRPO steps with SkyRL's default KL loss, the KDA policy and
-reference workers as Ray actors, at TP1 and at TP2 x CP2 +SP x EP2 with each KDA exchange,
-the CPU sampler from the disk-synced weights and the toy environment.
+"""The RL example (``examples/rl_tiny/run_rl_tiny.sh``) end to end on CPU, as a user runs it:
+SkyRL's ``main_base`` with the KDA entrypoint, SkyRL's real ``RayPPOTrainer.train()`` for 2 GRPO
+steps with SkyRL's default KL loss, the KDA policy and reference workers as Ray actors, at TP1
+and at TP2 x CP2 +SP x EP2 with each KDA exchange, the project's sampler from the disk-synced
+weights and the toy environment. The rollouts (68-80 tokens) are longer than the recipe's
+``index_topk`` (64), so DSA's selection decides what each query attends to.
 
 Both meshes start from the same checkpoint, the sampler draws with the same seed and SkyRL
 shuffles with the same seed, so step 1 trains on the same rollouts: its reward is equal and its
@@ -12,7 +14,8 @@ The sampler and the trainer hold the same weights at each step (one optimizer st
 step, the sync before the next rollouts), so SkyRL's ``policy/rollout_train_logprobs_abs_diff_max``
 is fp32 rounding (about 1e-6) at step 1 (initial weights) and step 2 (after a step); a sync that
 was skipped or mapped a tensor wrongly shows as 0.1 or more (the step moves the log-probs by more
-than 1e-3, checked in tests/test_skyrl_weight_sync.py).
+than 1e-3, checked in tests/test_skyrl_weight_sync.py), and so does a sampler that breaks the
+indexer's exact-zero ties differently from the trainer (the recipe has 2 indexer heads).
 
 The TP1 job checkpoints every step through SkyRL's trainer (``trainer.ckpt_interval=1``). Two
 more TP1 jobs continue from it:
@@ -36,17 +39,15 @@ more TP1 jobs continue from it:
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_tiny" / "run_cpu.py"
+from tests.support.rl_tiny_jobs import launch, worker_log
+
 STEPS = 2
 
 
@@ -62,11 +63,11 @@ JOBS = {
     "tp2cp2_state": ("tp2cp2", ["trainer.kda.cp_exchange=state"]),
 }
 GRAD_NORM_TOL = {"tp2cp2_state": 1e-4}  # state's fp32 state chain; the others 1e-5
-_jobs: dict = {}
 
 
 def _run(name: str, tmp_path_factory) -> dict:
-    return _launch(name, *JOBS[name], tmp_path_factory)
+    mesh, extra = JOBS[name]
+    return launch(name, tmp_path_factory, mesh=mesh, steps=STEPS, settings=extra)
 
 
 def _resumed(tmp_path_factory) -> dict:
@@ -75,25 +76,8 @@ def _resumed(tmp_path_factory) -> dict:
     mesh, extra = JOBS["tp1"]
     resume = ["trainer.resume_mode=from_path",
               f"trainer.resume_path={whole['work'] / 'ckpt' / f'global_step_{RESUME_FROM}'}"]
-    return _launch("tp1_resumed", mesh, [*extra, *resume], tmp_path_factory)
-
-
-def _launch(name: str, mesh: str, extra: list, tmp_path_factory) -> dict:
-    if name in _jobs:
-        return _jobs[name]
-    work = tmp_path_factory.mktemp(f"rl_tiny_{name}")
-    # RAY_DEDUP_LOGS=0: every worker log line reaches the output (the offload calls)
-    env = dict(os.environ, PYTHONPATH=str(EXAMPLE.parents[2]), TORCHDYNAMO_DISABLE="1",
-               RAY_DEDUP_LOGS="0")
-    env.pop("SKYRL_KDA_CP_EXCHANGE", None)
-    proc = subprocess.run([sys.executable, str(EXAMPLE), str(work), "--steps", str(STEPS),
-                           "--mesh", mesh, *extra], env=env, capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    _jobs[name] = {"work": work, "stdout": proc.stdout, "output": proc.stdout + proc.stderr,
-                   "metrics": metrics}
-    return _jobs[name]
+    return launch("tp1_resumed", tmp_path_factory, mesh=mesh, steps=STEPS,
+                  settings=[*extra, *resume])
 
 
 @pytest.fixture(scope="module", params=JOBS)
@@ -102,11 +86,7 @@ def job(request, tmp_path_factory) -> dict:
 
 
 def _steps(job) -> dict:
-    """step -> every metric logged at that step (SkyRL logs a step in several calls)."""
-    out: dict = {}
-    for line in job["metrics"]:
-        out.setdefault(line["step"], {}).update(line)
-    return out
+    return job["steps"]
 
 
 def test_two_grpo_steps_ran_through_skyrls_trainer(job):
@@ -119,18 +99,27 @@ def test_two_grpo_steps_ran_through_skyrls_trainer(job):
     # SkyRL's default KL loss: the reference starts as the policy, so KL is 0 until a step.
     assert steps[1]["policy/policy_kl"] == 0.0
     assert steps[2]["policy/policy_kl"] > 0.0
-    assert "SkyRL settings: trainer.strategy=megatron" in job["stdout"]  # what ran is shown
+    # the plugin's console: one line per step, small numbers in scientific notation
+    lines = [line for line in job["stdout"].splitlines() if re.search(r"\bstep \d+ \| reward", line)]
+    assert len(lines) == STEPS, job["stdout"][-3000:]
+    assert re.search(r"logprob drift \d\.\d\de-\d\d", lines[0]) and "KDA exchange" in lines[0]
+    assert "policy/policy_entropy" not in job["stdout"]  # SkyRL's full dump: metrics.jsonl only
+    config = job["work"] / "logs" / "skyrl_config.yaml"  # SkyRL's 500-line config: a file
+    assert f"SkyRL's config of this job: {config}" in job["stdout"]
+    assert "trainer:" in config.read_text() and "generator:" not in job["stdout"]
 
 
 def test_each_worker_group_says_once_what_it_built(tmp_path_factory):
-    """The first rank of the policy and of the reference group prints its mesh, KDA exchange and
-    DSA kernel once (the exchange the job asked for, not the recipe's default)."""
-    output = _run("tp2cp2_allgather", tmp_path_factory)["output"]
+    """The console says once per group what it built (mesh, KDA exchange, DSA kernel: the exchange
+    the job asked for, not the recipe's default), and so does each group's first rank in the
+    workers' log."""
+    job = _run("tp2cp2_allgather", tmp_path_factory)
     for role in ("policy", "reference"):
-        lines = [line for line in output.splitlines() if f"{role}: 4 ranks built:" in line]
-        assert len(lines) == 1, (role, lines)
-        assert all(part in lines[0] for part in ("TP2 x CP2 +SP", "KDA exchange allgather",
-                                                 "DSA kernel torch")), lines[0]
+        for where in (job["stdout"], worker_log(job)):
+            lines = [line for line in where.splitlines() if f"{role}: 4 ranks built:" in line]
+            assert len(lines) == 1, (role, lines)
+            assert all(part in lines[0] for part in ("TP2 x CP2 +SP", "KDA exchange allgather",
+                                                     "DSA kernel torch")), lines[0]
 
 
 def test_sampler_logprobs_equal_the_trainers_before_and_after_a_step(job):
@@ -140,7 +129,7 @@ def test_sampler_logprobs_equal_the_trainers_before_and_after_a_step(job):
 
 
 def test_each_step_published_a_new_version(job):
-    weights = job["work"] / "weights"
+    weights = job["work"] / "export" / "sampler_weights"
     # v1 = the initial weights, then one per step; the newest two are kept.
     assert sorted(os.listdir(weights)) == ["LATEST", f"v{STEPS:06d}", f"v{STEPS + 1:06d}"]
     assert (weights / "LATEST").read_text().strip() == f"v{STEPS + 1:06d}"
@@ -195,7 +184,8 @@ def _differences(a, b, path: str = "") -> list:
 
 
 def _published_weights(work: Path) -> bytes:
-    latest = work / "weights" / (work / "weights" / "LATEST").read_text().strip()
+    weights = work / "export" / "sampler_weights"
+    latest = weights / (weights / "LATEST").read_text().strip()
     return b"".join(f.read_bytes() for f in sorted(latest.glob("*.safetensors")))
 
 
@@ -226,7 +216,7 @@ def test_resume_restores_optimizer_state_schedule_and_step_not_only_weights(tmp_
     for part in ("embedding.weight", "optimizer.state.exp_avg.embedding.weight",
                  "optimizer.state.exp_avg_sq.embedding.weight", "common_state/shard_0_1"):
         assert any(d.startswith(f"/{part}") for d in changed), part
-    assert "KDAPolicyWorkerBase rank 0: restored checkpoint step 1" in resumed["output"]
+    assert "KDAPolicyWorkerBase rank 0: restored checkpoint step 1" in worker_log(resumed)
 
 
 OFFLOAD_CALL = re.compile(r"(KDA\w+WorkerBase) rank 0: (offload_to_cpu|backload_to_gpu)"
@@ -236,7 +226,7 @@ OFFLOAD_CALL = re.compile(r"(KDA\w+WorkerBase) rank 0: (offload_to_cpu|backload_
 def _offload_calls(job) -> dict:
     """worker class -> its (call, model, optimizer) in order, from the workers' log lines."""
     calls: dict = {}
-    for worker, call, model, optimizer in OFFLOAD_CALL.findall(job["output"]):
+    for worker, call, model, optimizer in OFFLOAD_CALL.findall(worker_log(job)):
         calls.setdefault(worker, []).append((call, model == "True", optimizer == "True"))
     return calls
 

@@ -1,7 +1,8 @@
-"""The RL example under SkyRL's fully async trainer (``examples/rl_tiny/run_cpu.py
---fully-async N``) end to end on CPU: ``FullyAsyncRayPPOTrainer.train()`` with the KDA policy
-worker as Ray actors, the CPU sampler and the toy environment, 3 steps, no KL loss (no reference
-ranks: the runtime is CI's). Three jobs:
+"""The RL example under SkyRL's fully async trainer (``FULLY_ASYNC=N
+examples/rl_tiny/run_rl_tiny.sh``, through SkyRL's ``main_base`` and the KDA entrypoint) end to
+end on CPU: ``FullyAsyncRayPPOTrainer.train()`` with the KDA policy worker as Ray actors, the
+project's sampler and the toy environment, 3 steps, no KL loss (no reference ranks: the runtime
+is CI's). Three jobs:
 
 - TP1 at staleness 0, checkpointed every step: every rollout is trained in the step it was
   scheduled for, so the sampler's and the trainer's log-probs of the same tokens agree to fp32
@@ -24,15 +25,10 @@ ranks: the runtime is CI's). Three jobs:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_tiny" / "run_cpu.py"
+from tests.support.rl_tiny_jobs import launch
+
 STEPS, RESUME_FROM = 3, 2
 NO_KL = ["trainer.algorithm.use_kl_loss=false"]
 # job -> (mesh, staleness bound, extra SkyRL settings)
@@ -41,25 +37,12 @@ JOBS = {
     "tp2cp2_stale1": ("tp2cp2", 1, NO_KL),
 }
 DRIFT_TOL = 1e-5  # fp32 rounding (measured 9.5e-7); a wrong sync: 0.1 or more
-_jobs: dict = {}
 
 
 def _launch(name: str, mesh: str, staleness: int, extra: list, tmp_path_factory) -> dict:
-    if name in _jobs:
-        return _jobs[name]
-    work = tmp_path_factory.mktemp(f"rl_async_{name}")
-    env = dict(os.environ, PYTHONPATH=str(EXAMPLE.parents[2]), TORCHDYNAMO_DISABLE="1")
-    env.pop("SKYRL_KDA_CP_EXCHANGE", None)
-    proc = subprocess.run([sys.executable, str(EXAMPLE), str(work), "--steps", str(STEPS),
-                           "--mesh", mesh, "--fully-async", str(staleness), *extra], env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    steps: dict = {}
-    for line in (work / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        steps.setdefault(record["step"], {}).update(record)
-    _jobs[name] = {"work": work, "stdout": proc.stdout, "steps": steps, "staleness": staleness}
-    return _jobs[name]
+    job = launch(f"async_{name}", tmp_path_factory, mesh=mesh, steps=STEPS, settings=extra,
+                 fully_async=staleness)
+    return dict(job, staleness=staleness)
 
 
 def _run(name: str, tmp_path_factory) -> dict:

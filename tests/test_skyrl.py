@@ -227,7 +227,9 @@ from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorker
 
 seen = []
 RayPPOTrainer.build_models = lambda self, *workers: seen.extend(workers)
-KDAPPOTrainer.build_models(object.__new__(KDAPPOTrainer), "skyrl's", None, None)
+trainer = object.__new__(KDAPPOTrainer)
+trainer.cfg = entrypoint.parse(sys.argv[1:])
+KDAPPOTrainer.build_models(trainer, "skyrl's", None, None)
 assert seen == [KDAPolicyWorker, None, KDARefWorker], seen
 print("build_models injects KDAPolicyWorker and KDARefWorker")
 entrypoint.initialize_ray = lambda cfg: sys.exit("the launch reached initialize_ray")
@@ -241,17 +243,55 @@ def test_a_launch_is_no_longer_refused(tmp_path):
     done = _run(["-c", _LAUNCH, *ALLGATHER, "trainer.kda.overrides.run.device=gpu",
                  f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
     assert "build_models injects KDAPolicyWorker and KDARefWorker" in done.stdout, done.stderr[-3000:]
+    assert "policy: 4 ranks built: TP2 x CP2" in done.stdout  # said once on the console
     assert "the launch reached initialize_ray" in done.stderr, done.stderr[-3000:]
     assert "cannot run yet" not in done.stderr
 
 
+_CPU_LAUNCH = """
+import sys
+from skyrl_megatron_kda.integrations.skyrl import entrypoint
+entrypoint.start_local_ray = lambda cfg: sys.exit("the launch reached start_local_ray")
+entrypoint.initialize_ray = lambda cfg: sys.exit("the launch reached initialize_ray")
+entrypoint.main(sys.argv[1:])
+"""
+
+
+def test_a_cpu_job_with_the_projects_sampler_gets_a_local_ray(tmp_path):
+    """The tiny recipe's CPU ranks with trainer.kda.sampler=glm5_next: nothing blocks, and the
+    launch starts the local Ray whose logical GPUs stand for the ranks (not SkyRL's
+    initialize_ray, which would wait for GPUs a CPU machine does not have)."""
+    done = _run(["-c", _CPU_LAUNCH, *ALLGATHER, "trainer.kda.sampler=glm5_next",
+                 f"trainer.log_path={tmp_path / 'logs'}",
+                 f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
+    assert "the launch reached start_local_ray" in done.stderr, done.stderr[-3000:]
+    assert "cannot run yet" not in done.stderr
+    assert f"per-step metrics: {tmp_path / 'logs' / 'metrics.jsonl'}" in done.stdout.splitlines()
+
+
 def test_dry_run_lists_only_what_remains(tmp_path):
     """The dry run's blockers are exactly this job's settings that cannot run (here the tiny
-    recipe's CPU device), one line each."""
+    recipe's CPU device under SkyRL's default vLLM sampler), one line each."""
     done = _run([*MAIN_BASE, *ALLGATHER, "trainer.kda.dry_run=true",
                  f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
     assert done.returncode == 1, done.stderr[-3000:]
-    assert [b.split(":")[0] for b in _blockers(done)] == ["run.device=cpu"]
+    [line] = _blockers(done)
+    assert line.startswith("run.device=cpu: vLLM (trainer.kda.sampler=vllm) serves rollouts")
+    assert "set trainer.kda.sampler=glm5_next" in line
+
+
+@pytest.mark.parametrize("settings, blocker", [
+    (["trainer.kda.overrides.run.device=gpu", "trainer.kda.sampler=glm5_next"],
+     "trainer.kda.sampler=glm5_next samples on the CPU"),
+    (["trainer.kda.sampler=glm5_next", "trainer.kda.env_modules=[no_such_pkg.envs]"],
+     "trainer.kda.env_modules: no module 'no_such_pkg.envs' to import"),
+], ids=["sampler-on-gpu", "env-module"])
+def test_dry_run_blocks_a_sampler_or_env_module_it_cannot_serve(tmp_path, settings, blocker):
+    done = _run([*MAIN_BASE, *ALLGATHER, *settings, "trainer.kda.dry_run=true",
+                 f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
+    assert done.returncode == 1, done.stderr[-3000:]
+    [line] = _blockers(done)
+    assert line.startswith(blocker), line
 
 
 # --- the dry run as a gate: exit 0 only when nothing blocks the launch ------------------------
@@ -317,7 +357,12 @@ def test_dry_run_lists_skyrls_own_validation_error(tmp_path):
     (["trainer.kda.overrides.parallel.tp=abc"], {},
      "error: recipe glm53_flash_tiny (glm53_flash_tiny.yaml): parallel.tp: Input should be a "
      "valid integer, got 'abc'"),
-], ids=["recipe-name", "env-variable", "pydantic"])
+    (["trainer.epochs"], {},
+     "error: argument 'trainer.epochs' has no =VALUE: SkyRL settings are KEY=VALUE with a dotted "
+     "KEY, e.g. trainer.epochs=1"),
+    (["=3"], {}, "error: argument '=3' has no KEY before =: SkyRL settings are KEY=VALUE with a "
+     "dotted KEY, e.g. trainer.epochs=1"),
+], ids=["recipe-name", "env-variable", "pydantic", "no-value", "no-key"])
 def test_main_base_refuses_a_bad_command_line_in_one_line(extra, env, error):
     """Under SkyRL's main_base, what the command line gets wrong is one ``error:`` line on stderr
     and exit 2, as with skyrl-kda, not a traceback."""

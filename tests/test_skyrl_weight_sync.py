@@ -29,7 +29,6 @@ import torch
 from skyrl_megatron_kda.config import CP_EXCHANGE_ENV
 from tests.support.ranks import run_ranks
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_tiny" / "run_cpu.py"
 TEMPERATURE = 0.7
 CP2 = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
        "run.num_workers=4"]
@@ -37,10 +36,9 @@ PROMPTS = ([5, 9, 14, 3], [7, 7, 21], [30, 4, 4, 4, 11])
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("rl_tiny_run_cpu", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from examples.rl_tiny import make_inputs
+
+    return make_inputs
 
 
 def _worker(hf_dir: str):

@@ -6,7 +6,8 @@
 injects ``workers.KDAPolicyWorker`` and ``reference.KDARefWorker`` through
 ``RayPPOTrainer.build_models``. ``settings`` maps SkyRL's own settings onto the recipe (or refuses
 them by name); ``gate`` lists what blocks a launch (the dry run exits 1 on any); ``offload``
-serves colocation with SkyRL's Megatron offload helpers.
+serves colocation with SkyRL's Megatron offload helpers; ``local_ray`` starts Ray for a CPU job;
+``tracking`` writes each step's metrics and console line.
 
 skyrl is optional: importing this package without it raises an ImportError naming the extra.
 """

@@ -41,6 +41,10 @@ def dot_overrides(tree: Mapping) -> List[str]:
     return [f"{path}={json.dumps(value)}" for path, value in flatten(tree).items()]
 
 
+SAMPLERS = ("vllm", "glm5_next")
+"""``trainer.kda.sampler``'s values."""
+
+
 @dataclass
 class _RecipeSelection(BaseConfig):
     """The recipe choice; ``KDASection`` adds one optional field per ``KDAConfig`` field."""
@@ -51,6 +55,13 @@ class _RecipeSelection(BaseConfig):
     """Recipe keys to change, written as dot paths: ``trainer.kda.overrides.parallel.tp=8``."""
     dry_run: bool = False
     """Resolve and print the recipe and the checks of the SkyRL job, then exit without Ray."""
+    sampler: str = "vllm"
+    """What serves the rollouts: ``vllm`` (SkyRL's vLLM servers, as SkyRL configures them) or
+    ``glm5_next`` (this project's sampler, ``cpu_inference.CPUInferenceClient``: transformers'
+    glm5_next on the weights the policy publishes to disk; for tiny models, tests and CPU jobs)."""
+    env_modules: List[str] = field(default_factory=list)
+    """Python modules the experiment imports before SkyRL makes environments; each registers its
+    ``skyrl_gym`` environments when imported (SkyRL's own register when skyrl_gym is imported)."""
 
     def kda_values(self) -> Dict[str, Any]:
         """The ``trainer.kda.<KDAConfig field>`` values that were set."""
@@ -89,6 +100,11 @@ class _RecipeSelection(BaseConfig):
         return load_recipe(self.recipe, self.recipe_overrides(), environ).recipe
 
     def __post_init__(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"trainer.kda.sampler={self.sampler!r}: choose one of "
+                             f"{', '.join(SAMPLERS)}")
+        if isinstance(self.env_modules, str):  # SkyRL's parser keeps a lone name a string
+            self.env_modules = [self.env_modules]
         # Fail while parsing the command line, not on the cluster; a section with no recipe
         # (SkyRL building defaults) is checked when the entrypoint resolves it.
         if self.recipe:
@@ -197,7 +213,11 @@ def apply_recipe(cfg, recipe: Recipe) -> List[str]:
                 f"run.num_workers={recipe.run.num_workers}; make them equal (the reference "
                 "worker runs the recipe's mesh too)")
     problems = unsupported_settings(cfg)
-    if recipe.run.device != "gpu":
-        problems.append(f"run.device={recipe.run.device}: SkyRL gives every worker one GPU; set "
-                        "trainer.kda.overrides.run.device=gpu")
+    if recipe.run.device == "cpu" and cfg.trainer.kda.sampler == "vllm":
+        problems.append("run.device=cpu: vLLM (trainer.kda.sampler=vllm) serves rollouts from "
+                        "GPUs; set trainer.kda.sampler=glm5_next (this project's sampler) for a "
+                        "CPU job, or trainer.kda.overrides.run.device=gpu")
+    if recipe.run.device == "gpu" and cfg.trainer.kda.sampler == "glm5_next":
+        problems.append("trainer.kda.sampler=glm5_next samples on the CPU: it serves CPU jobs "
+                        "(run.device=cpu); a GPU job uses trainer.kda.sampler=vllm")
     return problems

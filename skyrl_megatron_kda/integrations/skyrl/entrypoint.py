@@ -8,29 +8,42 @@ trainer's requirements, the model folders), and launches SkyRL's experiment with
 SkyRL's settings ask for (``trainers``: the synchronous one, or the fully async one under
 ``trainer.fully_async.enabled=true``) and ``KDAPolicyWorker`` and ``KDARefWorker`` injected
 through its ``build_models`` (they also stand in for SkyRL's import of its own Megatron
-workers). ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved, which
+workers). The experiment imports ``trainer.kda.env_modules`` (the jobs' environments), serves
+rollouts from SkyRL's vLLM servers or, with ``trainer.kda.sampler=glm5_next``, from this
+project's sampler (``cpu_inference``), and records each step with ``tracking.kda_tracker``. A CPU
+recipe (``run.device=cpu``, with the project's sampler) gets a local Ray whose logical GPUs
+stand for its ranks (``local_ray``); a GPU one SkyRL's own ``initialize_ray``.
+``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved, which
 trainer will run, where each setting came from and what blocks the launch (exit 1 if anything
 does); a blocked job is refused before Ray starts, with the list. A command line that cannot be
 taken at all is one ``error:`` line per problem, exit 2.
 """
 
+import asyncio
 import contextlib
+import importlib
+import os
 import sys
 import types
 from collections.abc import Iterator
 from typing import List, Optional
 
-import ray
-from skyrl.train.entrypoints.main_base import BasePPOExp
-from skyrl.train.trainer import RayPPOTrainer
-from skyrl.train.utils.utils import initialize_ray
+from ...console import USAGE_ERROR, error_lines, message, quiet_warnings
 
-from ...console import USAGE_ERROR, error_lines, message
-from . import ENTRYPOINT
+quiet_warnings()  # before the imports below load megatron-core and fla, which warn on import
+
+import ray  # noqa: E402
+from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
+from skyrl.train.trainer import RayPPOTrainer  # noqa: E402
+from skyrl.train.utils.utils import initialize_ray  # noqa: E402
+
+from . import ENTRYPOINT  # noqa: E402
 from .config import KDASkyRLConfig, apply_recipe, uses_reference
 from .gate import launch_blockers
+from .local_ray import start_local_ray
 from .reference import KDARefWorker
 from .settings import cp_exchange_source, decided_settings
+from .tracking import config_dump_path, kda_tracker, metrics_path
 from .trainers import trainer_class, trainer_line
 from .workers import KDAPolicyWorker
 
@@ -67,9 +80,46 @@ def kda_workers_for_skyrl_import() -> Iterator[None]:
             sys.modules[SKYRL_MEGATRON_WORKERS] = before
 
 
+def sampler_weights_dir(t) -> str:
+    """Where the policy publishes weights for the project's sampler: ``trainer.export_path``/
+    sampler_weights (one folder the workers and the sampler share: one node)."""
+    return os.path.join(t.export_path, "sampler_weights")
+
+
 class KDAPPOExp(BasePPOExp):
     """SkyRL's experiment (tokenizer, datasets, inference engines, generator) with our trainer
-    (``trainers.trainer_class``)."""
+    (``trainers.trainer_class``), environments, sampler choice and tracker."""
+
+    def __init__(self, cfg):
+        for name in cfg.trainer.kda.env_modules:
+            importlib.import_module(name)  # registers its environments with skyrl_gym
+        self.recipe = cfg.trainer.kda.resolve()
+        super().__init__(cfg)
+
+    def get_inference_client(self):
+        t = self.cfg.trainer
+        if t.kda.sampler == "vllm":
+            return super().get_inference_client()
+        from .cpu_inference import CPUInferenceClient
+
+        client = CPUInferenceClient(sampler_weights_dir(t), self.tokenizer,
+                                    model_name=t.policy.model.path, seed=t.seed)
+        if t.placement.colocate_all:
+            # as SkyRL's own engines under colocation: they start asleep, and the trainer wakes
+            # them around each weight sync
+            asyncio.run(client.sleep())
+        return client
+
+    def get_tracker(self):
+        return kda_tracker(self.cfg, self.recipe)
+
+    def get_cfg_as_str(self, cfg) -> str:
+        """SkyRL logs the whole config (about 500 lines) at setup: it goes to a file beside the
+        metrics, and the log line names it."""
+        path = config_dump_path(cfg.trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(BasePPOExp.get_cfg_as_str(cfg))
+        return f"SkyRL's config of this job: {path}"
 
     def _setup_trainer(self):
         # SkyRL picks its worker classes by trainer.strategy with a hard-coded import of its own
@@ -88,12 +138,33 @@ class KDAPPOExp(BasePPOExp):
 @ray.remote(num_cpus=1)
 def run_experiment(cfg) -> None:
     """Runs on a cluster node, not the head, as SkyRL's own ``skyrl_entrypoint``."""
+    quiet_warnings()
     KDAPPOExp(cfg).run()
+
+
+def check_arguments(argv: List[str]) -> None:
+    """Each argument is one SkyRL setting ``KEY=VALUE`` with a dotted ``KEY``: SkyRL's parser
+    reads ``trainer.epochs`` as ``trainer.epochs=None`` (the job then fails inside SkyRL's
+    trainer) and ``=3`` as a key named ''."""
+    for arg in argv:
+        key, eq, _ = arg.partition("=")
+        if not eq:
+            why = "has no =VALUE"
+        elif not key:
+            why = "has no KEY before ="
+        elif "" in key.split(".") or "." not in key:
+            why = "has no dotted KEY"
+        else:
+            continue
+        raise ValueError(f"argument {arg!r} {why}: SkyRL settings are KEY=VALUE with a dotted "
+                         "KEY, e.g. trainer.epochs=1")
 
 
 def parse(argv: List[str]):
     """``KDASkyRLConfig`` from SkyRL's command line, without the dispatch flag (not a field)."""
-    return KDASkyRLConfig.from_cli_overrides([a for a in argv if not a.startswith(_FLAG)])
+    settings = [a for a in argv if not a.startswith(_FLAG)]
+    check_arguments(settings)
+    return KDASkyRLConfig.from_cli_overrides(settings)
 
 
 def provenance(cfg, recipe) -> List[str]:
@@ -109,7 +180,8 @@ def provenance(cfg, recipe) -> List[str]:
         lines.append(f"  {d.key}={d.value} <- {d.source}{was}")
     lines.append("  train.steps <- num_training_steps, which SkyRL's trainer passes at init_model")
     roles = "policy + reference (KL)" if uses_reference(t) else "policy"
-    lines.append(f"workers: {roles}; colocate_all={t.placement.colocate_all}")
+    lines.append(f"workers: {roles}; colocate_all={t.placement.colocate_all}; rollouts from "
+                 f"trainer.kda.sampler={t.kda.sampler}")
     return ["what comes from where:"] + lines
 
 
@@ -134,6 +206,7 @@ def configure(argv: List[str]):
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point SkyRL's ``main_base`` dispatches to; ``argv`` defaults to ``sys.argv[1:]``.
     Exits 2 on a command line it cannot take, 1 when the launch is blocked (dry run or not)."""
+    quiet_warnings()
     cfg, recipe, refused = configure(sys.argv[1:] if argv is None else argv)
     blockers = launch_blockers(cfg, recipe, refused)
     if cfg.trainer.kda.dry_run:
@@ -153,8 +226,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     if blockers:
         raise SystemExit("the KDA SkyRL job cannot run yet:\n  - " + "\n  - ".join(blockers))
-    initialize_ray(cfg)
-    ray.get(run_experiment.remote(cfg))
+    print(trainer_line(cfg), flush=True)
+    print(f"per-step metrics: {metrics_path(cfg.trainer)}", flush=True)
+    if recipe.run.device == "cpu":
+        print(f"worker logs: {start_local_ray(cfg)}", flush=True)
+    else:
+        initialize_ray(cfg)
+    try:
+        ray.get(run_experiment.remote(cfg))
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ run, after its provenance table) or refuses the launch with it; either way the c
 non-zero, so a CI job can use the dry run as a gate.
 """
 
+import importlib.util
 import os
 from typing import List
 
@@ -27,7 +28,24 @@ def launch_blockers(cfg, recipe: Recipe, refused: List[str]) -> List[str]:
         *skyrl_config_errors(cfg),
         *fully_async_problems(cfg),
         *model_folder_problems(cfg, recipe),
+        *env_module_problems(cfg.trainer.kda.env_modules),
     ]
+
+
+def env_module_problems(names: List[str]) -> List[str]:
+    """``trainer.kda.env_modules`` that cannot be imported here, one line each. Checked without
+    importing them (the experiment imports them on the node it runs on)."""
+    problems = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package missing, or an empty name
+            found = False
+        if not found:
+            problems.append(f"trainer.kda.env_modules: no module {name!r} to import (the "
+                            "experiment imports it to register its environments; put its folder "
+                            "on PYTHONPATH)")
+    return problems
 
 
 def skyrl_config_errors(cfg) -> List[str]:

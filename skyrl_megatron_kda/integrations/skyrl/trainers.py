@@ -12,6 +12,8 @@ from skyrl.train.fully_async_trainer import FullyAsyncRayPPOTrainer
 from skyrl.train.fully_async_trainer_sim import FullyAsyncTrainerSim
 from skyrl.train.trainer import RayPPOTrainer
 
+from .config import uses_reference
+from .mesh import build_line
 from .reference import KDARefWorker
 from .workers import KDAPolicyWorker
 
@@ -23,7 +25,13 @@ class KDAWorkers:
     def build_models(self, PolicyWorker, CriticWorker, RefWorker):
         # apply_recipe refused a critic, so SkyRL never starts that group; it starts the
         # reference group only for its KL terms (use_kl_loss / use_kl_in_reward).
-        return super().build_models(KDAPolicyWorker, None, KDARefWorker)
+        built = super().build_models(KDAPolicyWorker, None, KDARefWorker)
+        # The workers' own lines go to SkyRL's infra log; the console says it once per group.
+        recipe = self.cfg.trainer.kda.resolve()
+        roles = ["policy", "reference"] if uses_reference(self.cfg.trainer) else ["policy"]
+        for role in roles:
+            print(build_line(recipe, role), flush=True)
+        return built
 
 
 class KDAPPOTrainer(KDAWorkers, RayPPOTrainer):
