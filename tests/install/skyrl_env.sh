@@ -8,6 +8,7 @@
 # Stages, each a progress line, each failing with one `FAIL [stage]: ...` line (its log's tail
 # first) and exit 1:
 #   venv     a fresh Python 3.12 venv (found as the Makefile finds it)
+#   source   the checkout's files copied to WORKDIR/src (below)
 #   torch    torch==2.13.0, the version skyrl's megatron and fsdp extras pin; TORCH_INDEX_URL, when
 #            set, is the index to take it from (for example PyTorch's CPU-only index)
 #   skyrl    skyrl==0.4.0 and its skyrl-train extra with skyrl's own pins (ray==2.57.0,
@@ -25,7 +26,9 @@
 #   rl-step  one GRPO step on CPU through SkyRL's trainer (RL_STEP below), metrics.jsonl written
 #
 # Usage: tests/install/skyrl_env.sh [WORKDIR]   (default: a new folder under $TMPDIR or /tmp)
-# Everything (venv, logs, the RL job) goes under WORKDIR; the repository is only read.
+# Everything (venv, logs, the RL job) goes under WORKDIR. The checkout is only read: its files
+# (tracked and untracked, not ignored) are copied to WORKDIR/src, which pip builds (pip builds in
+# the source folder, leaving build/ and *.egg-info there) and the RL step runs from.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -33,6 +36,7 @@ WORK=${1:-$(mktemp -d "${TMPDIR:-/tmp}/skyrl-env.XXXXXX")}
 mkdir -p "$WORK/logs" || exit 1
 WORK=$(cd "$WORK" && pwd)
 VENV=$WORK/venv
+SRC=$WORK/src
 PY=$VENV/bin/python
 SKYRL=skyrl==0.4.0
 TORCH=${TORCH:-torch==2.13.0}
@@ -44,7 +48,7 @@ MAX_DRIFT=${MAX_DRIFT:-1e-3}
 T0=$SECONDS
 
 # ---- the CPU RL step: the one line to swap when examples/rl_tiny gets its main_base script ----
-RL_STEP=(python "$ROOT/examples/rl_tiny/run_cpu.py" "$WORK/rl" --steps 1)
+RL_STEP=(python "$SRC/examples/rl_tiny/run_cpu.py" "$WORK/rl" --steps 1)
 
 fail() {  # fail STAGE MESSAGE: the log's tail, then one line
     [ -f "$WORK/logs/$1.log" ] && tail -n 25 "$WORK/logs/$1.log" | sed 's/^/    | /'
@@ -65,6 +69,16 @@ find_python312() {  # as the Makefile: $PYTHON, else python3.12 on PATH, else py
     for c in ${PYTHON:-} python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
         "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$c"; return; }
     done
+}
+
+copy_source() {
+    rm -rf "$SRC" && mkdir -p "$SRC" || return 1
+    if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+        git -C "$ROOT" ls-files -z --cached --others --exclude-standard \
+            | tar -C "$ROOT" --null --no-recursion --ignore-failed-read -T - -cf - | tar -C "$SRC" -xf -
+    else
+        cp -a "$ROOT/." "$SRC/"
+    fi
 }
 
 make_venv() {
@@ -106,7 +120,7 @@ install_skyrl() {
 
 install_package() {
     # One resolver call with skyrl and its pins: a pin of ours that contradicts skyrl's fails here.
-    "$PY" -m pip install "$ROOT[skyrl,loggers]" "$SKYRL" -r "$WORK/skyrl-train.txt" || return 1
+    "$PY" -m pip install "$SRC[skyrl,loggers]" "$SKYRL" -r "$WORK/skyrl-train.txt" || return 1
     "$PY" -m pip check
 }
 
@@ -126,8 +140,6 @@ EOF
 }
 
 dry_run() {
-    # From the work folder, so that python imports the installed package, not the checkout.
-    cd "$WORK" || return 1
     "$PY" -c '
 import json, pathlib
 from skyrl_megatron_kda.model.hf_io import hf_text_config
@@ -146,7 +158,7 @@ folder = pathlib.Path("tiny_model"); folder.mkdir(exist_ok=True)
 }
 
 install_sampler() {
-    "$PY" -m pip install "$ROOT[sampler]" || return 1
+    "$PY" -m pip install "$SRC[sampler]" || return 1
     # pip check may now name skyrl's transformers cap (the pin the sampler extra moves) and
     # nothing else.
     local broken
@@ -156,7 +168,6 @@ install_sampler() {
 }
 
 rl_step() {
-    cd "$WORK" || return 1
     PATH="$VENV/bin:$PATH" "${RL_STEP[@]}" || return 1
     [ -s "$WORK/rl/metrics.jsonl" ] || { echo "no metrics.jsonl in $WORK/rl"; return 1; }
     "$PY" - "$WORK/rl/metrics.jsonl" "$MAX_DRIFT" <<'EOF'
@@ -174,8 +185,11 @@ print(f"steps {len(steps)}, reward {reward:.4f}, policy_kl {kl}, log-prob drift 
 EOF
 }
 
+# From the work folder: python then imports the installed package, never a source tree.
+cd "$WORK" || exit 1
 echo "skyrl install check in $WORK"
 stage venv make_venv
+stage source copy_source
 stage torch install_torch
 stage skyrl install_skyrl
 echo "  skyrl's CPU-path install:"; versions
@@ -186,4 +200,4 @@ stage sampler install_sampler
 echo "  with the sampler extra:"; versions
 stage rl-step rl_step
 tail -n 1 "$WORK/logs/rl-step.log" | sed 's/^/  /'
-echo "skyrl install check: 7 stages passed in $((SECONDS - T0)) s ($WORK)"
+echo "skyrl install check: 8 stages passed in $((SECONDS - T0)) s ($WORK)"
