@@ -34,7 +34,7 @@ test-gpu: setup
 	$(PY) -m pip install -q -e '.[gpu]'
 	$(PY) -m pytest -q -m gpu tests
 
-# Before each release, not in CI (it downloads several GB and outlasts CI's budget after the suite):
+# Before each release, not in CI (it downloads several GB from PyPI each run; docs/skyrl.md says why):
 # a fresh venv with skyrl 0.4.0 installed with its own pins, this package installed into it, the
 # KDA entrypoint's dry run and one CPU RL step (docs/skyrl.md, "Install"). Its venv and logs go
 # under SKYRL_ENV_DIR (default: a new folder in TMPDIR or /tmp), never in the checkout.

@@ -2,8 +2,8 @@
 # This package in a SkyRL 0.4.0 environment installed as SkyRL installs it, checked end to end on CPU.
 #
 # Why a script and not a pytest test: it builds a fresh venv and downloads torch, skyrl and their
-# dependencies (several GB); on a 2-core machine that is longer than CI's budget leaves after the
-# suite, so `make test-skyrl-install` runs it before each release (docs/skyrl.md, "Install").
+# dependencies (several GB) on every run, so `make test-skyrl-install` runs it before each release
+# rather than in CI (docs/skyrl.md, "Install", has the reasons and its last run).
 #
 # Stages, each a progress line, each failing with one `FAIL [stage]: ...` line (its log's tail
 # first) and exit 1:
