@@ -9,7 +9,7 @@ $(or $(PYTHON),$(shell for c in python3.12 "$$(pyenv root 2>/dev/null)"/versions
   "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$c"; break; }; done))
 endef
 
-.PHONY: setup run test test-gpu clean
+.PHONY: setup run test test-gpu test-skyrl-install clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@py="$(call find_python312)"; \
@@ -33,6 +33,13 @@ test: setup
 test-gpu: setup
 	$(PY) -m pip install -q -e '.[gpu]'
 	$(PY) -m pytest -q -m gpu tests
+
+# Before each release, not in CI (it downloads several GB from PyPI each run; docs/skyrl.md says why):
+# a fresh venv with skyrl 0.4.0 installed with its own pins, this package installed into it, the
+# KDA entrypoint's dry run and one CPU RL step (docs/skyrl.md, "Install"). Its venv and logs go
+# under SKYRL_ENV_DIR (default: a new folder in TMPDIR or /tmp), never in the checkout.
+test-skyrl-install:
+	PYTHON="$(PYTHON)" bash tests/install/skyrl_env.sh $(SKYRL_ENV_DIR)
 
 clean:
 	rm -rf $(VENV)
