@@ -16,8 +16,8 @@ pick. The client's model keeps the earlier pool too, so:
 - the RL path itself: ``CPUInferenceClient.generate`` samples a response that runs past
   ``index_topk``, and its ``response_logprobs`` are the trainer's on that row, where the stock
   model's differ;
-- only the client's model changes: another glm5_next instance of the same class, and
-  ``torch.topk`` outside the indexer, are as before.
+- only the client's model changes: another glm5_next instance of the same class, and torch
+  calls after the indexer's, are as before.
 
 Weights: transformers' init, every tensor nudged by noise (as the examples' checkpoints are
 made), fp32. Runs after tests/test_cpu_inference_client.py and, like it, imports glm5_next
@@ -228,8 +228,10 @@ def test_sampled_response_past_index_topk_has_the_trainers_logprobs(rows):
 
 
 def test_only_the_clients_model_changes(tmp_path):
-    """The rule is an attribute of the client's indexers: the class, another instance and
-    ``torch.topk`` itself keep torch's behaviour; applying it twice changes nothing more."""
+    """The rule is an attribute of the client's indexers, wrapping the class's own forward:
+    another instance is untouched (the stock model's differing log-probs above show its
+    ``torch.topk`` at work), the stable top-k's mode ends with the call, and applying the rule
+    twice changes nothing more."""
     from skyrl_megatron_kda.integrations.skyrl.cpu_inference import (
         INDEXER_CLASS,
         load_glm5_next,

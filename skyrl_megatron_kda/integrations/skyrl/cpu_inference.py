@@ -35,12 +35,12 @@ policy workers, which only read ``weight_sync_dir``) carries no weights.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
 import sys
 from pathlib import Path
-import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -137,7 +137,9 @@ def match_trainer_dsa_ties(model: torch.nn.Module) -> int:
     class, and every other glm5_next in the process, keep ``torch.topk``."""
     changed = 0
     for module in model.modules():
-        if type(module).__name__ == INDEXER_CLASS and "forward" not in vars(module):
+        # (an indexer already wrapped keeps its one wrapper; another instance-level forward,
+        # such as an offloading hook, is wrapped as it stands)
+        if type(module).__name__ == INDEXER_CLASS and not hasattr(module.forward, "keeps_earlier_pool"):
             module.forward = _under_stable_topk(module.forward)
             changed += 1
     text = getattr(model.config, "text_config", model.config)
@@ -154,6 +156,7 @@ def _under_stable_topk(forward):
     def stable(*args, **kwargs):
         with _StableTopk():
             return forward(*args, **kwargs)
+    stable.keeps_earlier_pool = True
     return stable
 
 
