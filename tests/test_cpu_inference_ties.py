@@ -7,15 +7,16 @@ kernel keeps the earlier pool (dsa/pool_topk.py); transformers' glm5_next takes 
 pick. The client's model keeps the earlier pool too, so:
 
 - on each config (2 indexer heads with ``index_topk`` 64, as the tiny recipe; 4 heads, 16; 6
-  heads, 16; 8 heads, 32), the client's model gives the trainer's log-probs
-  (``GLMModel.token_logprobs``, TP1, the torch DSA kernel) at every position of a 128-token row,
-  within fp32 rounding;
+  heads, 16; 8 heads, 32), the client's model gives the trainer's log-probs at every position of
+  a 128-token row, within fp32 rounding. The trainer's are computed as SkyRL's policy worker
+  computes them (``train.rl``: the batch packed into one THD row, ``GLMModel.token_logprobs`` on
+  the per-rank model; TP1, the torch DSA kernel);
 - negative control: transformers' stock glm5_next on the same weights and row differs from the
   trainer by far more at the positions where a tie at the boundary is broken the other way
   (each config with fewer than 8 heads has such positions here; the 8-head rows have none);
 - the RL path itself: ``CPUInferenceClient.generate`` samples a response that runs past
-  ``index_topk``, and its ``response_logprobs`` are the trainer's on that row, where the stock
-  model's differ;
+  ``index_topk``, and its ``response_logprobs`` are the trainer's on that row (packed as the
+  second document after a random row, right-padded), where the stock model's differ;
 - only the client's model changes: another glm5_next instance of the same class, and torch
   calls after the indexer's, are as before.
 
@@ -130,21 +131,24 @@ def _client(checkpoint: Path, root: Path):
 
 
 def _trainer_logprobs(rank, world, jobs):
-    """The trainer's log-probs of each job's row: (checkpoint, recipe, ids [1, L]) -> [L - 1]."""
-    from megatron.core import parallel_state
+    """The trainer's log-probs as SkyRL's policy worker computes them (``train.rl``: the batch
+    packed into one THD row, each row a document, then ``GLMModel.token_logprobs`` through the
+    per-rank model): per job, (checkpoint, recipe, rows [B, S], real-token mask [B, S]) ->
+    [B, S], entry t the log-prob of token t given the tokens before it."""
+    from skyrl_megatron_kda.train.rl import pack_rollout, token_logprobs
+    from skyrl_megatron_kda.train.trainer import RankModel
 
-    from skyrl_megatron_kda.model.glm import build_model
-    from skyrl_megatron_kda.model.hf_io import load_hf_checkpoint
-
-    parallel_state.initialize_model_parallel()
     out = {}
-    for name, (checkpoint, recipe, ids) in jobs.items():
-        torch.manual_seed(0)
-        model = build_model(recipe, use_cpu=True)
-        load_hf_checkpoint(model, checkpoint)
+    for name, (checkpoint, recipe, rows, mask) in jobs.items():
+        recipe = recipe.model_copy(update={"run": recipe.run.model_copy(
+            update={"init_from_hf": checkpoint})})
+        model = RankModel(recipe)
+        model.module.eval()
         with torch.no_grad():
-            logp, _ = model.token_logprobs(ids, ids.roll(-1, 1))
-        out[name] = logp[0, :-1]
+            logp, _ = token_logprobs(model, pack_rollout(rows, mask, recipe.parallel,
+                                                         recipe.parallel.cp_layout))
+        out[name] = logp
+        model.close()
     return out
 
 
@@ -166,7 +170,7 @@ def rows(tmp_path_factory):
                             generator=torch.Generator().manual_seed(row_seed))
         found[name] = dict(topk=topk, client=_next_token_logprobs(client.model, ids),
                            stock=_next_token_logprobs(_stock(checkpoint), ids))
-        jobs[name] = (str(checkpoint), recipe, ids)
+        rows, mask = ids, torch.ones_like(ids)
         if name == GENERATED:
             prompt = torch.randint(VOCAB_LOW, recipe.model.vocab_size, (PROMPT,),
                                    generator=torch.Generator().manual_seed(PROMPT_SEED)).tolist()
@@ -177,10 +181,17 @@ def rows(tmp_path_factory):
             found["generated"] = dict(topk=topk, row=row,
                                       client=torch.tensor(out["response_logprobs"][0]),
                                       stock=_next_token_logprobs(_stock(checkpoint), row)[PROMPT - 1:])
-            jobs["generated"] = (str(checkpoint), recipe, row)
+            # the sampled row beside the random one in the trainer's batch, right-padded as
+            # SkyRL pads a batch: two documents of the packed row
+            padded, real = torch.zeros_like(ids), torch.zeros_like(ids)
+            padded[0, :row.shape[1]], real[0, :row.shape[1]] = row[0], 1
+            rows, mask = torch.cat([ids, padded]), torch.cat([mask, real])
+        jobs[name] = (str(checkpoint), recipe, rows, mask)
     (trainer,) = run_ranks(1, _trainer_logprobs, jobs)
     for name, logp in trainer.items():
-        found[name]["trainer"] = logp[PROMPT - 1:] if name == "generated" else logp
+        found[name]["trainer"] = logp[0, 1:]
+        if name == GENERATED:
+            found["generated"]["trainer"] = logp[1, PROMPT:PROMPT + RESPONSE]
     return found
 
 
