@@ -25,12 +25,17 @@ Sampling follows vLLM's semantics for what it supports (temperature, ``max_token
 ``logprobs`` is set); other sampling settings are refused by name. One sequence at a time, the
 whole prefix recomputed per token (no KV cache): it is for tiny models on a laptop.
 
+DSA ties: the loaded model's indexers break ties at the top-k boundary as the trainer's torch
+kernel does, earlier pool first (``match_trainer_dsa_ties``); transformers' own glm5_next, whose
+``torch.topk`` breaks them in any order, is left as it is for everyone else.
+
 The model lives only in the process that loaded it: a pickled copy (the one SkyRL ships to the
 policy workers, which only read ``weight_sync_dir``) carries no weights.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 from skyrl.backends.skyrl_train.inference_servers.base import (
     InferenceEngineInput,
     InferenceEngineInterface,
@@ -84,9 +90,74 @@ def _glm5_next_class():
 
 
 def load_glm5_next(folder: str | Path) -> torch.nn.Module:
-    """transformers' glm5_next from a published folder, fp32, eval."""
+    """transformers' glm5_next from a published folder, fp32, eval, its DSA ties broken as the
+    trainer breaks them (``match_trainer_dsa_ties``)."""
     model = _glm5_next_class().from_pretrained(folder, attn_implementation="eager")
+    match_trainer_dsa_ties(model)
     return model.float().eval()
+
+
+class _StableTopk(TorchFunctionMode):
+    """``torch.topk`` as a stable sort: among equal values the lower index comes first. Every
+    other torch call passes through unchanged. A torch function mode is thread-local and lasts
+    only for its ``with`` block, so nothing outside the wrapped call sees it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.topk or func is torch.Tensor.topk:
+            return _stable_topk(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _stable_topk(values: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+                 sorted: bool = True) -> torch.return_types.topk:
+    # (the mode is off while its handler runs, so this sort is the real one)
+    ordered, order = values.sort(dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((ordered.narrow(dim, 0, k), order.narrow(dim, 0, k)))
+
+
+INDEXER_CLASS = "Glm5NextTextIndexer"
+
+
+def match_trainer_dsa_ties(model: torch.nn.Module) -> int:
+    """Make ``model``'s (transformers glm5_next) DSA indexers keep the earlier pool among equal
+    scores at the top-k boundary, as the trainer's torch kernel does (``dsa/pool_topk.py``);
+    returns how many indexers it changed.
+
+    Why: an indexer score is a sum over indexer heads of weighted ReLUs, so with few heads many
+    pools score exactly 0, and on a row longer than ``index_topk`` several tie at the boundary.
+    glm5_next picks among them with ``torch.topk`` (any order), the trainer keeps the earlier
+    pool; where they pick differently that position attends to other keys and the sampler's
+    log-probs differ from the trainer's by far more than rounding. Both number pools from the
+    document's first token, ``index_kpool`` tokens each (the same pools, in the same order), so
+    a stable descending sort over glm5_next's pool scores is the trainer's rule.
+
+    Only this model changes: each indexer's ``forward`` becomes an instance attribute that runs
+    transformers' own forward under ``_StableTopk`` (its one ``topk`` is the selection). The
+    class, and every other glm5_next in the process, keep ``torch.topk``."""
+    changed = 0
+    for module in model.modules():
+        # (an indexer already wrapped keeps its one wrapper; another instance-level forward,
+        # such as an offloading hook, is wrapped as it stands)
+        if type(module).__name__ == INDEXER_CLASS and not hasattr(module.forward, "keeps_earlier_pool"):
+            module.forward = _under_stable_topk(module.forward)
+            changed += 1
+    text = getattr(model.config, "text_config", model.config)
+    if "indexed_attention" in getattr(text, "layer_types", ()) and not any(
+            type(m).__name__ == INDEXER_CLASS for m in model.modules()):
+        # a renamed class would leave torch.topk's ties in place, unnoticed
+        raise RuntimeError(f"{type(model).__name__} has DSA layers but no {INDEXER_CLASS}: "
+                           "cannot match the trainer's tie rule")
+    return changed
+
+
+def _under_stable_topk(forward):
+    @functools.wraps(forward)
+    def stable(*args, **kwargs):
+        with _StableTopk():
+            return forward(*args, **kwargs)
+    stable.keeps_earlier_pool = True
+    return stable
 
 
 def call_seed(seed: int, train_step: int, prompts: str, call: int) -> int:
