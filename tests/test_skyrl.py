@@ -635,7 +635,9 @@ def test_fully_async_settings_choose_skyrls_fully_async_trainer_with_the_kda_wor
     assert trainer_class(simulated) is FullyAsyncTrainerSim
     seen = []
     monkeypatch.setattr(RayPPOTrainer, "build_models", lambda self, *workers: seen.append(workers))
-    KDAFullyAsyncTrainer.build_models(object.__new__(KDAFullyAsyncTrainer), "skyrl's", None, None)
+    trainer = object.__new__(KDAFullyAsyncTrainer)
+    trainer.cfg = KDASkyRLConfig.from_cli_overrides(FULLY_ASYNC)
+    KDAFullyAsyncTrainer.build_models(trainer, "skyrl's", None, None)
     assert seen == [(KDAPolicyWorker, None, KDARefWorker)]
 
 
