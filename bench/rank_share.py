@@ -183,13 +183,13 @@ def embedding_part(trainer, clock: Clock, iters: int, tokens) -> dict:
     return {"rows": int(tokens.numel()), **clock.time(run, iters)}
 
 
-def offload_part(trainer, clock: Clock, iters: int, s_local: int) -> dict:
+def offload_part(trainer, rows: dict, clock: Clock, iters: int, s_local: int) -> dict:
     """A layer input (the tensor full recompute keeps) to pinned host memory and back, as
     ``model/host_offload.py`` copies it; GiB/s each way."""
     recipe = trainer.recipe
     if not clock.cuda:
         return {}
-    nbytes = s_local * recipe.model.hyper_connections.num_streams * recipe.model.hidden_size * 2
+    nbytes = rows.get("offload", s_local) * recipe.model.hyper_connections.num_streams * recipe.model.hidden_size * 2
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     d2h = clock.time(lambda: host.copy_(x), iters)
@@ -282,7 +282,7 @@ def main(argv=None) -> dict:
         trainer.model.zero_grad_buffer()
     result["embedding"] = embedding_part(trainer, clock, args.iters, tokens)
     result["head"] = head_part(trainer, rows, clock, args.iters, s_local)
-    result["offload"] = offload_part(trainer, clock, args.iters, s_local)
+    result["offload"] = offload_part(trainer, rows, clock, args.iters, s_local)
     log(json.dumps({k: result[k] for k in ("embedding", "head", "offload")}))
     if args.json:
         with open(args.json, "w") as f:
