@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from ..config import LinkConfig, Recipe
 from ..kda.cost import estimate as kda_estimate
 from ..kda.cost import kda_kernel_s
+from ..kda import exchanges
 from ..kda.exchanges import ExchangeShape
 from ..memory.census import rank_parameters
 from ..memory.offload import offloaded_tensor_bytes
@@ -144,10 +145,10 @@ def kda_part(recipe: Recipe) -> Part:
                        gate_ranks=(k.gate_low_rank, k.output_gate_low_rank))
     heads = k.num_heads / p.tp
     tokens = shape.tokens * shape.batch
-    if est.kernel_s and k.cp_exchange not in ("a2a", "allgather"):
-        tokens //= p.cp  # the sequence stays sharded: all local heads on this rank's shard
+    if exchanges.get(k.cp_exchange).splits_heads:
+        heads /= p.cp  # head-parallel: 1/cp of the local heads over the whole sequence
     else:
-        heads /= p.cp
+        tokens //= p.cp  # the sequence stays sharded: all local heads on this rank's shard
     kernel = est.kernel_s
     group = k.kernel_head_group
     if group and group < heads:
@@ -160,7 +161,6 @@ def kda_part(recipe: Recipe) -> Part:
     if _passes(recipe, "kda") == 2:
         compute += cal.KDA_FORWARD_SHARE * (kernel + est.elementwise_s) + est.gemm_s / 3
         comm += est.comm_s / 2  # the forward's half of the exchange's and the TP gather's bytes
-    mb = recipe.data.micro_batch_size
     link = "CP " + ("between nodes" if spans else "inside a node") + f", {k.cp_exchange}"
     return Part("KDA attention", n, n * compute, n * comm, f"{link}; TP row gathers")
 
