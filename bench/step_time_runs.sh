@@ -18,7 +18,7 @@ status=0
 for step in "$@"; do
   case $step in
     share)
-      python3 bench/rank_share.py --steps 0 --iters 2 --set model.num_layers=2 --set kda.num_heads=8 \
+      python3 bench/rank_share.py --steps 0 --iters 1 --set model.num_layers=2 --set kda.num_heads=8 \
         --set kda.kernel_head_group=4 --set model.moe.num_experts=9 --set model.moe.ffn_hidden_size=1024 \
         --set model.dense_ffn_hidden_size=1536 --set model.vocab_size=19360 --set data.seq_len=524288 \
         --set train.moe_chunk_tokens=8192 --set train.loss_chunk_tokens=8192 \
