@@ -1,15 +1,18 @@
 """The step-time model (``skyrl_megatron_kda/steptime``) against the stored runs it comes from.
 
 Every calibration constant is derived again here from the files under ``bench/results/`` that
-its comment names; the model's slice predictions are compared with the slice steps measured in
-the same runs (whole steps, which no constant reads), and its 1M-share compute with the sum of
-the parts measured at that share. A negative control doubles one measured part and checks that
-the prediction moves by the expected amount, and that the comparison then fails.
+its comment names. The model's predictions of the full-width slice are compared with stored
+slice steps (whole steps, which no constant reads) at three lengths of the KDA-only slice and
+two of the 4-layer slice; one rank's compute at the 1M share with the sum of the stored
+rank-share runs. A negative control doubles one measured part and checks that the prediction
+moves by that part, and that the slice comparison then fails.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ import pytest
 from skyrl_megatron_kda import cli
 from skyrl_megatron_kda.kda.cost import estimate as kda_estimate
 from skyrl_megatron_kda.kda.exchanges import ExchangeShape
+from skyrl_megatron_kda.memory.census import rank_parameters
 from skyrl_megatron_kda.memory.offload import offloaded_tensor_bytes
 from skyrl_megatron_kda.recipes import load_recipe
 from skyrl_megatron_kda.steptime import calibration as cal
@@ -24,82 +28,37 @@ from skyrl_megatron_kda.steptime import estimate_step_time
 from skyrl_megatron_kda.steptime import model as stm
 
 RESULTS = Path(__file__).parents[1] / "bench" / "results"
-STEP_RUNS = RESULTS / "h200_step_time"
-SLICE_LENGTHS = (32768, 65536, 131072)
-SLICE_LEVERS = ["train.offload_activations=true", "train.loss_chunk_tokens=8192",
-                "train.grad_reduce_in_fp32=false", "kda.kernel_head_group=16",
-                "train.moe_chunk_tokens=8192"]
 ONE_GPU = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.etp=1",
            "parallel.sequence_parallel=false", "run.num_workers=1"]
-SHARE = ["model.num_layers=2", "kda.num_heads=8", "kda.kernel_head_group=4",
-         "model.moe.num_experts=9", "model.moe.ffn_hidden_size=1024",
-         "model.dense_ffn_hidden_size=1536", "model.vocab_size=19360", "data.seq_len=524288",
-         "train.moe_chunk_tokens=8192", "train.loss_chunk_tokens=8192"]
-"""bench/step_time_runs.sh's ``share`` recipe: the 1M recipe's per-rank widths on one GPU."""
+FORWARD_CALL_SHARE = {
+    # fla's forward kernels in the CP1 layer's profile, and the share of their calls that are the
+    # forward's: the backward runs the state pass (two more calls) and the w/u recompute, the conv
+    # and the gate cumsum (one more call) again.
+    "chunk_kda_fwd_kernel_inter_solve_fused": 1.0, "chunk_kda_fwd_kernel_intra_sub_chunk": 1.0,
+    "chunk_gla_fwd_kernel_o": 1.0, "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": 1 / 3,
+    "recompute_w_u_fwd_kda_kernel": 1 / 2, "l2norm_fwd_kernel": 1.0, "causal_conv1d_fwd_kernel": 1 / 2,
+    "layer_norm_gated_fwd_kernel": 1.0, "kda_gate_chunk_cumsum_vector_kernel": 1 / 2,
+    "chunk_local_cumsum_vector_kernel": 1.0, "fused_beta_sigmoid_fwd_kernel": 1.0,
+}
 
 
-def slice_recipe(seq_len: int):
-    return load_recipe("glm53_flash_slice", [*ONE_GPU, *SLICE_LEVERS, f"data.seq_len={seq_len}"]).recipe
+def _ms(text: str) -> float:
+    value, unit = float(re.match(r"[\d.]+", text).group(0)), re.sub(r"[\d.]", "", text)
+    return value * {"ms": 1.0, "us": 1e-3, "s": 1e3}[unit]
 
 
-def slice_run(seq_len: int) -> dict:
-    return json.loads((STEP_RUNS / f"slice_{seq_len}.json").read_text())
-
-
-def _layer(run: dict, attention: str, mlp: str) -> dict:
-    return next(x for x in run["layers"] if x["attention"] == attention and x["mlp"] == mlp)
-
-
-def _kda_terms(recipe) -> tuple[float, float, float]:
-    """(cost model forward+backward compute, kernel + elementwise, GEMMs) of one KDA layer with
-    the recipe's head groups, as ``model.kda_part`` prices them."""
-    part = stm.kda_part(recipe.model_copy(update={"train": recipe.train.model_copy(update={"recompute": "none"})}))
-    k = recipe.kda
-    est = kda_estimate(k.cp_exchange, ExchangeShape.of(recipe), False, recipe.cluster,
-                       gate_ranks=(k.gate_low_rank, k.output_gate_low_rank))
-    n = recipe.model.layer_types().count("kda")
-    fwd_bwd = part.compute_s / n
-    return fwd_bwd, fwd_bwd - est.gemm_s, est.gemm_s
-
-
-def derive_slice_constants() -> dict[str, float]:
-    """Each rate of ``calibration.py``'s last section from the three slice runs' parts."""
-    num = {k: 0.0 for k in ("kda", "dsa", "moe", "dense", "mhc", "emb", "opt")}
-    den = dict(num)
-    for T in SLICE_LENGTHS:
-        run, recipe = slice_run(T), slice_recipe(T)
-        fwd_bwd, kernel_elem, gemm = _kda_terms(recipe)
-        num["kda"] += _layer(run, "kda", "moe")["attention_part"]["s"] - fwd_bwd - gemm / 3
-        den["kda"] += kernel_elem
-        dsa = _layer(run, "dsa", "moe")["attention_part"]
-        n_dsa = recipe.model.layer_types().count("dsa")
-        core = sum(stm.dsa_core_s(recipe).values())
-        proj = 2 * T * (stm._layer_params(recipe, "dsa", n_dsa) * 4
-                        + stm._layer_params(recipe, "dsa_indexer", n_dsa) * 2)
-        num["dsa"] += dsa["s"] - core - stm._gemm_s(proj)
-        den["dsa"] += dsa["rows"]
-        moe = _layer(run, "kda", "moe")["mlp_part"]
-        num["moe"] += stm.moe_part(recipe).compute_s * cal.MOE_FLOP_PER_S / recipe.model.mlp_types().count("moe")
-        den["moe"] += moe["s"]
-        dense = _layer(run, "kda", "dense")["mlp_part"]
-        num["dense"] += stm.dense_part(recipe).compute_s * cal.DENSE_FLOP_PER_S
-        den["dense"] += dense["s"]
-        for layer in run["layers"]:
-            num["mhc"] += layer["mhc"]["s"] / 2  # both modules of the layer were timed
-            den["mhc"] += layer["mhc"]["rows"]
-        num["emb"] += run["embedding"]["s"]
-        den["emb"] += run["embedding"]["rows"]
-        num["opt"] += run["step"]["optimizer_s"] + run["step"]["finalize_s"]
-        den["opt"] += stm.optimizer_part(recipe).compute_s / cal.OPTIMIZER_S_PER_ELEMENT
-    return {
-        "KDA_FORWARD_SHARE": num["kda"] / den["kda"],
-        "DSA_OTHER_S_PER_ROW": num["dsa"] / den["dsa"],
-        "MOE_FLOP_PER_S": num["moe"] / den["moe"],
-        "DENSE_FLOP_PER_S": num["dense"] / den["dense"],
-        "MHC_S_PER_ROW": num["mhc"] / den["mhc"],
-        "EMBEDDING_S_PER_ROW": num["emb"] / den["emb"],
-        "OPTIMIZER_S_PER_ELEMENT": num["opt"] / den["opt"],
-    }
+def kda_forward_share(path: Path) -> float:
+    """Forward kernels' CUDA time over all named kernels that are neither GEMMs nor torch's
+    generic kernels, in a torch profiler table (``bench/kda_layer.py --profile``)."""
+    kernels = {}
+    for line in path.read_text().splitlines():
+        cols = line.split()
+        if len(cols) < 11 or not cols[-1].isdigit():
+            continue
+        name = " ".join(cols[:-10])
+        if not name.startswith(("nvjet", "sm80_xmma", "void ", "Memcpy", "Memset", "cu", "Activity")):
+            kernels[name] = _ms(cols[-5])  # Self CUDA
+    return sum(t * FORWARD_CALL_SHARE.get(n, 0.0) for n, t in kernels.items()) / sum(kernels.values())
 
 
 def test_stored_run_constants_derive_again():
@@ -117,6 +76,21 @@ def test_stored_run_constants_derive_again():
         pts = [(r["tokens"] * 19360, r["ms"] * 1e-3) for r in rows if r["kind"] == kind]
         assert const == pytest.approx(sum(a * b for a, b in pts) / sum(a * a for a, _ in pts))
 
+    assert cal.KDA_FORWARD_SHARE == pytest.approx(
+        kda_forward_share(RESULTS / "h200_kda_own_gemms" / "profile_cp1_T131072.txt"), rel=1e-6)
+
+    lines = (RESULTS / "h200_slice_memory_levers_131k" / "levers_kda_only_32k.txt").read_text().splitlines()
+    steps = {tuple(r["levers"]): r["step_time_s"] for r in
+             (json.loads(line[line.index("{"):]) for line in lines if "{" in line)}
+    recipe = load_recipe("glm53_flash_slice", ["model.num_layers=3", "data.seq_len=32768"]).recipe
+    routed_fwd = 2 * stm.moe_pairs(recipe) * 3 * 4096 * 2048  # one layer's routed experts, forward
+    assert cal.MOE_FLOP_PER_S == pytest.approx(2 * routed_fwd / (steps[("moechunks",)] - steps[()]))
+
+    worker = json.loads((RESULTS / "h200_rl_worker" / "rl_worker.json").read_text())
+    optim = [c["seconds"] for c in worker["calls"] if c["call"] == "optim_step"][1:]  # after the first
+    trainable = sum(g.numel for g in rank_parameters(load_recipe("glm53_flash_slice", []).recipe) if g.trainable)
+    assert cal.OPTIMIZER_S_PER_ELEMENT == pytest.approx(statistics.median(optim) / trainable)
+
     runs = json.loads((RESULTS / "h200_slice_memory_levers_131k" / "slice.json").read_text())
     plain = next(r for r in runs if r["seq_len"] == 32768 and r["levers"] == [])
     offload = next(r for r in runs if r["seq_len"] == 32768 and r["levers"] == ["offload"])
@@ -126,67 +100,87 @@ def test_stored_run_constants_derive_again():
     assert cal.OFFLOAD_EXPOSED_GIB_S == pytest.approx(moved_gib / (offload["step_time_s"] - plain["step_time_s"]))
 
 
-def test_slice_constants_derive_again():
-    for name, value in derive_slice_constants().items():
-        assert getattr(cal, name) == pytest.approx(value, rel=1e-3), name
+SLICE_RUNS = [
+    # (layers, tokens, levers, stored file, which row): whole measured steps, which no constant reads
+    (3, 16384, (), "slice_cp1_h200.json"),
+    (3, 32768, (), "slice_cp1_h200.json"),
+    (3, 49152, (), "slice_cp1_h200.json"),
+    (4, 32768, (), "h200_slice_memory_levers_131k/slice.json"),
+    (4, 131072, ("offload", "loss", "bf16grads", "headgroups", "moechunks"),
+     "h200_slice_memory_levers_131k/slice.json"),
+]
+LEVERS = {"offload": "train.offload_activations=true", "loss": "train.loss_chunk_tokens=8192",
+          "bf16grads": "train.grad_reduce_in_fp32=false", "headgroups": "kda.kernel_head_group=16",
+          "moechunks": "train.moe_chunk_tokens=8192"}
 
 
-@pytest.mark.parametrize("seq_len", SLICE_LENGTHS)
-def test_slice_step_within_10_percent_of_the_measured_step(seq_len):
-    measured = slice_run(seq_len)["step"]["step_s"]
-    predicted = estimate_step_time(slice_recipe(seq_len)).step_s
+def stored_slice(layers: int, tokens: int, levers: tuple[str, ...], path: str) -> tuple[object, float]:
+    """The slice recipe of a stored run (bench/model_slice.py's spec) and its measured step."""
+    rows = json.loads((RESULTS / path).read_text())
+    row = next(r for r in rows if r["layers"] == layers and r["seq_len"] == tokens
+               and tuple(r.get("levers", ())) == levers)
+    recipe = load_recipe("glm53_flash_slice", [f"model.num_layers={layers}", f"data.seq_len={tokens}",
+                                               *(LEVERS[name] for name in levers)]).recipe
+    return recipe, row["step_time_s"]
+
+
+@pytest.mark.parametrize("layers, tokens, levers, path", SLICE_RUNS,
+                         ids=[f"{r[0]}layers-T{r[1]}{'-levers' if r[2] else ''}" for r in SLICE_RUNS])
+def test_slice_step_within_10_percent_of_the_stored_step(layers, tokens, levers, path):
+    recipe, measured = stored_slice(layers, tokens, levers, path)
+    predicted = estimate_step_time(recipe).step_s
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
 
 
 def share_measured() -> dict[str, float]:
-    """One rank's compute at the 1M recipe's share, per layer type, from the measured parts:
-    the share run (KDA at 8 heads on the CP rank's 524,288 rows, MoE with the rank's 9 experts
-    fed 131,072 rows (their 1,048,576 routed pairs), the dense FFN's 1,536 columns over 524,288
-    rows, mHC over 65,536 rows), the DSA core of the stored rank-share run, the fused loss at
-    524,288 rows of the vocabulary shard."""
-    share = json.loads((STEP_RUNS / "share_1m.json").read_text())
+    """One rank's work at the 1M recipe's share from the stored rank-share runs: the KDA layer of
+    the ``state`` exchange's rank (8 heads over its 524,288 rows, forward+backward, the slower of
+    the two CP2 ranks, per-rank emulation), the DSA attention core (65,536 queries x 64 heads over
+    1M keys, full recompute, the selection kept), the fused loss over 524,288 rows of the
+    19,360-column vocabulary shard."""
+    kda = json.loads((RESULTS / "h200_kda_own_gemms" / "emulated_T1048576.json").read_text())
     dsa = json.loads((RESULTS / "h200_dsa_kept_selection" / "dsa_rank_share_sequence.json").read_text())
-    kda = _layer(share, "kda", "moe")
-    dense = _layer(share, "kda", "dense")
+    loss = [json.loads(line) for line in (RESULTS / "h200_fused_loss" / "fused_loss.txt").read_text().splitlines()]
     return {
-        "KDA attention": 34 * kda["attention_part"]["s"],
-        "DSA attention core": 11 * dsa["best"]["step_ms_full_recompute"] * 1e-3,
-        "MoE": 42 * kda["mlp_part"]["s"],
-        "dense MLP": 3 * dense["mlp_part"]["s"],
-        "mHC": 45 * kda["mhc"]["s"],
-        "head + loss": share["head"]["s"],
+        "KDA layer": kda["layer_cp2_state"]["ms"] * 1e-3,
+        "DSA core": dsa["best"]["step_ms_full_recompute"] * 1e-3,
+        "loss": next(r for r in loss if r["kind"] == "fused" and r["tokens"] == 524288)["ms"] * 1e-3,
     }
 
 
 def share_predicted() -> dict[str, float]:
+    """The model's same three parts for the 1M recipe: the KDA layer as that run ran it (no
+    recompute, one kernel call for the rank's 8 heads), the DSA core, the head and loss."""
     recipe = load_recipe("glm53_flash_1m", []).recipe
-    step = estimate_step_time(recipe)
-    core = 11 * sum(stm.dsa_core_s(recipe).values())
+    as_run = recipe.model_copy(update={
+        "train": recipe.train.model_copy(update={"recompute": "none"}),
+        "kda": recipe.kda.model_copy(update={"kernel_head_group": None})})
     return {
-        "KDA attention": step.part("KDA attention").compute_s,
-        "DSA attention core": core,
-        "MoE": step.part("MoE").compute_s,
-        "dense MLP": step.part("dense MLP").compute_s,
-        "mHC": step.part("mHC").compute_s,
-        "head + loss": step.part("embedding + head + loss").compute_s,
+        "KDA layer": stm.kda_part(as_run).compute_s / 34,
+        "DSA core": sum(stm.dsa_core_s(recipe).values()),
+        "loss": stm.head_part(recipe).compute_s,
     }
 
 
 def test_one_rank_compute_at_the_1m_share_within_10_percent_of_its_parts():
     measured, predicted = share_measured(), share_predicted()
-    assert sum(predicted.values()) == pytest.approx(sum(measured.values()), rel=0.10), (predicted, measured)
+    weights = {"KDA layer": 34, "DSA core": 11, "loss": 1}  # the 1M recipe's layers of each
+    total_m = sum(weights[k] * v for k, v in measured.items())
+    total_p = sum(weights[k] * v for k, v in predicted.items())
+    assert total_p == pytest.approx(total_m, rel=0.10), (predicted, measured)
+    assert predicted["KDA layer"] == pytest.approx(measured["KDA layer"], rel=0.10)
 
 
 def test_doubling_one_measured_part_moves_the_prediction_by_that_part(monkeypatch):
     """Negative control: the MoE rate halved (its measured time doubled) adds exactly the MoE
     compute once more to the step, and the slice comparison then fails."""
-    recipe = slice_recipe(65536)
+    recipe, measured = stored_slice(3, 49152, (), "slice_cp1_h200.json")
     before = estimate_step_time(recipe)
     moe = before.part("MoE").compute_s
     monkeypatch.setattr(cal, "MOE_FLOP_PER_S", cal.MOE_FLOP_PER_S / 2)
     after = estimate_step_time(recipe)
     assert after.step_s - before.step_s == pytest.approx(moe, rel=1e-9)
-    measured = slice_run(65536)["step"]["step_s"]
+    assert abs(before.step_s / measured - 1) < 0.10
     assert abs(after.step_s / measured - 1) > 0.10
 
 
@@ -195,8 +189,8 @@ def test_plan_prints_the_step_time(capsys):
     out = capsys.readouterr().out
     step = estimate_step_time(load_recipe("glm53_flash_1m", []).recipe)
     assert f"step: {step.step_s:.2f} s, {step.tokens_per_s_per_gpu:,.0f} tokens/s/GPU" in out
-    for part in ("KDA attention", "DSA attention", "MoE", "dense MLP", "mHC", "optimizer",
+    for part in ("KDA attention", "DSA attention", "MoE", "dense MLP", "optimizer",
                  "host-offload copies"):
         assert any(line.startswith(part) for line in out.splitlines()), part
-    assert "dominant: " in out and "lever: " in out
+    assert "dominant: " in out and "lever: " in out and "not priced: the mHC" in out
     assert "64 heads x 128" in out and "per-GPU memory estimate" in out  # the earlier sections stay
