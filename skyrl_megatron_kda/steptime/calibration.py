@@ -83,7 +83,7 @@ and the clamped SwiGLU around them; the shared expert and the router get the sam
 
 OPTIMIZER_S_PER_ELEMENT = (0.07007398899986583 + 0.06406928000001244) / 2 / 3_237_247_768
 """The distributed Adam step (with the gradient finalisation and clipping) per parameter element
-of the rank's shard: 20.5 ps. bench/results/h200_rl_worker/rl_worker.txt: SkyRL's optim_step on
+of the rank's shard: 20.7 ps. bench/results/h200_rl_worker/rl_worker.txt: SkyRL's optim_step on
 the 4-layer slice (3,237,247,768 trainable parameters on its one rank), 0.067 s (the median of
 the calls after the first, bench/results/h200_rl_worker/rl_worker.json)."""
 
@@ -93,7 +93,7 @@ MHC_CALIBRATED_HIDDEN = 4096
 MHC_S_PER_ROW = 0.0
 """Not priced: no stored run isolates the hyper-connections (bench/rank_share.py times them;
 its run did not finish), and the slice steps leave no room for them beyond the other parts'
-estimates (the 4-layer slice is over-predicted by 4-8% without them, tests/test_step_time.py).
+estimates (the 4-layer slice is over-predicted by 7-8% without them, tests/test_step_time.py).
 Their work is per residual row (65,536 per rank at the 1M share): maps, a 20-step Sinkhorn on
 4 x 4 matrices and the expand over 4 streams of 4,096."""
 
