@@ -107,6 +107,27 @@ def leaf(shape, device, dtype, grad=True):
     return (torch.randn(shape, device=device, dtype=torch.float32) * 0.5).to(dtype).requires_grad_(grad)
 
 
+def layer_terms(recipe, index: int) -> dict[str, dict[str, float]]:
+    """What ``skyrl-kda plan`` says of each part of layer ``index`` at the recipe's own rows: the
+    step-time model's seconds (this layer's share of its part) and the memory plan's
+    kept-activation term (the measured peak of a part adds its backward's working set)."""
+    from skyrl_megatron_kda.memory.blocks import mhc_activation_bytes
+    from skyrl_megatron_kda.memory.layers import attention_activation_bytes, mlp_activation_bytes
+    from skyrl_megatron_kda.steptime import model as stm
+
+    m = recipe.model
+    attention = {"kda": stm.kda_part, "dsa": stm.dsa_part}[m.layer_types()[index]](recipe)
+    mlp = {"dense": stm.dense_part, "moe": stm.moe_part}[m.mlp_types()[index]](recipe)
+    return {
+        "attention_part": {"model_s": attention.compute_s / attention.layers,
+                           "plan_kept_gib": attention_activation_bytes(recipe, index) / 2**30},
+        "mlp_part": {"model_s": mlp.compute_s / mlp.layers,
+                     "plan_kept_gib": mlp_activation_bytes(recipe, index) / 2**30},
+        "mhc": {"model_s": stm.mhc_part(recipe).compute_s / m.num_layers,
+                "plan_kept_gib": mhc_activation_bytes(recipe) / 2**30},
+    }
+
+
 def layer_parts(trainer, index: int, rows: dict, clock: Clock, iters: int, packed, s_local: int) -> dict:
     model = trainer.model.module
     layer = model.layers[index]
@@ -147,6 +168,10 @@ def layer_parts(trainer, index: int, rows: dict, clock: Clock, iters: int, packe
             return [o if bias is None else o + bias]
     t = clock.time(as_recompute_step(mlp, layer.recompute), iters)
     out["mlp_part"] = {"rows": n_mlp, **t}
+    # The plan's numbers for the parts that ran at the recipe's own rows (not --rows-fed ones).
+    for part, terms in layer_terms(recipe, index).items():
+        if out[part]["rows"] == s_local:
+            out[part].update(terms)
     return out
 
 
@@ -227,6 +252,21 @@ def timed_steps(trainer, steps: int, clock: Clock) -> dict:
     }
 
 
+def parts_sum(recipe, result: dict) -> float:
+    """The step from its parts: each layer as the timed layer of its (attention, MLP) kind, the
+    embedding, the head with the loss, the gradient reduction and the optimizer step (host-offload
+    copies not added: they run inside the timed layers' forward and backward only in the step)."""
+    timed = {(x["attention"], x["mlp"]): x for x in result["layers"]}
+    total = 0.0
+    for kind in zip(recipe.model.layer_types(), recipe.model.mlp_types()):
+        if kind not in timed:
+            raise ValueError(f"no timed layer of kind {kind}: pass --layers with one of each")
+        x = timed[kind]
+        total += x["mhc"]["s"] + x["attention_part"]["s"] + x["mlp_part"]["s"]
+    step = result["step"]
+    return total + result["embedding"]["s"] + result["head"]["s"] + step["finalize_s"] + step["optimizer_s"]
+
+
 def default_layers(recipe) -> list[int]:
     """One layer of each (attention, MLP) kind, the first of each."""
     seen, out = set(), []
@@ -283,6 +323,8 @@ def main(argv=None) -> dict:
     result["embedding"] = embedding_part(trainer, clock, args.iters, tokens)
     result["head"] = head_part(trainer, rows, clock, args.iters, s_local)
     result["offload"] = offload_part(trainer, rows, clock, args.iters, s_local)
+    if args.steps > 0 and not rows:
+        result["parts_sum_s"] = parts_sum(recipe, result)
     log(json.dumps({k: result[k] for k in ("embedding", "head", "offload")}))
     if args.json:
         with open(args.json, "w") as f:
