@@ -194,3 +194,34 @@ def test_plan_prints_the_step_time(capsys):
         assert any(line.startswith(part) for line in out.splitlines()), part
     assert "dominant: " in out and "lever: " in out and "not priced: the mHC" in out
     assert "64 heads x 128" in out and "per-GPU memory estimate" in out  # the earlier sections stay
+
+
+DOC = Path(__file__).parents[1] / "docs" / "step_time.md"
+
+
+def _doc_table(heading: str) -> list[list[str]]:
+    section = DOC.read_text().split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def test_the_docs_tables_are_the_models():
+    """docs/step_time.md's 1M split and its CP4/CP8 table, row by row, from the model now."""
+    step = estimate_step_time(load_recipe("glm53_flash_1m", []).recipe)
+    for cells in _doc_table("## The 1M recipe"):
+        name = cells[0].strip("*").split(" (")[0]
+        if name == "step":
+            assert cells[4].strip("*") == f"{step.step_s:.2f}"
+            continue
+        part = step.part(name)
+        assert cells[2:5] == [f"{part.compute_s:.2f}" if part.compute_s else "",
+                              f"{part.comm_s:.2f}", f"{part.total_s:.2f}"], cells
+    for cells in _doc_table("## Beyond one machine, on paper"):
+        gpus, mesh, T = int(cells[0]), cells[1], cells[2]
+        cp = int(mesh.split("CP")[1])
+        loaded = load_recipe("glm53_flash_1m", [f"parallel.cp={cp}", f"run.num_workers={gpus}",
+                                                f"data.seq_len={2**20 * int(T[:-1])}"])
+        got = estimate_step_time(loaded.recipe)
+        assert cells[3].startswith(f"`{loaded.recipe.kda.cp_exchange}`"), cells
+        assert cells[4:8] == [f"{got.step_s:.1f}", f"{got.tokens_per_s_per_gpu:.0f}",
+                              f"{got.compute_s:.1f}", f"{got.comm_s:.1f}"], cells
