@@ -10,6 +10,9 @@
 #            FFN (TP8), a 19,360-row vocabulary shard (TP8)) fed the rank's rows
 #   slice:T  the full-width 4-layer slice (bench/model_slice.py's recipe) at T tokens with every
 #            memory lever, the step and its parts
+#   kda1m    the KDA layer at the 1M recipe's rank share, each CP2 exchange's rank in turn
+#            (bench/kda_layer.py's per-rank emulation, as docs/benchmarks.md runs it)
+#   dsa1m    the DSA attention core at the 1M recipe's rank share (bench/dsa_rank_share.py)
 set -uo pipefail
 out=${OUT:-.}
 levers="--set train.offload_activations=true --set train.loss_chunk_tokens=8192 \
@@ -29,6 +32,12 @@ for step in "$@"; do
       # shellcheck disable=SC2086
       python3 bench/rank_share.py --steps 2 --iters 1 $levers --set data.seq_len="$t" \
         --json "$out/slice_$t.json" 2>&1 | tee "$out/slice_$t.txt" || status=1 ;;
+    kda1m)
+      python3 bench/kda_layer.py --tokens 1048576 --warmup 2 --iters 3 --emulate-cp2 \
+        --json "$out/kda_layer_1m.json" 2>&1 | tee "$out/kda_layer_1m.txt" || status=1 ;;
+    dsa1m)
+      python3 bench/dsa_rank_share.py --split sequence --iters 2 --json "$out/dsa_rank_share.json" \
+        2>&1 | tee "$out/dsa_rank_share.txt" || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
