@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 
 from skyrl_megatron_kda import cli
-from skyrl_megatron_kda.kda.cost import estimate as kda_estimate
-from skyrl_megatron_kda.kda.exchanges import ExchangeShape
 from skyrl_megatron_kda.memory.census import rank_parameters
 from skyrl_megatron_kda.memory.offload import offloaded_tensor_bytes
 from skyrl_megatron_kda.recipes import load_recipe
