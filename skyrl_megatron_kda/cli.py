@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("bytes", "analytic CP bytes per exchange at GLM-5.3-Flash dims")
     command("recipes", "the registered recipes and what each is for")
     plan = command("plan", "cost model of the three CP exchanges for a recipe, what auto picks, "
-                           "and the per-GPU memory estimate")
+                           "the per-GPU memory estimate and the step time")
     plan.add_argument("recipe", nargs="?", default="glm53_flash_1m", metavar="RECIPE",
                       help="registered recipe name (skyrl-kda recipes) or YAML path "
                            "(default: glm53_flash_1m)")
@@ -224,6 +224,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         gpu = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB)
         print("\n".join(["", *memory_lines(recipe, gpu)]))
+        from .steptime import step_time_lines
+
+        print("\n".join(["", *step_time_lines(recipe)]))
         if recipe.run.ray_address is not None:
             print("\n".join(["", *placement_lines(recipe)]))
         return 0

@@ -1,0 +1,388 @@
+"""Seconds per training step of one rank, split by layer type and by compute vs communication.
+
+Each part is the work one rank does in the recipe (its heads, rows, local experts and the rows
+routed to them, its vocabulary slice, its optimizer shard) priced by a measured rate
+(``calibration.py``), and the bytes its collectives move priced by the ``cluster`` section's
+links (the KDA exchange by its own cost model, ``kda/cost.py``). One step is one packed row of
+``data.seq_len`` tokens per micro-batch on every data-parallel rank.
+
+Overlap: none. The step is the sum of every part's compute and communication: megatron's SP
+gathers, the MoE dispatcher's gathers, DSA's all-to-alls and the optimizer's reduce-scatter run
+on the compute stream's critical path in this code, and host-offload copies are ordered on the
+compute stream (``model/host_offload.py``). The one overlap that is modelled is the KDA cost
+model's own (the backward row re-gather behind the input-gradient GEMMs). ``overlapped_s`` is the
+bound if every collective hid behind compute.
+
+Recompute: under ``train.recompute=full`` a layer's forward runs twice (the checkpointed forward
+and its rebuild in backward) and its backward once; its collectives run with each pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..config import LinkConfig, Recipe
+from ..kda.cost import estimate as kda_estimate
+from ..kda.cost import kda_kernel_s
+from ..kda import exchanges
+from ..kda.exchanges import ExchangeShape
+from ..memory.census import rank_parameters
+from ..memory.offload import offloaded_tensor_bytes
+from ..memory.rows import act_bytes, rows_of
+from ..memory.states import grad_bytes, optimizer_shards
+from . import calibration as cal
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Part:
+    """One layer type (all its layers) or step phase of one rank: seconds per step."""
+
+    name: str
+    layers: int  # how many layers of this type (0: not a layer: head, optimizer, copies)
+    compute_s: float
+    comm_s: float
+    what: str = ""  # what the communication is and over which link
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A change and the step it would give (same model, one term changed)."""
+
+    name: str
+    step_s: float
+    why: str
+
+
+@dataclass(frozen=True)
+class StepTime:
+    parts: tuple[Part, ...]
+    tokens: int  # tokens of one optimizer step over all data-parallel ranks
+    gpus: int
+
+    @property
+    def compute_s(self) -> float:
+        return sum(p.compute_s for p in self.parts)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(p.comm_s for p in self.parts)
+
+    @property
+    def step_s(self) -> float:
+        """The prediction: compute and communication in series (the module docstring)."""
+        return self.compute_s + self.comm_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """The bound if every collective and copy hid behind compute."""
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens / self.step_s / self.gpus
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+    def dominant(self) -> tuple[str, float]:
+        """The largest single term: (part and kind, seconds)."""
+        terms = [(f"{p.name} {kind}", s) for p in self.parts
+                 for kind, s in (("compute", p.compute_s), ("communication", p.comm_s))]
+        return max(terms, key=lambda t: t[1])
+
+
+# --- shapes of one rank -------------------------------------------------------------------------
+
+
+def _seconds(nbytes: float, link: LinkConfig, a2a: bool = False) -> float:
+    bw = link.a2a_bandwidth_gib_s if a2a else link.bandwidth_gib_s
+    return nbytes / (bw * GiB) + link.latency_us * 1e-6
+
+
+def _group_link(recipe: Recipe, stride: int, size: int) -> LinkConfig:
+    """The link a group of ``size`` ranks ``stride`` apart runs at: between nodes as soon as it
+    holds ranks of two nodes (a ring runs at its slowest hop)."""
+    c = recipe.cluster
+    return c.inter_node if size > 1 and stride * size > c.gpus_per_node else c.intra_node
+
+
+def _passes(recipe: Recipe, kind: str) -> int:
+    """Forward passes of a layer's block per step: 2 when it is rebuilt in backward."""
+    return 2 if recipe.train.recompute_of(kind) == "full" else 1
+
+
+def _gemm_s(flops: float) -> float:
+    return flops / cal.GEMM_FLOP_PER_S
+
+
+def _layer_params(recipe: Recipe, component: str, layers: int) -> float:
+    """Elements of one layer of ``component`` on this rank."""
+    n = sum(g.numel for g in rank_parameters(recipe) if g.component == component)
+    return n / layers if layers else 0.0
+
+
+# --- the parts ------------------------------------------------------------------------------------
+
+
+def kda_part(recipe: Recipe) -> Part:
+    """The KDA layers: the cost model's forward+backward per layer (its exchange, kernel,
+    projection GEMMs and elementwise terms), the kernel over ``kda.kernel_head_group`` heads
+    at a time, and the rebuilt forward under recompute."""
+    m, k = recipe.model, recipe.kda
+    n = m.layer_types().count("kda")
+    if n == 0:
+        return Part("KDA attention", 0, 0.0, 0.0)
+    p = recipe.parallel
+    shape = ExchangeShape.of(recipe)
+    spans = recipe.cluster.cp_spans_nodes(p.tp, p.cp)
+    est = kda_estimate(k.cp_exchange, shape, spans, recipe.cluster,
+                       gate_ranks=(k.gate_low_rank, k.output_gate_low_rank))
+    heads = k.num_heads / p.tp
+    tokens = shape.tokens * shape.batch
+    if exchanges.get(k.cp_exchange).splits_heads:
+        heads /= p.cp  # head-parallel: 1/cp of the local heads over the whole sequence
+    else:
+        tokens //= p.cp  # the sequence stays sharded: all local heads on this rank's shard
+    kernel = est.kernel_s
+    group = k.kernel_head_group
+    if group and group < heads:
+        # One call per head group: each pays the per-call cost and runs fewer heads, at lower
+        # per-head-token efficiency (kda/cost.py's kernel model).
+        kernel *= (heads / group) * kda_kernel_s(group, tokens) / kda_kernel_s(heads, tokens)
+    fwd_bwd = kernel + est.gemm_s + est.elementwise_s
+    compute = fwd_bwd
+    comm = est.comm_s
+    if _passes(recipe, "kda") == 2:
+        compute += cal.KDA_FORWARD_SHARE * (kernel + est.elementwise_s) + est.gemm_s / 3
+        comm += est.comm_s / 2  # the forward's half of the exchange's and the TP gather's bytes
+    link = "CP " + ("between nodes" if spans else "inside a node") + f", {k.cp_exchange}"
+    return Part("KDA attention", n, n * compute, n * comm, f"{link}; TP row gathers")
+
+
+def _mean_selected(topk: int, first: int, last: int) -> float:
+    """Mean over query positions first..last-1 of min(topk, position + 1): the tokens each
+    query attends to (a query sees at most its own prefix)."""
+    total = 0.0
+    lo, hi = first, min(last, topk)  # positions with fewer than topk predecessors
+    if hi > lo:
+        total += (hi - lo) * (lo + 1 + hi) / 2
+    total += max(0, last - max(first, topk)) * topk
+    return total / max(1, last - first)
+
+
+def dsa_core_s(recipe: Recipe) -> dict[str, float]:
+    """The DSA attention core of the slowest rank per layer and step: the indexer (once under
+    ``train.keep_dsa_selection`` with full recompute, else in every forward), the sparse
+    attention forward in each forward pass and its backward. The rank holds ``q`` query rows
+    (its SP rows with all heads: the sequence split) ending at the sequence's last token (the
+    zigzag CP rank 0's last TP slice, which sees the most keys)."""
+    m, p, a = recipe.model, recipe.parallel, recipe.model.dsa
+    T = recipe.data.seq_len
+    q = rows_of(recipe).sp if p.sequence_parallel else rows_of(recipe).cp
+    visible_pools = (T - q / 2) / a.index_kpool
+    selected = _mean_selected(a.index_topk, T - q, T) * cal.DSA_SELECTED_PER_TOPK
+    passes = _passes(recipe, "dsa")
+    indexer_runs = 1 if (passes == 2 and recipe.train.keep_dsa_selection) else passes
+    indexer = (q * visible_pools * a.index_num_heads * a.index_head_dim
+               * cal.DSA_INDEXER_S_PER_SCORE_DIM * indexer_runs)
+    work = q * a.num_heads * selected
+    return {"indexer": indexer, "attention_fwd": passes * work * cal.DSA_ATTN_FWD_S,
+            "attention_bwd": work * cal.DSA_ATTN_BWD_S}
+
+
+def dsa_part(recipe: Recipe) -> Part:
+    """The DSA layers: the attention core (``dsa_core_s``), the MLA projections (the rank's
+    projection weights over its CP rank's rows: forward in each pass, backward 2x), and the
+    sequence split's collectives: q in and the output back by all-to-all inside TP, the KV
+    latent gathered over TP and CP."""
+    m, p, a = recipe.model, recipe.parallel, recipe.model.dsa
+    n = m.layer_types().count("dsa")
+    if n == 0:
+        return Part("DSA attention", 0, 0.0, 0.0)
+    rows = rows_of(recipe)
+    passes = _passes(recipe, "dsa")
+    core = sum(dsa_core_s(recipe).values())
+    proj = 2 * rows.cp * _layer_params(recipe, "dsa", n) * (passes + 2)
+    indexer_proj = 2 * rows.cp * _layer_params(recipe, "dsa_indexer", n) * passes  # frozen
+    compute = core + _gemm_s(proj + indexer_proj) + cal.DSA_OTHER_S_PER_ROW * rows.cp * (passes + 2) / 4
+    e = act_bytes(recipe)
+    q = rows.sp if p.sequence_parallel else rows.cp
+    comm = 0.0
+    tp_link = _group_link(recipe, 1, p.tp)
+    cp_link = _group_link(recipe, p.tp, p.cp)
+    if p.tp > 1:
+        a2a = q * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * e
+        comm += (passes + 1) * _seconds(a2a * (p.tp - 1) / p.tp, tp_link, a2a=True)
+    latent = (a.kv_lora_rank + a.qk_rope_head_dim + a.index_head_dim) * e
+    if p.tp > 1:
+        comm += (passes + 1) * _seconds(rows.cp * latent * (p.tp - 1) / p.tp, tp_link)
+    if p.cp > 1:
+        comm += (passes + 1) * _seconds(rows.whole * latent * (p.cp - 1) / p.cp, cp_link)
+    return Part("DSA attention", n, n * compute, n * comm, "all-to-alls inside TP; KV latent gathered over TP and CP")
+
+
+def moe_pairs(recipe: Recipe) -> float:
+    """(row, expert) pairs this rank's local experts compute per forward: megatron's allgather
+    dispatcher gathers the residual rows of the EP x ETP group, and each gathered row's top-k
+    experts fall on this rank's E/ep experts in proportion (balanced routing)."""
+    p, e = recipe.parallel, recipe.model.moe
+    group = p.ep * p.etp
+    return group * rows_of(recipe).sp * e.top_k / p.ep
+
+
+def moe_dispatch_bytes(recipe: Recipe, dispatcher: str = "allgather") -> float:
+    """Bytes one rank receives per forward for the dispatch and combine: the allgather
+    dispatcher gathers every row of the EP x ETP group (hidden, probabilities, routing map) and
+    reduce-scatters the outputs back; an all-to-all dispatcher would move only the routed rows."""
+    p, m = recipe.parallel, recipe.model
+    group, rows, D, e = p.ep * p.etp, rows_of(recipe).sp, m.hidden_size, act_bytes(recipe)
+    if group == 1:
+        return 0.0
+    if dispatcher == "alltoall":
+        return 2 * rows * m.moe.top_k * D * e * (group - 1) / group
+    hidden = (group - 1) * rows * D * e
+    routing = (group - 1) * rows * m.moe.num_experts * (4 + 1)  # fp32 probs + bool map
+    return 2 * hidden + routing
+
+
+def moe_part(recipe: Recipe, dispatcher: str = "allgather") -> Part:
+    """The MoE layers: routed experts (``moe_pairs`` x three GEMMs of D x F/etp), the shared
+    expert (TP-sharded over the CP rank's rows) and the router, at the measured MoE rate; under
+    ``train.moe_chunk_tokens`` each chunk's experts run forward once more in backward."""
+    m, p, e = recipe.model, recipe.parallel, recipe.model.moe
+    n = m.mlp_types().count("moe")
+    if n == 0:
+        return Part("MoE", 0, 0.0, 0.0)
+    rows, D = rows_of(recipe), m.hidden_size
+    passes = _passes(recipe, m.layer_types()[m.mlp_types().index("moe")])
+    expert_passes = passes + (1 if recipe.train.moe_chunk_tokens else 0)
+    routed = 2 * moe_pairs(recipe) * 3 * D * (e.ffn_hidden_size // p.etp)
+    shared = 2 * rows.cp * 3 * D * (e.ffn_hidden_size * e.num_shared_experts // p.tp)
+    router = 2 * rows.sp * D * e.num_experts
+    flops = routed * (expert_passes + 2) + (shared + router) * (passes + 2)
+    compute = flops / cal.MOE_FLOP_PER_S
+    group = p.ep * p.etp
+    link = _group_link(recipe, 1, group)
+    comm = (passes + 1) * _seconds(moe_dispatch_bytes(recipe, dispatcher), link)
+    if p.tp > 1 and e.num_shared_experts:
+        comm += (passes + 1) * 2 * _seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
+                                            _group_link(recipe, 1, p.tp))
+    where = "between nodes" if link is recipe.cluster.inter_node else "inside a node"
+    return Part("MoE", n, n * compute, n * comm,
+                f"{dispatcher} dispatcher over EP{p.ep} x ETP{p.etp} ({where})")
+
+
+def dense_part(recipe: Recipe) -> Part:
+    """The dense FFN layers: three GEMMs over the CP rank's rows with F/tp columns, and the SP
+    gather and reduce-scatter around them."""
+    m, p = recipe.model, recipe.parallel
+    n = m.mlp_types().count("dense")
+    if n == 0:
+        return Part("dense MLP", 0, 0.0, 0.0)
+    rows, D = rows_of(recipe), m.hidden_size
+    passes = _passes(recipe, m.layer_types()[m.mlp_types().index("dense")])
+    flops = 2 * rows.cp * 3 * D * (m.dense_ffn_hidden_size // p.tp) * (passes + 2)
+    comm = 0.0
+    if p.tp > 1 and p.sequence_parallel:
+        comm = (passes + 1) * 2 * _seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
+                                           _group_link(recipe, 1, p.tp))
+    return Part("dense MLP", n, n * flops / cal.DENSE_FLOP_PER_S, n * comm, "SP gather + reduce-scatter in TP")
+
+
+def mhc_part(recipe: Recipe) -> Part:
+    """The hyper-connections, two per layer (maps, Sinkhorn, chunked projection, expand): per
+    residual row at the measured rate, scaled by streams x hidden against the calibration's."""
+    m = recipe.model
+    rows = rows_of(recipe)
+    N, D = m.hyper_connections.num_streams, m.hidden_size
+    width = N * D / (cal.MHC_CALIBRATED_STREAMS * cal.MHC_CALIBRATED_HIDDEN)
+    per_layer = []
+    for kind in m.layer_types():
+        passes = _passes(recipe, kind)
+        # Measured under full recompute (two forwards, one backward); backward taken as 2x forward.
+        per_layer.append(2 * rows.sp * width * cal.MHC_S_PER_ROW * (passes + 2) / 4)
+    return Part("mHC", m.num_layers, sum(per_layer), 0.0)
+
+
+def head_part(recipe: Recipe) -> Part:
+    """Embedding, final norm, output layer and loss: the loss over the CP rank's rows (gathered
+    over TP under SP) and the rank's vocabulary shard, chunked (``train.loss_chunk_tokens``) or
+    from the whole logits; the embedding per row."""
+    m, p = recipe.model, recipe.parallel
+    rows = rows_of(recipe)
+    cells = rows.cp * (m.vocab_size / p.tp) * m.hidden_size / cal.HEAD_CALIBRATED_HIDDEN
+    rate = cal.FUSED_LOSS_S_PER_CELL if recipe.train.loss_chunk_tokens else cal.UNFUSED_LOSS_S_PER_CELL
+    compute = cells * rate + rows.sp * cal.EMBEDDING_S_PER_ROW
+    comm = 0.0
+    if p.tp > 1 and p.sequence_parallel:
+        link = _group_link(recipe, 1, p.tp)
+        comm = 3 * _seconds(rows.cp * m.hidden_size * act_bytes(recipe) * (p.tp - 1) / p.tp, link)
+    return Part("embedding + head + loss", 0, compute, comm, "SP gathers in TP")
+
+
+def optimizer_part(recipe: Recipe) -> Part:
+    """The distributed optimizer: Adam over this rank's shard (dense parameters / DP x CP,
+    experts / expert-DP) at the measured rate, and the gradient reduce-scatter + parameter
+    all-gather over those groups."""
+    p = recipe.parallel
+    dense_shards, expert_shards = optimizer_shards(recipe)
+    groups = [g for g in rank_parameters(recipe) if g.trainable]
+    shard = sum(g.numel / (expert_shards if g.expert else dense_shards) for g in groups)
+    compute = shard * cal.OPTIMIZER_S_PER_ELEMENT
+    comm = 0.0
+    for expert, size, stride in ((False, dense_shards, p.tp), (True, expert_shards, p.ep * p.etp)):
+        if size <= 1:
+            continue
+        part = [g for g in groups if g.expert == expert]
+        grads = sum(g.numel * grad_bytes(recipe, g) for g in part)
+        params = sum(g.bytes for g in part)
+        link = _group_link(recipe, stride, size)
+        comm += _seconds((grads + params) * (size - 1) / size, link)
+    return Part("optimizer", 0, compute, comm, "grad reduce-scatter + param all-gather over DP x CP")
+
+
+def offload_part(recipe: Recipe) -> Part:
+    """Host-offload copies: each layer input to pinned host memory in forward and back in
+    backward, ordered on the compute stream, at the rate measured as step time on the slice."""
+    if not recipe.train.offload_activations:
+        return Part("host-offload copies", 0, 0.0, 0.0)
+    sizes = offloaded_tensor_bytes(recipe) or []
+    nbytes = 2 * sum(sizes) * recipe.data.micro_batch_size
+    return Part("host-offload copies", 0, 0.0, nbytes / (cal.OFFLOAD_EXPOSED_GIB_S * GiB), "PCIe, not overlapped")
+
+
+def estimate_step_time(recipe: Recipe, *, dispatcher: str = "allgather") -> StepTime:
+    """The step of one rank (every rank does the same work): parts, tokens and GPUs."""
+    mb = recipe.data.micro_batch_size
+    parts = [kda_part(recipe), dsa_part(recipe), moe_part(recipe, dispatcher), dense_part(recipe),
+             mhc_part(recipe), head_part(recipe)]
+    parts = [replace(x, compute_s=x.compute_s * mb, comm_s=x.comm_s * mb) for x in parts]
+    parts += [optimizer_part(recipe), offload_part(recipe)]
+    tokens = recipe.data_parallel_size * mb * recipe.data.seq_len
+    return StepTime(parts=tuple(parts), tokens=tokens, gpus=recipe.run.num_workers)
+
+
+def levers(recipe: Recipe, step: StepTime) -> list[Lever]:
+    """What the next change would buy, each on the same model with one term changed, the
+    largest saving first."""
+    out = []
+    if recipe.model.mlp_types().count("moe") and recipe.parallel.ep * recipe.parallel.etp > 1:
+        alt = estimate_step_time(recipe, dispatcher="alltoall")
+        out.append(Lever("MoE all-to-all dispatcher", alt.step_s,
+                         f"moves {moe_dispatch_bytes(recipe, 'alltoall') / GiB:.1f} GiB per layer-pass "
+                         f"instead of {moe_dispatch_bytes(recipe) / GiB:.1f}"))
+    dsa = step.part("DSA attention")
+    if dsa.layers:
+        core = sum(dsa_core_s(recipe).values()) * dsa.layers * recipe.data.micro_batch_size
+        out.append(Lever("DSA attention core 2x faster", step.step_s - core / 2,
+                         f"the core is {core:.1f} s of the step"))
+    if step.comm_s:
+        out.append(Lever("every collective hidden behind compute", step.overlapped_s,
+                         f"communication {step.comm_s:.1f} s, compute {step.compute_s:.1f} s"))
+    return sorted(out, key=lambda lever: lever.step_s)
