@@ -105,8 +105,8 @@ def test_two_grpo_steps_ran_through_skyrls_trainer(job):
     assert re.search(r"logprob drift \d\.\d\de-\d\d", lines[0]) and "KDA exchange" in lines[0]
     assert "policy/policy_entropy" not in job["stdout"]  # SkyRL's full dump: metrics.jsonl only
     config = job["work"] / "logs" / "skyrl_config.yaml"  # SkyRL's 500-line config: a file
-    assert f"SkyRL's config of this job: {config}" in job["stdout"]
-    assert "trainer:" in config.read_text() and "generator:" not in job["stdout"]
+    assert f"SkyRL's config of this job: {config}" in job["output"]  # SkyRL's log: stderr
+    assert "trainer:" in config.read_text() and "generator:" not in job["output"]
 
 
 def test_each_worker_group_says_once_what_it_built(tmp_path_factory):
