@@ -40,6 +40,12 @@ import torch.distributed as dist
 
 _T0 = time.time()
 
+# CUDA's allocator as the trainer's Ray actors run it (workers/group.ALLOCATOR_CONF; that module
+# imports Ray, which the GPU machine lacks): with fixed segments the full-width slice at 131,072
+# tokens runs out of memory in backward (bench/results/h200_step_time_slices/). Read at the first
+# CUDA allocation, so setting it here is in time.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 SLICE_ONE_GPU = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.etp=1",
                  "parallel.sequence_parallel=false", "run.num_workers=1", "train.save_at_end=false"]
 """What makes any recipe one rank on one device."""

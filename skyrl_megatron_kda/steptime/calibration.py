@@ -65,21 +65,43 @@ OFFLOAD_EXPOSED_GIB_S = 2 * 4.000244140625 / (2.6496047874999817 - 2.49017638249
 """Bytes copied (both ways) per second of step time they add: 50.2 GiB/s. The copies are
 ordered on the compute stream (model/host_offload.py), so none of it is hidden."""
 
-# --- MoE, the optimizer, KDA's rebuilt forward -----------------------------------------------------
-# Measuring these parts one by one at a rank's share is bench/rank_share.py's job; its device run
-# did not finish (bench/results/h200_step_time_attempt/), so each rate below comes from a stored
-# run that isolates its part some other way: a lever's step-time difference, a worker call, a
-# kernel profile. The slice's whole steps, which no constant reads, are what the model is then
-# compared with (tests/test_step_time.py).
+# --- MoE, dense MLP, mHC: parts of the full-width slice at 131,072 tokens ----------------------
+# bench/results/h200_step_time_slices/slice_131072.json (bench/rank_share.py, one H200, every
+# memory lever, full recompute): each part of a layer called on its own, forward without grad,
+# forward with grad, backward, as the step runs it. Layer 1 (KDA + MoE) and layer 0 (KDA + dense).
+SLICE_PART_ROWS = 131072
 
-MOE_FLOP_PER_S = 2 * (2 * (8 * 32768) * 3 * 4096 * 2048) / (1.8259980969999958 - 1.6170863900000043)
-"""The MoE layer's rate, its GEMM FLOPs per second: 126 TFLOP/s.
-bench/results/h200_slice_memory_levers_131k/levers_kda_only_32k.txt: the KDA-only slice (two MoE
-layers of 16 experts, top-8, 2,048 columns) at 32,768 tokens took 1.6171 s per step, and 1.8260
-s with ``train.moe_chunk_tokens=8192``, whose only extra work is one more forward of each
-layer's routed experts (8 x 32,768 rows through three 4,096 x 2,048 GEMMs): 0.209 s for two of
-them. megatron's SequentialMLP runs the 16 experts one after another, with the token permutation
-and the clamped SwiGLU around them; the shared expert and the router get the same rate."""
+MOE_LAYER_S = 0.8102356370000052
+"""Layer 1's MLP block (norm, router, 16 experts of 2,048 columns with top-8 under
+``train.moe_chunk_tokens=8192``, the shared expert): 0.810 s."""
+
+MOE_LAYER_FLOP = 5 * (2 * 8 * SLICE_PART_ROWS * 3 * 4096 * 2048) \
+    + 4 * (2 * SLICE_PART_ROWS * 3 * 4096 * 2048 + 2 * SLICE_PART_ROWS * 4096 * 16)
+"""Its GEMM work as ``model.moe_part`` counts it, in forward-equivalents (a backward is two): the
+routed experts' three GEMMs over 8 x 131,072 (row, expert) pairs five times (two forwards under
+full recompute, the chunks' extra forward, the backward), the shared expert's and the router's
+four times."""
+
+MOE_FLOP_PER_S = MOE_LAYER_FLOP / MOE_LAYER_S
+"""The MoE layer's rate, its GEMM FLOPs per second (about 358 TFLOP/s); the shared expert and the
+router get the same rate. megatron's SequentialMLP runs the experts one after another, with the
+token permutation and the clamped SwiGLU around them."""
+
+DENSE_LAYER_S = 0.3144743689999814
+"""Layer 0's MLP block (norm and the dense FFN, 12,288 columns): 0.314 s."""
+
+DENSE_FLOP_PER_S = 4 * 2 * SLICE_PART_ROWS * 3 * 4096 * 12288 / DENSE_LAYER_S
+"""The dense FFN's rate over its three GEMMs in four forward-equivalents (about 503 TFLOP/s)."""
+
+MHC_CALIBRATED_STREAMS = 4
+MHC_CALIBRATED_HIDDEN = 4096
+
+MHC_S_PER_ROW = 0.6870871080000143 / (2 * SLICE_PART_ROWS)
+"""One hyper-connection module (maps, a 20-step Sinkhorn on 4 x 4 matrices, the chunked
+projection, the expand over 4 streams of 4,096) per residual row under full recompute: layer 1's
+two modules took 0.687 s, 2.62 us per row each."""
+
+# --- the optimizer, KDA's rebuilt forward ----------------------------------------------------------
 
 OPTIMIZER_S_PER_ELEMENT = (0.07007398899986583 + 0.06406928000001244) / 2 / 3_237_247_768
 """The distributed Adam step (with the gradient finalisation and clipping) per parameter element
@@ -87,26 +109,12 @@ of the rank's shard: 20.7 ps. bench/results/h200_rl_worker/rl_worker.txt: SkyRL'
 the 4-layer slice (3,237,247,768 trainable parameters on its one rank), 0.067 s (the median of
 the calls after the first, bench/results/h200_rl_worker/rl_worker.json)."""
 
-MHC_CALIBRATED_STREAMS = 4
-MHC_CALIBRATED_HIDDEN = 4096
-
-MHC_S_PER_ROW = 0.0
-"""Not priced: no stored run isolates the hyper-connections (bench/rank_share.py times them;
-its run did not finish), and the slice steps leave no room for them beyond the other parts'
-estimates (the 4-layer slice is over-predicted by 7-8% without them, tests/test_step_time.py).
-Their work is per residual row (65,536 per rank at the 1M share): maps, a 20-step Sinkhorn on
-4 x 4 matrices and the expand over 4 streams of 4,096."""
-
 KDA_FORWARD_SHARE = 13.912382 / 65.6661
 """The forward's share of the KDA layer's non-GEMM work (fla's kernels, conv, gated norm): what
 full recompute adds once more, beside a third of the projection GEMMs. 0.21, from the CP1
 layer's per-kernel profile (bench/results/h200_kda_own_gemms/profile_cp1_T131072.txt, 8 heads,
 131,072 tokens, 3 steps): 13.9 of 65.7 ms of named kernels are forward kernels (fla's backward
 runs the state pass and the w/u recompute again: a third and half of those kernels' calls)."""
-
-DENSE_FLOP_PER_S = GEMM_FLOP_PER_S
-"""Assumed, not measured: the dense FFN's three GEMMs (4,096 x 12,288 at TP1) at the dense GEMM
-rate. At 32,768 tokens the dense layer is 2% of the slice's step."""
 
 DSA_OTHER_S_PER_ROW = 0.0
 """Assumed: a DSA layer is its core plus its MLA projections at the GEMM rate (norms, casts and

@@ -24,8 +24,8 @@ def step_time_lines(recipe: Recipe) -> list[str]:
                  "100%", ""))
     lines += format_table(("part", "layers", "compute s", "comm s", "total s", "share", "communication"),
                           rows, align="<>>>>><")
-    lines.append("not priced: the mHC hyper-connections and the embedding lookup (no stored run isolates "
-                 "them; docs/step_time.md); modelled, not measured: every collective and the network")
+    lines.append("not priced: the embedding lookup (under a millisecond per 32,768 rows; "
+                 "docs/step_time.md); modelled, not measured: every collective and the network")
     term, seconds = step.dominant()
     lines.append(f"step: {step.step_s:.2f} s, {step.tokens_per_s_per_gpu:,.0f} tokens/s/GPU "
                  f"({step.tokens / step.step_s:,.0f} tokens/s); with every collective hidden: "
