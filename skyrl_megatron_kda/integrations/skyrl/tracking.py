@@ -76,7 +76,10 @@ class KDATracking(Tracking):
             f.write(json.dumps({"step": step, **numeric(data)}) + "\n")
         if self.backend != "console":
             super().log(data, step, commit=commit)
-        print(step_line(step, data, self.suffix), flush=True)
+        # The fully async trainer logs a step's timings in a second call: those stay in
+        # metrics.jsonl, so that each step is one console line.
+        if any(key in data for _, key, _ in STEP_LINE if not key.startswith("timing/")):
+            print(step_line(step, data, self.suffix), flush=True)
 
 
 def kda_tracker(cfg, recipe) -> KDATracking:
