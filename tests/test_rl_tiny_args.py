@@ -37,6 +37,16 @@ def test_an_unknown_mesh_is_one_error_line_and_writes_nothing(tmp_path):
     assert not work.exists()
 
 
+@pytest.mark.parametrize("env, error", [
+    ({"STEPS": "two"}, "error: STEPS=two: a whole number, e.g. STEPS=2"),
+    ({"FULLY_ASYNC": "-1"}, "error: FULLY_ASYNC=-1: a whole number, e.g. FULLY_ASYNC=2"),
+])
+def test_a_count_that_is_not_a_number_is_one_error_line_and_writes_nothing(tmp_path, env, error):
+    work = tmp_path / "work"
+    assert _one_error(_script(work, **env)) == error
+    assert not work.exists()
+
+
 def test_a_finished_workdir_is_one_error_line_and_is_left_alone(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "metrics.jsonl").write_text('{"step": 1}\n')

@@ -26,8 +26,6 @@ from skyrl_megatron_kda.steptime import estimate_step_time
 from skyrl_megatron_kda.steptime import model as stm
 
 RESULTS = Path(__file__).parents[1] / "bench" / "results"
-ONE_GPU = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1", "parallel.etp=1",
-           "parallel.sequence_parallel=false", "run.num_workers=1"]
 FORWARD_CALL_SHARE = {
     # fla's forward kernels in the CP1 layer's profile, and the share of their calls that are the
     # forward's: the backward runs the state pass (two more calls) and the w/u recompute, the conv
@@ -95,7 +93,7 @@ def test_stored_run_constants_derive_again():
     runs = json.loads((RESULTS / "h200_slice_memory_levers_131k" / "slice.json").read_text())
     plain = next(r for r in runs if r["seq_len"] == 32768 and r["levers"] == [])
     offload = next(r for r in runs if r["seq_len"] == 32768 and r["levers"] == ["offload"])
-    recipe = load_recipe("glm53_flash_slice", [*ONE_GPU, "data.seq_len=32768",
+    recipe = load_recipe("glm53_flash_slice", ["data.seq_len=32768",
                                                "train.offload_activations=true"]).recipe
     moved_gib = 2 * sum(offloaded_tensor_bytes(recipe)) / 2**30  # out in forward, back in backward
     assert cal.OFFLOAD_EXPOSED_GIB_S == pytest.approx(moved_gib / (offload["step_time_s"] - plain["step_time_s"]))

@@ -29,6 +29,9 @@ case "$MESH" in
   tp2cp2) RANKS=4; MESH_ARGS=(parallel.tp=2 parallel.cp=2 parallel.ep=2 parallel.sequence_parallel=true) ;;
   *) echo "error: MESH=$MESH: choose tp1 or tp2cp2" >&2; exit 2 ;;
 esac
+for var in STEPS ${FULLY_ASYNC:+FULLY_ASYNC}; do
+  [[ ${!var} =~ ^[0-9]+$ ]] || { echo "error: $var=${!var}: a whole number, e.g. $var=2" >&2; exit 2; }
+done
 if [ -e "$WORKDIR/logs/metrics.jsonl" ]; then
   echo "error: $WORKDIR holds a finished job: use a fresh WORKDIR" >&2; exit 2
 fi

@@ -135,20 +135,18 @@ def match_trainer_dsa_ties(model: torch.nn.Module) -> int:
     Only this model changes: each indexer's ``forward`` becomes an instance attribute that runs
     transformers' own forward under ``_StableTopk`` (its one ``topk`` is the selection). The
     class, and every other glm5_next in the process, keep ``torch.topk``."""
-    changed = 0
-    for module in model.modules():
-        # (an indexer already wrapped keeps its one wrapper; another instance-level forward,
-        # such as an offloading hook, is wrapped as it stands)
-        if type(module).__name__ == INDEXER_CLASS and not hasattr(module.forward, "keeps_earlier_pool"):
-            module.forward = _under_stable_topk(module.forward)
-            changed += 1
+    indexers = [m for m in model.modules() if type(m).__name__ == INDEXER_CLASS]
     text = getattr(model.config, "text_config", model.config)
-    if "indexed_attention" in getattr(text, "layer_types", ()) and not any(
-            type(m).__name__ == INDEXER_CLASS for m in model.modules()):
+    if "indexed_attention" in getattr(text, "layer_types", ()) and not indexers:
         # a renamed class would leave torch.topk's ties in place, unnoticed
         raise RuntimeError(f"{type(model).__name__} has DSA layers but no {INDEXER_CLASS}: "
                            "cannot match the trainer's tie rule")
-    return changed
+    # An indexer already wrapped keeps its one wrapper; another instance-level forward, such as
+    # an offloading hook, is wrapped as it stands.
+    unwrapped = [m for m in indexers if not hasattr(m.forward, "keeps_earlier_pool")]
+    for module in unwrapped:
+        module.forward = _under_stable_topk(module.forward)
+    return len(unwrapped)
 
 
 def _under_stable_topk(forward):
