@@ -9,7 +9,8 @@ runs that rank's work with the model's own functions on random data of GLM's siz
   top-k (``pool_topk.fused_pool_topk`` on our Triton scores, ``index_scores.py``, or
   the torch ``blocked_pool_topk``; the last block is also scored by megatron-core's TileLang
   indexer kernel, for its time) and the token indices (``pools.pool_token_indices``);
-* sparse attention: ``fused_sparse_mla.fused_absorbed_sparse_mla`` (TileLang) or
+* sparse attention: ``fused_sparse_mla.fused_absorbed_sparse_mla`` on megatron-core's TileLang
+  kernels (``--kernel fused``) or ours (``latent``, ``latent_sparse_mla.py``), or
   ``sparse_mla.absorbed_sparse_mla`` (torch), forward and backward.
 
 The rank is CP rank 0 of a zigzag layout (its rows: the first and the last quarter of the
@@ -21,7 +22,7 @@ kept selection: ``train.keep_dsa_selection``; ``step_ms_reselecting`` adds the s
 pass of a recompute that selects again). Not included: the MLA projections and the
 all-to-all / all-gathers (per rank: a few GEMMs over 65,536 rows and ~2 GiB over NVLink).
 
-Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel fused]
+Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel fused|latent]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from megatron.core.transformer.experimental_attention_variant.ops.tilelang_index
 from skyrl_megatron_kda.config import DSAConfig
 from skyrl_megatron_kda.distributed.cp_layout import rank_rows
 from skyrl_megatron_kda.dsa.fused_sparse_mla import fused_absorbed_sparse_mla, fused_dsa_kernels
+from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.pools import (
     document_starts,
     index_violations,
@@ -95,7 +97,7 @@ def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tenso
         q1 = min(q0 + block, x["pos"].numel())
         args = (x["idx_q"][q0:q1], x["idx_w"][q0:q1], pool_k, starts, x["pos"][q0:q1],
                 first[q0:q1], KPOOL, TOPK // KPOOL)
-        if kernel == "fused":
+        if kernel != "torch":
             pools = fused_pool_topk(*args, block, kernels.index_scores)
         else:
             pools = blocked_pool_topk(*args, query_block=block, pool_block=4096)
@@ -127,7 +129,7 @@ def indexer_split(x: dict, keys: int, block: int, kernels) -> dict:
 
 def attention(x: dict, idx: torch.Tensor, kernel: str, block: int, kernels) -> torch.Tensor:
     scale = (DN ** -0.5)
-    if kernel == "fused":
+    if kernel != "torch":
         return fused_absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, scale, DV,
                                          block, kernels)
     return absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, scale, DV, block)
@@ -145,7 +147,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--keys", type=int, default=1 << 20)
     p.add_argument("--split", choices=["heads", "sequence"], default="sequence")
-    p.add_argument("--kernel", choices=["fused", "torch"], default="fused")
+    p.add_argument("--kernel", choices=["fused", "latent", "torch"], default="fused")
     defaults = DSAConfig()
     p.add_argument("--query-block", type=int, default=defaults.fused_query_block,
                    help="attention queries per call (torch: per block)")
@@ -155,7 +157,7 @@ def main():
     p.add_argument("--json", default="")
     a = p.parse_args()
     dev = torch.device("cuda")
-    kernels = fused_dsa_kernels() if a.kernel == "fused" else None
+    kernels = {"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}.get(a.kernel, lambda: None)()
     x = make_inputs(a.keys, a.split, dev)
     if a.queries:
         for k in ("pos", "q_nope", "idx_q", "idx_w"):
@@ -184,7 +186,7 @@ def main():
         for t in ("q_nope", "latent", "weight"):
             x[t].grad = None
         del out, grad
-    split = indexer_split(x, a.keys, a.indexer_block, kernels) if a.kernel == "fused" else {}
+    split = indexer_split(x, a.keys, a.indexer_block, kernels) if kernels else {}
     violations = index_violations(idx.long(), x["pos"], torch.zeros_like(x["pos"]))
     kept = float((idx >= 0).sum(-1).float().mean())
     best = min(results[1:], key=lambda r: r["step_ms_full_recompute"]) if a.iters else results[0]

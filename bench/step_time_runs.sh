@@ -30,7 +30,7 @@ for step in "$@"; do
     slice:*)
       t=${step#slice:}
       # shellcheck disable=SC2086
-      python3 bench/rank_share.py --steps 2 --iters 1 $levers --set data.seq_len="$t" \
+      python3 bench/rank_share.py --steps 3 --iters 1 $levers --set data.seq_len="$t" \
         --json "$out/slice_$t.json" 2>&1 | tee "$out/slice_$t.txt" || status=1 ;;
     kda1m)
       python3 bench/kda_layer.py --tokens 1048576 --warmup 2 --iters 3 --emulate-cp2 \

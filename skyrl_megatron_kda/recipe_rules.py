@@ -96,8 +96,9 @@ def check_dsa(dsa: DSAConfig) -> DSAConfig:
     name = dsa_kernels.REGISTRY.check(dsa.kernel)
     if dsa.tp_split == "sequence" and name != AUTO and not dsa_kernels.get(name).splits_rows:
         splitting = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.splits_rows]
+        names = ", ".join(splitting[:-1]) + " or " + splitting[-1] if len(splitting) > 1 else splitting[0]
         raise ValueError(f"model.dsa.tp_split=sequence needs model.dsa.kernel "
-                         f"{' or '.join(splitting)}: the {name} kernel attends with "
+                         f"{names}: the {name} kernel attends with "
                          "whole-sequence keys per head")
     return dsa
 

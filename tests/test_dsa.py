@@ -72,17 +72,20 @@ def _kernel(name, tp_split="heads"):
 
 
 def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="heads"):
-    """Our layer; ``fused`` runs the CPU stand-in of megatron's TileLang kernels (the layer's
-    padding, absorption and TP layout are what is tested; the real kernels on a GPU)."""
+    """Our layer; ``fused`` and ``latent`` run the CPU stand-in of megatron's TileLang kernels
+    and of ours (the layer's padding, absorption and TP layout are what is tested; the real
+    kernels on a GPU)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
     from skyrl_megatron_kda.dsa import layer as dsa
-    from skyrl_megatron_kda.dsa.kernels import FusedKernel
+    from skyrl_megatron_kda.dsa.kernels import FusedKernel, LatentKernel
     from tests.support.dsa_kernels import torch_dsa_kernels
 
     if not torch.cuda.is_available():
         FusedKernel.load_kernels = staticmethod(torch_dsa_kernels)
+        rank = config.kv_lora_rank
+        LatentKernel.load_kernels = staticmethod(lambda: torch_dsa_kernels(rank, rank))
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
     return build_module(dsa.glm_dsa_layer_spec(kpool, cp_layout, _kernel(kernel, tp_split)),
                         config=config, layer_number=4, pg_collection=pg)
@@ -154,7 +157,7 @@ def _compare(rank, world, kpool, kernel):
         dense=_rel(out_dense.transpose(0, 1), out_ref), sets_equal=sets_equal, kept=kept)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "fused", "unfused"])
+@pytest.mark.parametrize("kernel", ["torch", "fused", "latent", "unfused"])
 @pytest.mark.parametrize("kpool", [4, 1])
 def test_dsa_matches_transformers(kpool, kernel):
     (r,) = run_ranks(1, _compare, kpool, kernel)
@@ -265,6 +268,7 @@ CASES = [
     Case(1, 1, "sbhd", kernel="fused"),
     Case(2, 2, "thd", kernel="fused"),
     Case(2, 2, "thd", "contiguous", kernel="fused", tp_split="sequence"),
+    Case(2, 2, "thd", "contiguous", kernel="latent", tp_split="sequence"),
 ]
 CONTROLS = [
     Case(1, 2, "thd", corrupt="wrong_layout"),  # data in contiguous order, layer told zigzag

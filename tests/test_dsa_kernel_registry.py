@@ -71,7 +71,7 @@ def toy():
 def test_registry_lists_the_toy_after_the_built_in_kernels(toy):
     # The bookkeeping (same class again, a clash, a non-kernel) is the shared ``registry.Registry``
     # that tests/test_exchange_registry.py checks.
-    assert kernels.names() == ("fused", "torch", "unfused", TOY)
+    assert kernels.names() == ("latent", "fused", "torch", "unfused", TOY)
     assert kernels.get(TOY) is ToyKernel
     with pytest.raises(ValueError, match="model.dsa.kernel=auto is not resolved"):
         kernels.get("auto")
@@ -81,7 +81,7 @@ def test_registry_lists_the_toy_after_the_built_in_kernels(toy):
 
 def test_config_takes_the_toy_and_its_rules(toy):
     assert kernel_split(DSAConfig(kernel=TOY)).tp_split == "heads"  # it cannot split rows
-    with pytest.raises(ValueError, match="tp_split=sequence needs model.dsa.kernel fused or torch"):
+    with pytest.raises(ValueError, match="tp_split=sequence needs model.dsa.kernel latent, fused or torch"):
         check_dsa(DSAConfig(kernel=TOY, tp_split="sequence"))
     recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}"]).recipe
     assert recipe.model.dsa.kernel == TOY
@@ -90,12 +90,12 @@ def test_config_takes_the_toy_and_its_rules(toy):
 
 
 def test_without_the_toy_its_name_is_refused():
-    with pytest.raises(ValueError, match="Input should be 'fused', 'torch', 'unfused' or 'auto'"):
+    with pytest.raises(ValueError, match="Input should be 'latent', 'fused', 'torch', 'unfused' or 'auto'"):
         check_dsa(DSAConfig(kernel=TOY))
 
 
 def test_auto_is_resolved_once_from_the_registry_order(toy, monkeypatch):
-    assert kernels.resolve("auto", "cpu") == "torch" and kernels.resolve("auto", "gpu") == "fused"
+    assert kernels.resolve("auto", "cpu") == "torch" and kernels.resolve("auto", "gpu") == "latent"
     assert kernels.resolve(TOY, "cpu") == TOY
     assert load_recipe("glm53_flash_tiny", ONE_RANK).recipe.model.dsa.kernel == "torch"
     # With only the oracle and the toy registered: the oracle is never auto's pick.
@@ -170,22 +170,31 @@ class FusedAttentionTorchSelection(kernels.FusedKernel):
         return TorchKernel.top_pools(self, *args)
 
 
-def _gpu_layers(rank, world):
-    """The DSA layer on CUDA with the torch kernel, the real fused kernel and the fused
-    attention on the torch selection, same weights and packed batch: relative errors of the
-    output and the input gradient, and the share of query rows whose tokens the fused indexer
-    selects as the torch one does."""
+class LatentAttentionTorchSelection(kernels.LatentKernel):
+    """The same for our TileLang kernels (``latent``)."""
+
+    name = "latent_attention"
+
+    def top_pools(self, *args):
+        return TorchKernel.top_pools(self, *args)
+
+
+def _gpu_layers(rank, world, gpu_kernel, torch_selection):
+    """The DSA layer on CUDA with the torch kernel, the real ``gpu_kernel`` and its attention on
+    the torch selection (``torch_selection``), same weights and packed batch: relative errors of
+    the output and the input gradient, and the share of query rows whose tokens the GPU
+    kernel's indexer selects as the torch one does."""
     from megatron.core import parallel_state
 
     from skyrl_megatron_kda.kda.parity import make_batch, relative_error
     from tests.test_dsa import H, _config, _ours, _randomize, _record_topk
 
-    kernels.register(FusedAttentionTorchSelection)
+    kernels.register(torch_selection)
     parallel_state.initialize_model_parallel()
     dev = torch.device("cuda", torch.cuda.current_device())
     batch = make_batch(H, lengths=(220, 3, 150, 81), device=dev)
     outs, picks = {}, {}
-    for name in ("torch", "fused", FusedAttentionTorchSelection.name):
+    for name in ("torch", gpu_kernel, torch_selection.name):
         layer = _ours(_config(4, topk=32), 4, kernel=name)
         _randomize(layer, seed=7)
         layer.cuda()
@@ -194,21 +203,23 @@ def _gpu_layers(rank, world):
         out, _ = layer(x, attention_mask=None, packed_seq_params=batch.packed)
         (out * batch.grad_out).sum().backward()
         outs[name], picks[name] = (out.detach(), x.grad), seen[0].long().sort(-1).values
-    attention = outs[FusedAttentionTorchSelection.name]
+    attention = outs[torch_selection.name]
     return {"out": relative_error(attention[0], outs["torch"][0]),
             "dx": relative_error(attention[1], outs["torch"][1]),
-            "same_tokens": float((picks["fused"] == picks["torch"]).all(-1).float().mean())}
+            "same_tokens": float((picks[gpu_kernel] == picks["torch"]).all(-1).float().mean())}
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel needs CUDA (TileLang)")
-def test_fused_layer_matches_the_torch_layer_on_a_gpu():
-    """The registry's fused kernel through the layer: its bf16 TileLang attention within the
-    kernels' tolerance (1e-2, tests/test_fused_sparse_mla.py) of the torch kernel's on the same
-    selection (output and input gradient), and its bf16 Triton indexer selecting the torch
-    indexer's tokens for nearly every query row (a row whose pools score within bf16 rounding
-    of each other may take another pool)."""
-    (result,) = run_ranks(1, _gpu_layers, backend="nccl")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU kernels need CUDA (TileLang)")
+@pytest.mark.parametrize("gpu_kernel, torch_selection", [
+    ("fused", FusedAttentionTorchSelection), ("latent", LatentAttentionTorchSelection)])
+def test_gpu_layer_matches_the_torch_layer(gpu_kernel, torch_selection):
+    """The registry's GPU kernels through the layer: its bf16 TileLang attention within the
+    kernels' tolerance (1e-2, tests/test_fused_sparse_mla.py, tests/test_latent_sparse_mla.py)
+    of the torch kernel's on the same selection (output and input gradient), and its bf16
+    Triton indexer selecting the torch indexer's tokens for nearly every query row (a row
+    whose pools score within bf16 rounding of each other may take another pool)."""
+    (result,) = run_ranks(1, _gpu_layers, gpu_kernel, torch_selection, backend="nccl")
     print(result)
     assert result["out"] < 1e-2 and result["dx"] < 1e-2, result
     assert result["same_tokens"] > 0.97, result

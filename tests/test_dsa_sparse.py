@@ -117,17 +117,18 @@ def _formula_per_query(kernel: str, topk: int) -> int:
 
 
 def test_kept_bytes_per_query_do_not_grow_with_t():
-    kernels = ("torch", "fused", "unfused")
+    kernels = ("torch", "fused", "latent", "unfused")
     cases = [(k, t, topk) for k in kernels for t, topk in ((48, 8), (192, 8), (48, 24))]
     (per_query,) = run_ranks(1, _census, cases)
     print(per_query)
     for kernel in kernels:
         short, long = per_query[(kernel, 48, 8)][0], per_query[(kernel, 192, 8)][0]
         assert short == long, (kernel, short, long)
-    # memory/dsa.py's torch and fused terms, to the byte (fused: the CPU stand-in of the TileLang
-    # kernels, which keeps nothing itself; the unfused term is checked on the GLM model in
-    # tests/test_memory_terms.py; on this layer megatron keeps one more fp32 [heads, s] tensor).
-    for kernel in ("torch", "fused"):
+    # memory/dsa.py's torch, fused and latent terms, to the byte (fused and latent: the CPU
+    # stand-ins of the TileLang kernels, which keep nothing themselves; the unfused term is
+    # checked on the GLM model in tests/test_memory_terms.py; on this layer megatron keeps one
+    # more fp32 [heads, s] tensor).
+    for kernel in ("torch", "fused", "latent"):
         for topk in (8, 24):
             assert per_query[(kernel, 48, topk)][0] == _formula_per_query(kernel, topk), topk
     wider = per_query[("torch", 48, 24)][1] - per_query[("torch", 48, 8)][1]

@@ -57,13 +57,19 @@ def _torch(q, c, w, i):
     return absorbed_sparse_mla(q, c, w, i, SCALE, DV, block_size=5)
 
 
+WIDTHS = {"megatron": {}, "latent": {"width": RANK, "value_width": RANK}}
+"""The stand-in's widths: megatron-core's (576 in, 512 out: the latent padded) and ours
+(``latent_sparse_mla``: the latent's own width, nothing padded)."""
+
+
+@pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("block", [1, 8, TQ, 64])  # single rows, partial last block, one, larger
-def test_fused_wrapper_equals_torch_kernel(block):
+def test_fused_wrapper_equals_torch_kernel(block, widths):
     gen = torch.Generator().manual_seed(0)
     q, latent, weight, idx = _inputs(torch.float64, gen)
     grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=torch.float64)
     ref = _run(_torch, q, latent, weight, idx, grad)
-    got = _run(_fused(torch_dsa_kernels(), block), q, latent, weight, idx, grad)
+    got = _run(_fused(torch_dsa_kernels(**WIDTHS[widths]), block), q, latent, weight, idx, grad)
     errors = {k: _rel(got[k], ref[k]) for k in ref}
     print(block, errors)
     assert max(errors.values()) < 1e-10, errors
@@ -78,7 +84,8 @@ def _shifted(kernels):
         delta=kernels.delta,
         backward=lambda q, kv, o, do, i, lse, sm_scale, delta: kernels.backward(
             q, kv, o, do, torch.where(i >= 0, (i + 1) % kv.shape[0], i), lse, sm_scale, delta),
-        index_scores=kernels.index_scores, dtype=kernels.dtype)
+        index_scores=kernels.index_scores, dtype=kernels.dtype, width=kernels.width,
+        value_width=kernels.value_width)
 
 
 def _value_from_padding(kernels):
@@ -90,13 +97,14 @@ def _value_from_padding(kernels):
                       index_scores=kernels.index_scores, dtype=kernels.dtype)
 
 
-@pytest.mark.parametrize("control", [_shifted, _value_from_padding])
-def test_controls_are_caught(control):
+@pytest.mark.parametrize("control, widths", [(_shifted, "megatron"), (_shifted, "latent"),
+                                             (_value_from_padding, "megatron")])
+def test_controls_are_caught(control, widths):
     gen = torch.Generator().manual_seed(1)
     q, latent, weight, idx = _inputs(torch.float64, gen)
     grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=torch.float64)
     ref = _run(_torch, q, latent, weight, idx, grad)
-    got = _run(_fused(control(torch_dsa_kernels()), 8), q, latent, weight, idx, grad)
+    got = _run(_fused(control(torch_dsa_kernels(**WIDTHS[widths])), 8), q, latent, weight, idx, grad)
     assert _rel(got["out"], ref["out"]) > 1e-2
 
 

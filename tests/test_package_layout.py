@@ -19,7 +19,7 @@ NAME = PACKAGE.name
 # and the tokenizer loader, heavy to import for a run without text data; vLLM is on SkyRL's
 # inference machines only, imported when its weight-transfer engine is asked for).
 OPTIONAL = ("fla", "transformers", "megatron.core.extensions.transformer_engine_spec_provider",
-            "skyrl", "vllm")
+            "skyrl", "vllm", "tilelang")
 
 LAZY_MODULES = ("cli.py",)
 """The command line imports each command's modules when that command runs: ``--help`` and

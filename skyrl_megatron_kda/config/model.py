@@ -99,7 +99,8 @@ class DSAConfig(ConfigSection):
     is resolved once when the recipe is loaded to run (``recipes.load_recipe``: the first kernel
     the device does not refuse). fused: megatron-core's TileLang SparseMLA kernels (CUDA, the
     ``tilelang`` package) in the absorbed layout and our Triton indexer scores
-    (dsa/kernels/fused.py); torch: the absorbed sparse MLA over the KV latent in query blocks
+    (dsa/kernels/fused.py); latent: the same with our own TileLang sparse-MLA kernels for GLM's
+    512-wide NoPE latent (dsa/kernels/latent.py, dsa/latent_sparse_mla.py); torch: the absorbed sparse MLA over the KV latent in query blocks
     (dsa/kernels/torch_blocks.py), the CPU path and the fused kernel's reference; unfused:
     megatron-core's ``unfused_dsa_fn`` on whole-sequence keys and values with the full
     [queries x pools] indexer scores (the oracle the others are tested against); auto: fused
@@ -111,7 +112,7 @@ class DSAConfig(ConfigSection):
     heads/tp heads from all query rows of its CP rank (the indexer runs on all of them, on every
     TP rank); sequence: an all-to-all inside the TP group gives each TP rank all heads for its
     own sequence-parallel rows (Ulysses), so each selected latent row serves every head and the
-    indexer runs once per row. Needs kernel fused or torch. The default by measurement: at the
+    indexer runs once per row. Needs kernel fused, latent or torch. The default by measurement: at the
     1M recipe's per-rank share, sequence took 3.8x less time per step and less memory
     (docs/benchmarks.md); with a kernel that cannot attend by rows (unfused) the default is heads
     (``recipe_rules.kernel_split``)."""

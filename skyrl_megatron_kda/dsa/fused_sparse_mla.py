@@ -54,13 +54,18 @@ class DSAKernels:
     None, grad_out, indices, lse, sm_scale, delta) -> (dq [S, H, 576], dkv [T, 1, 576])``.
     Indexer: ``index_scores(q [S, h, d], keys [P, d], weights [S, h] fp32, ks [S] int32,
     ke [S] int32) -> [S, P]`` fp32, sum_h weights * relu(q . k), -inf outside [ks, ke).
-    ``dtype`` is what the inputs are cast to (None: left as they are)."""
+    ``dtype`` is what the inputs are cast to (None: left as they are); ``width`` the channels
+    the sparse-MLA kernels take (576 above: the latent is zero-padded to it) and
+    ``value_width`` those of their output. The log-sum-exp is the forward's to define and the
+    backward's to read."""
 
     forward: Callable
     delta: Callable
     backward: Callable
     index_scores: Callable
     dtype: torch.dtype | None = torch.bfloat16
+    width: int = KERNEL_WIDTH
+    value_width: int = KERNEL_VALUE_WIDTH
 
 
 def fused_dsa_kernels() -> DSAKernels:
@@ -81,7 +86,8 @@ def fused_dsa_kernels() -> DSAKernels:
 
 def _padded(t: torch.Tensor, width: int, dtype: torch.dtype | None) -> torch.Tensor:
     """[..., R] -> [..., width], zero channels after the latent's, in the kernels' dtype."""
-    return F.pad(t.to(dtype or t.dtype), (0, width - t.shape[-1])).contiguous()
+    t = t.to(dtype or t.dtype)
+    return (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] != width else t).contiguous()
 
 
 class FusedAbsorbedSparseMLA(torch.autograd.Function):
@@ -90,17 +96,17 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_nope, latent, kv_up_weight, indices, scale, v_head_dim, query_block,
                 kernels: DSAKernels):
-        if latent.dim() != 2 or latent.shape[-1] > KERNEL_VALUE_WIDTH:
-            raise ValueError(f"the fused kernel takes a latent [Tk, R <= {KERNEL_VALUE_WIDTH}], "
+        if latent.dim() != 2 or latent.shape[-1] > kernels.value_width:
+            raise ValueError(f"the fused kernel takes a latent [Tk, R <= {kernels.value_width}], "
                              f"got {list(latent.shape)}")
         check_indices(q_nope.shape[0], latent, indices, query_block)
         num_heads, qk_head_dim = q_nope.shape[1], q_nope.shape[2]
         w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, v_head_dim)
-        kv = _padded(latent, KERNEL_WIDTH, kernels.dtype)[:, None]
+        kv = _padded(latent, kernels.width, kernels.dtype)[:, None]
         out = q_nope.new_empty(q_nope.shape[0], num_heads, v_head_dim)
         for b0 in range(0, q_nope.shape[0], query_block):
             b1 = b0 + query_block
-            q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels.dtype)
+            q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels)
             out_latent, _ = _attend(kernels, q, kv, indices[b0:b1], scale)
             out[b0:b1] = torch.einsum("qhr,hvr->qhv", out_latent[..., :latent.shape[-1]],
                                       w_uv.to(out_latent.dtype))
@@ -115,7 +121,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         kernels, scale, R = ctx.kernels, ctx.scale, latent.shape[-1]
         num_heads, qk_head_dim = q_nope.shape[1], q_nope.shape[2]
         w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, ctx.v_head_dim)
-        kv = _padded(latent, KERNEL_WIDTH, kernels.dtype)[:, None]
+        kv = _padded(latent, kernels.width, kernels.dtype)[:, None]
         acc = torch.promote_types(latent.dtype, torch.float32)
         grad_q = torch.empty_like(q_nope)
         grad_latent = torch.zeros(latent.shape, dtype=acc, device=latent.device)
@@ -123,14 +129,14 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         grad_uv = torch.zeros(w_uv.shape, dtype=acc, device=w_uv.device)
         for b0 in range(0, q_nope.shape[0], ctx.query_block):
             b1 = b0 + ctx.query_block
-            q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels.dtype)
+            q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels)
             idx = indices[b0:b1]
             out_latent, lse = _attend(kernels, q, kv, idx, scale)
             g_out = grad_out[b0:b1]
             grad_uv += torch.einsum("qhv,qhr->hvr", g_out.to(acc), out_latent[..., :R].to(acc))
             # dL/d(latent-space output), zero where the forward's output was forced to zero.
             g_latent = torch.einsum("qhv,hvr->qhr", g_out, w_uv.to(g_out.dtype))
-            g_latent = _padded(g_latent, KERNEL_VALUE_WIDTH, kernels.dtype)
+            g_latent = _padded(g_latent, kernels.value_width, kernels.dtype)
             g_latent = torch.where(_has_keys(idx)[:, None, None], g_latent, 0)
             delta = kernels.delta(out_latent, g_latent)
             dq, dkv = kernels.backward(q, kv, None, g_latent, idx.to(torch.int32)[:, None].contiguous(),
@@ -144,10 +150,10 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def _absorbed_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, dtype) -> torch.Tensor:
-    """[b, H, dn] @ W_UK [H, dn, R] -> the kernels' [b, H, 576] queries."""
+def _absorbed_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, kernels: DSAKernels) -> torch.Tensor:
+    """[b, H, dn] @ W_UK [H, dn, R] -> the kernels' [b, H, width] queries."""
     q = torch.einsum("qhd,hdr->qhr", q_nope, w_uk.to(q_nope.dtype))
-    return _padded(q, KERNEL_WIDTH, dtype)
+    return _padded(q, kernels.width, kernels.dtype)
 
 
 def _has_keys(indices: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""A torch stand-in for megatron-core's TileLang DSA kernels (sparse MLA and indexer scores), with their contract (widths,
-shapes, int32 indices, -1 = not selected), so the fused path's padding, absorption and blocking
-run on CPU. It computes in the inputs' dtype (fp32/fp64), so it checks layout, not rounding."""
+"""A torch stand-in for the TileLang DSA kernels (sparse MLA and indexer scores) with their
+contract (widths, shapes, int32 indices, -1 = not selected): megatron-core's (576 channels in,
+512 out) or ours (``latent_sparse_mla``: the latent's own width in and out), so the fused and
+latent paths' padding, absorption and blocking run on CPU. It computes in the inputs' dtype
+(fp32/fp64), so it checks layout, not rounding."""
 
 from __future__ import annotations
 
@@ -14,40 +16,39 @@ from skyrl_megatron_kda.dsa.fused_sparse_mla import (
 from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
 
 
-def _check(q, kv, indices):
-    assert q.dim() == 3 and q.shape[-1] == KERNEL_WIDTH, q.shape
-    assert kv.dim() == 3 and kv.shape[1:] == (1, KERNEL_WIDTH), kv.shape
-    assert indices.dtype == torch.int32 and indices.shape[:2] == (q.shape[0], 1), indices.shape
-    assert q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous()
+def _sparse_mla(width: int, value_width: int):
+    def check(q, kv, indices):
+        assert q.dim() == 3 and q.shape[-1] == width, q.shape
+        assert kv.dim() == 3 and kv.shape[1:] == (1, width), kv.shape
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (q.shape[0], 1), indices.shape
+        assert q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous()
 
+    def attend(q, kv, indices, sm_scale):
+        return sparse_latent_attention(q, kv[:, 0], indices[:, 0], sm_scale)[..., :value_width]
 
-def _attend(q, kv, indices, sm_scale):
-    return sparse_latent_attention(q, kv[:, 0], indices[:, 0], sm_scale)[..., :KERNEL_VALUE_WIDTH]
+    def forward(q, kv, indices, sm_scale):
+        check(q, kv, indices)
+        with torch.no_grad():
+            out = attend(q, kv, indices, sm_scale)
+            rows = kv[indices[:, 0].clamp(min=0).long(), 0]  # [S, k, width]
+            scores = torch.einsum("shc,skc->shk", q, rows) * sm_scale
+            scores = scores.masked_fill((indices[:, 0] < 0)[:, None, :], float("-inf"))
+        return out, scores.logsumexp(-1)
 
+    def delta(out, grad_out):
+        assert out.shape == grad_out.shape and out.shape[-1] == value_width
+        return (out * grad_out).sum(-1)
 
-def _forward(q, kv, indices, sm_scale):
-    _check(q, kv, indices)
-    with torch.no_grad():
-        out = _attend(q, kv, indices, sm_scale)
-        rows = kv[indices[:, 0].clamp(min=0).long(), 0]  # [S, k, 576]
-        scores = torch.einsum("shc,skc->shk", q, rows) * sm_scale
-        scores = scores.masked_fill((indices[:, 0] < 0)[:, None, :], float("-inf"))
-    return out, scores.logsumexp(-1)
+    def backward(q, kv, o, do, indices, lse, sm_scale=None, delta=None):
+        check(q, kv, indices)
+        assert do.shape == (*q.shape[:2], value_width) and lse.shape == q.shape[:2]
+        q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
+        with torch.enable_grad():
+            out = attend(q, kv, indices, sm_scale)
+            dq, dkv = torch.autograd.grad(out, (q, kv), do)
+        return dq, dkv
 
-
-def _delta(out, grad_out):
-    assert out.shape == grad_out.shape and out.shape[-1] == KERNEL_VALUE_WIDTH
-    return (out * grad_out).sum(-1)
-
-
-def _backward(q, kv, o, do, indices, lse, sm_scale=None, delta=None):
-    _check(q, kv, indices)
-    assert do.shape == (*q.shape[:2], KERNEL_VALUE_WIDTH) and lse.shape == q.shape[:2]
-    q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    with torch.enable_grad():
-        out = _attend(q, kv, indices, sm_scale)
-        dq, dkv = torch.autograd.grad(out, (q, kv), do)
-    return dq, dkv
+    return forward, delta, backward
 
 
 def _index_scores(q, keys, weights, ks, ke):
@@ -58,7 +59,10 @@ def _index_scores(q, keys, weights, ks, ke):
     return scores.masked_fill(outside, float("-inf"))
 
 
-def torch_dsa_kernels() -> DSAKernels:
-    """The stand-in: no dtype cast (fp32 or fp64 in, the same out)."""
-    return DSAKernels(forward=_forward, delta=_delta, backward=_backward,
-                      index_scores=_index_scores, dtype=None)
+def torch_dsa_kernels(width: int = KERNEL_WIDTH, value_width: int = KERNEL_VALUE_WIDTH) -> DSAKernels:
+    """The stand-in: no dtype cast (fp32 or fp64 in, the same out); megatron-core's widths by
+    default, ``width = value_width =`` the latent's for ours."""
+    forward, delta, backward = _sparse_mla(width, value_width)
+    return DSAKernels(forward=forward, delta=delta, backward=backward,
+                      index_scores=_index_scores, dtype=None, width=width,
+                      value_width=value_width)

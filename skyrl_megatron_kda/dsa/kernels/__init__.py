@@ -12,6 +12,7 @@ from ...registry import AUTO, Registry
 from .absorbed import AbsorbedKernel
 from .base import DSAKernel, DSAShape, KVDims
 from .fused import FusedKernel
+from .latent import LatentKernel
 from .torch_blocks import TorchKernel
 from .unfused import UnfusedKernel
 
@@ -21,7 +22,7 @@ register, unregister, names, get = REGISTRY.register, REGISTRY.unregister, REGIS
 
 def resolve(name: str, device: str) -> str:
     """``name``, or for ``auto`` the first registered candidate that ``device`` does not refuse
-    (fused on a GPU, torch on a CPU)."""
+    (latent on a GPU, torch on a CPU)."""
     if name != AUTO:
         return name
     for candidate, cls in REGISTRY.items():
@@ -30,11 +31,12 @@ def resolve(name: str, device: str) -> str:
     raise ValueError(f"model.dsa.kernel=auto has no kernel to pick on run.device={device}")
 
 
+register(LatentKernel)
 register(FusedKernel)
 register(TorchKernel)
 register(UnfusedKernel)
 
 __all__ = [
     "AUTO", "REGISTRY", "AbsorbedKernel", "DSAKernel", "DSAShape", "FusedKernel", "KVDims",
-    "TorchKernel", "UnfusedKernel", "get", "names", "register", "resolve", "unregister",
+    "LatentKernel", "TorchKernel", "UnfusedKernel", "get", "names", "register", "resolve", "unregister",
 ]

@@ -22,6 +22,8 @@ class FusedKernel(AbsorbedKernel):
     working_set_label = "one call's working set"
     load_kernels = staticmethod(fused_dsa_kernels)
     """Where the ``fused_sparse_mla.DSAKernels`` come from (the CPU tests swap in a stand-in)."""
+    width, value_width = KERNEL_WIDTH, KERNEL_VALUE_WIDTH
+    """The sparse-MLA kernels' input and output channels (the latent is zero-padded to width)."""
 
     def __init__(self, dsa):
         super().__init__(dsa)
@@ -30,8 +32,8 @@ class FusedKernel(AbsorbedKernel):
     @classmethod
     def refusal(cls, device: str) -> str | None:
         if device != "gpu":
-            return ("model.dsa.kernel=fused needs run.device=gpu (TileLang kernels on CUDA); "
-                    "use model.dsa.kernel=torch or auto on CPU")
+            return (f"model.dsa.kernel={cls.name} needs run.device=gpu (TileLang kernels on "
+                    "CUDA); use model.dsa.kernel=torch or auto on CPU")
         return None
 
     def top_pools(self, q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select):
@@ -68,7 +70,7 @@ class FusedKernel(AbsorbedKernel):
         hi, di = a.index_num_heads, a.index_head_dim
         pools = T // a.index_kpool
         selected = a.index_topk // a.index_kpool
-        width, value = KERNEL_WIDTH, KERNEL_VALUE_WIDTH
+        width, value = cls.width, cls.value_width
         latent = T * width * w
         indexer = (indexer_inputs_bytes(shape) + q * hi * (di * w + 4) + q * pools * 4
                    + q * selected * (4 + 8))

@@ -1,0 +1,301 @@
+"""Sparse attention over GLM's NoPE KV latent: our TileLang forward and backward kernels
+(``model.dsa.kernel=latent``).
+
+megatron-core 0.19.2's sparse-MLA kernels are DeepSeek-V3.2's: 512 latent + 64 RoPE channels,
+so GLM's 512-wide NoPE latent and its absorbed queries are zero-padded to 576 around them, and
+its 128-thread backward splits the 64 heads over two blocks that each gather the same latent
+rows and each add their gradient. These kernels are written for GLM's shape instead:
+
+* one width ``D`` (the latent, 512) for the scores and the values: no padding, no tail GEMMs;
+* every head of a query in one thread block (up to 64; more in groups of 64), so each selected
+  latent row is gathered once per query and its gradient added once;
+* the backward's gathers pipelined in two stages, its fp32 latent gradient staged through
+  shared memory in parts for the atomics;
+* the forward writes the log-sum-exp and the backward takes it and ``delta = sum(dO * O)`` from
+  its caller (the layer's wrapper recomputes the forward in backward for them and for the
+  value projection's gradient, which needs the latent-space output).
+
+They fill ``fused_sparse_mla.DSAKernels`` (``latent_dsa_kernels``) with ``width`` 512, so the
+layer's wrapper (``FusedAbsorbedSparseMLA``: absorption, query blocks, masking) is the one the
+``fused`` kernel uses. The kernels themselves take ``q [S, H, D]``, ``kv [T, D]``, ``indices
+[S, K]`` int32 (natural positions, -1 = not selected); the forward returns the latent-space
+output and the natural log-sum-exp of ``scale * q . k`` over the selected keys (0 for a query
+with no key, whose output is 0), the backward ``dq`` and the fp32 ``dkv``. The interfaces pad
+heads to a power of two >= 16 and the top-k width to the kernels' key block with -1.
+"""
+
+# No `from __future__ import annotations`: TileLang reads the kernels' annotations as objects.
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from .fused_sparse_mla import DSAKernels
+from .index_scores import pool_scores
+
+LOG2E = math.log2(math.e)
+LATENT_WIDTH = 512
+"""GLM-5.3-Flash's kv_lora_rank: the width the kernels are built for (scores and values)."""
+FORWARD_KEY_BLOCK = 64
+"""Selected keys per step of the forward kernel (the top-k width is padded to a multiple)."""
+BACKWARD_KEY_BLOCK = 32
+"""Selected keys per step of the backward kernel."""
+HEAD_BLOCK = 64
+"""Heads per thread block: the wider MMA tile; more heads run in groups of 64."""
+
+
+def padded_heads(heads: int) -> int:
+    """Heads as the kernels take them: a power of two >= 16 up to 64, else a multiple of 64."""
+    if heads > HEAD_BLOCK:
+        return -(-heads // HEAD_BLOCK) * HEAD_BLOCK
+    return max(16, 1 << (heads - 1).bit_length())
+
+
+def _threads(head_block: int) -> int:
+    """Threads per block: 8 warps for 64 heads; fewer heads leave 8 warps too few MMA tiles
+    (each warp needs 16 rows and 8 columns of every GEMM), so 4."""
+    return 256 if head_block >= HEAD_BLOCK else 128
+
+
+def _pad_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, 0, heads - t.shape[1])) if t.shape[1] != heads else t
+
+
+def _pad_keys(indices: torch.Tensor, block: int) -> torch.Tensor:
+    width = -(-indices.shape[1] // block) * block
+    return F.pad(indices, (0, width - indices.shape[1]), value=-1)
+
+
+# -- the TileLang kernels ------------------------------------------------------------------------
+
+def _tilelang():
+    try:
+        import tilelang
+        import tilelang.language as T
+    except ImportError as e:
+        raise RuntimeError("model.dsa.kernel=latent needs the tilelang package "
+                           "(pip install 'skyrl-megatron-kda[gpu]'), or use model.dsa.kernel=torch") from e
+    return tilelang, T
+
+
+FORWARD_PASS_CONFIGS = ("TL_DISABLE_TMA_LOWER", "TL_DISABLE_WARP_SPECIALIZED")
+"""TileLang passes the forward turns off: its gathers are per-row loads, not bulk copies."""
+
+
+def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
+                    num_stages: int = 2):
+    """The forward for ``heads`` (as ``padded_heads`` gives), latent width ``dim`` and a top-k
+    width ``topk`` (a multiple of FORWARD_KEY_BLOCK): one thread block per (query, head group)
+    runs an online softmax over the selected keys, FORWARD_KEY_BLOCK at a time, gathering their
+    latent rows into shared memory (pipelined against the previous block's MMAs)."""
+    tilelang, T = _tilelang()
+    BH, BK = min(heads, HEAD_BLOCK), FORWARD_KEY_BLOCK
+    threads = threads or _threads(BH)
+    groups, steps = heads // BH, topk // BK
+    log2_scale = scale * LOG2E
+    ln2 = math.log(2.0)
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    S, Tk = T.dynamic("S"), T.dynamic("Tk")
+
+    @T.prim_func
+    def sparse_latent_fwd(
+        Q: T.Tensor([S, heads, dim], bf16),
+        KV: T.Tensor([Tk, dim], bf16),
+        Indices: T.Tensor([S, topk], i32),
+        Out: T.Tensor([S, heads, dim], bf16),
+        Lse: T.Tensor([S, heads], f32),
+    ):
+        with T.Kernel(S * groups, threads=threads) as bx:
+            s = bx // groups
+            h0 = (bx % groups) * BH
+            q_s = T.alloc_shared([BH, dim], bf16)
+            kv_s = T.alloc_shared([BK, dim], bf16)
+            p_s = T.alloc_shared([BH, BK], bf16)
+            valid = T.alloc_fragment([BK], "bool")
+            acc_s = T.alloc_fragment([BH, BK], f32)
+            acc_o = T.alloc_fragment([BH, dim], f32)
+            row_max = T.alloc_fragment([BH], f32)
+            prev_max = T.alloc_fragment([BH], f32)
+            rescale = T.alloc_fragment([BH], f32)
+            row_sum = T.alloc_fragment([BH], f32)
+            block_sum = T.alloc_fragment([BH], f32)
+            T.fill(acc_o, 0)
+            T.fill(row_sum, 0)
+            T.fill(row_max, -(2.0**30))  # finite: a first all-masked block gives exp2(-inf)
+            T.copy(Q[s, h0:h0 + BH, :], q_s)
+            for kb in T.Pipelined(steps, num_stages=num_stages):
+                for k in T.Parallel(BK):
+                    valid[k] = Indices[s, kb * BK + k] >= 0
+                for k, d in T.Parallel(BK, dim):
+                    kv_s[k, d] = KV[T.max(Indices[s, kb * BK + k], 0), d]
+                for h, k in T.Parallel(BH, BK):
+                    acc_s[h, k] = T.if_then_else(valid[k], 0, -T.infinity(f32))
+                T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(row_max, prev_max)
+                T.reduce_max(acc_s, row_max, dim=1, clear=False)
+                for h in T.Parallel(BH):
+                    rescale[h] = T.exp2((prev_max[h] - row_max[h]) * log2_scale)
+                for h, k in T.Parallel(BH, BK):
+                    acc_s[h, k] = T.exp2((acc_s[h, k] - row_max[h]) * log2_scale)
+                T.reduce_sum(acc_s, block_sum, dim=1)
+                for h in T.Parallel(BH):
+                    row_sum[h] = row_sum[h] * rescale[h] + block_sum[h]
+                for h, d in T.Parallel(BH, dim):
+                    acc_o[h, d] = acc_o[h, d] * rescale[h]
+                T.copy(acc_s, p_s)
+                T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            for h, d in T.Parallel(BH, dim):
+                acc_o[h, d] = T.if_then_else(row_sum[h] > 0, acc_o[h, d] / row_sum[h], 0)
+            for h in T.Parallel(BH):
+                row_sum[h] = T.if_then_else(
+                    row_sum[h] > 0, (T.log2(row_sum[h]) + row_max[h] * log2_scale) * ln2, 0)
+            T.copy(acc_o, Out[s, h0:h0 + BH, :])
+            T.copy(row_sum, Lse[s, h0:h0 + BH])
+
+    return sparse_latent_fwd
+
+
+def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
+                     num_stages: int = 2, store_split: int = 4):
+    """The backward for ``heads`` (as ``padded_heads`` gives), width ``dim``, top-k width
+    ``topk`` (a multiple of BACKWARD_KEY_BLOCK): one thread block per (query, head group)
+    rebuilds each key block's probabilities from the kept log-sum-exp, accumulates dq in
+    registers and adds the block's latent gradient ``dP^T Q + P^T dO`` to ``dKV`` (fp32
+    atomics, staged through shared memory in ``store_split`` parts)."""
+    tilelang, T = _tilelang()
+    BH, BK = min(heads, HEAD_BLOCK), BACKWARD_KEY_BLOCK
+    threads = threads or _threads(BH)
+    groups, steps = heads // BH, topk // BK
+    part = BK // store_split
+    log2_scale = scale * LOG2E
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    S, Tk = T.dynamic("S"), T.dynamic("Tk")
+
+    @T.prim_func
+    def sparse_latent_bwd(
+        Q: T.Tensor([S, heads, dim], bf16),
+        KV: T.Tensor([Tk, dim], bf16),
+        dO: T.Tensor([S, heads, dim], bf16),
+        Indices: T.Tensor([S, topk], i32),
+        Lse: T.Tensor([S, heads], f32),
+        Delta: T.Tensor([S, heads], f32),
+        dQ: T.Tensor([S, heads, dim], bf16),
+        dKV: T.Tensor([Tk, dim], f32),
+    ):
+        with T.Kernel(S * groups, threads=threads) as bx:
+            s = bx // groups
+            h0 = (bx % groups) * BH
+            q_s = T.alloc_shared([BH, dim], bf16)
+            do_s = T.alloc_shared([BH, dim], bf16)
+            kv_s = T.alloc_shared([BK, dim], bf16)
+            p_s = T.alloc_shared([BH, BK], bf16)
+            ds_s = T.alloc_shared([BH, BK], bf16)
+            dkv_s = T.alloc_shared([part, dim], f32)
+            lse_s = T.alloc_shared([BH], f32)
+            delta_s = T.alloc_shared([BH], f32)
+            valid = T.alloc_fragment([BK], "bool")
+            acc_p = T.alloc_fragment([BH, BK], f32)
+            acc_dp = T.alloc_fragment([BH, BK], f32)
+            acc_dq = T.alloc_fragment([BH, dim], f32)
+            acc_dkv = T.alloc_fragment([BK, dim], f32)
+            T.copy(Q[s, h0:h0 + BH, :], q_s)
+            T.copy(dO[s, h0:h0 + BH, :], do_s)
+            for h in T.Parallel(BH):
+                lse_s[h] = Lse[s, h0 + h] * LOG2E
+                delta_s[h] = Delta[s, h0 + h]
+            T.clear(acc_dq)
+            for kb in T.Pipelined(steps, num_stages=num_stages):
+                for k in T.Parallel(BK):
+                    valid[k] = Indices[s, kb * BK + k] >= 0
+                for k, d in T.Parallel(BK, dim):
+                    kv_s[k, d] = KV[T.max(Indices[s, kb * BK + k], 0), d]
+                for h, k in T.Parallel(BH, BK):
+                    acc_p[h, k] = T.if_then_else(valid[k], 0, -T.infinity(f32))
+                T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                for h, k in T.Parallel(BH, BK):
+                    acc_p[h, k] = T.exp2(acc_p[h, k] * log2_scale - lse_s[h])
+                T.copy(acc_p, p_s)
+                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol,
+                       clear_accum=True)
+                for h, k in T.Parallel(BH, BK):
+                    acc_dp[h, k] = acc_p[h, k] * (acc_dp[h, k] - delta_s[h]) * scale
+                T.copy(acc_dp, ds_s)
+                T.gemm(ds_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                       clear_accum=True)
+                T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                for r in T.serial(store_split):
+                    for k, d in T.Parallel(BK, dim):
+                        if k >= r * part and k < (r + 1) * part:
+                            dkv_s[k - r * part, d] = acc_dkv[k, d]
+                    for k, d4 in T.Parallel(part, dim // 4):
+                        if Indices[s, kb * BK + r * part + k] >= 0:
+                            T.atomic_addx4(dKV[Indices[s, kb * BK + r * part + k], d4 * 4],
+                                           dkv_s[k, d4 * 4])
+            T.copy(acc_dq, dQ[s, h0:h0 + BH, :])
+
+    return sparse_latent_bwd
+
+
+@lru_cache(maxsize=None)
+def forward_kernel(heads: int, dim: int, topk: int, scale: float, **config):
+    tilelang, _ = _tilelang()
+    passes = {getattr(tilelang.PassConfigKey, key): True for key in FORWARD_PASS_CONFIGS}
+    return tilelang.compile(forward_program(heads, dim, topk, scale, **config), out_idx=[-2, -1],
+                            pass_configs=passes)
+
+
+@lru_cache(maxsize=None)
+def backward_kernel(heads: int, dim: int, topk: int, scale: float, **config):
+    tilelang, _ = _tilelang()
+    return tilelang.compile(backward_program(heads, dim, topk, scale, **config), out_idx=[-2])
+
+
+def latent_forward(q, kv, indices, scale, **config):
+    """The forward kernel on the contract's tensors (padding heads and the top-k width);
+    ``config``: ``forward_program``'s tuning keywords."""
+    S, H, D = q.shape
+    heads = padded_heads(H)
+    idx = _pad_keys(indices.to(torch.int32), FORWARD_KEY_BLOCK).contiguous()
+    kernel = forward_kernel(heads, D, idx.shape[1], float(scale), **config)
+    out, lse = kernel(_pad_heads(q, heads).contiguous(), kv.contiguous(), idx)
+    return out[:, :H], lse[:, :H]
+
+
+def latent_backward(q, kv, grad_out, indices, lse, delta, scale, **config):
+    """The backward kernel on the contract's tensors -> (dq, dkv fp32); ``config``:
+    ``backward_program``'s tuning keywords."""
+    S, H, D = q.shape
+    heads = padded_heads(H)
+    idx = _pad_keys(indices.to(torch.int32), BACKWARD_KEY_BLOCK).contiguous()
+    kernel = backward_kernel(heads, D, idx.shape[1], float(scale), **config)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dq = kernel(_pad_heads(q, heads).contiguous(), kv.contiguous(),
+                _pad_heads(grad_out, heads).contiguous(), idx,
+                _pad_heads(lse[..., None], heads)[..., 0].contiguous(),
+                _pad_heads(delta[..., None], heads)[..., 0].contiguous(), dkv)
+    return dq[:, :H], dkv
+
+
+def latent_dsa_kernels() -> DSAKernels:
+    """Our sparse-MLA kernels and the Triton indexer scores in the ``DSAKernels`` contract
+    (``kv [T, 1, 512]``, ``indices [S, 1, K]``); a clear error where they cannot run."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("model.dsa.kernel=latent needs CUDA (TileLang kernels); "
+                           "use model.dsa.kernel=torch on CPU")
+    _tilelang()
+
+    def forward(q, kv, indices, sm_scale):
+        return latent_forward(q, kv[:, 0], indices[:, 0], sm_scale)
+
+    def delta(out, grad_out):
+        return (out.float() * grad_out.float()).sum(-1)
+
+    def backward(q, kv, out, grad_out, indices, lse, sm_scale, delta):
+        dq, dkv = latent_backward(q, kv[:, 0], grad_out, indices[:, 0], lse, delta, sm_scale)
+        return dq, dkv[:, None]
+
+    return DSAKernels(forward=forward, delta=delta, backward=backward, index_scores=pool_scores,
+                      width=LATENT_WIDTH, value_width=LATENT_WIDTH)

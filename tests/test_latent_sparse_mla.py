@@ -1,0 +1,120 @@
+"""``model.dsa.kernel=latent``: our TileLang sparse-MLA kernels (``dsa/latent_sparse_mla.py``).
+
+On CPU: the head padding rule, the refusals, and (in ``tests/test_fused_sparse_mla.py`` and
+``tests/test_dsa.py``) the wrapper and the layer on a torch stand-in with the kernels' contract
+(the latent's own width, nothing padded). On a GPU: the kernels themselves in bf16 against the
+fp32 torch attention (``sparse_mla.sparse_latent_attention``) with -1 holes, a query with no
+key, 8 heads (padded to 16) and 64; each tuning of the backward; the wrapper against the fp32
+torch kernel at GLM's widths; and a control (every index shifted by one) that the tolerance
+catches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron_kda.dsa import kernels as dsa_kernels
+from skyrl_megatron_kda.dsa.latent_sparse_mla import (
+    latent_backward,
+    latent_dsa_kernels,
+    latent_forward,
+    padded_heads,
+)
+from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla, sparse_latent_attention
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
+SCALE = 256 ** -0.5
+TOL = 1e-2
+
+
+def test_heads_are_padded_as_the_kernels_take_them():
+    assert [padded_heads(h) for h in (1, 8, 16, 17, 33, 64, 65, 128)] == [16, 16, 16, 32, 64, 64,
+                                                                          128, 128]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_latent_kernels_need_cuda():
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        latent_dsa_kernels()
+    assert "run.device=gpu" in dsa_kernels.get("latent").refusal("cpu")
+    assert dsa_kernels.resolve("auto", "cpu") == "torch"
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _case(heads, gen, dev, tq=300, tk=2000, topk=130):
+    q = torch.randn(tq, heads, 512, generator=gen, device=dev) * 0.05
+    kv = torch.randn(tk, 512, generator=gen, device=dev)
+    pos = torch.arange(tk - tq, tk, device=dev)[:, None]
+    idx = (torch.rand(tq, topk, generator=gen, device=dev) * (pos + 1)).long()
+    idx = idx.masked_fill(torch.rand(idx.shape, generator=gen, device=dev) < 0.2, -1)
+    idx[7] = -1  # a query with no key: output, dq and log-sum-exp 0
+    grad = torch.randn(tq, heads, 512, generator=gen, device=dev)
+    return q.bfloat16(), kv.bfloat16(), idx.to(torch.int32), grad.bfloat16()
+
+
+def _kernel_errors(q, kv, idx, grad, kernel_idx=None, **config):
+    qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
+    ref = sparse_latent_attention(qr, kvr, idx, SCALE)
+    ref.backward(grad.float())
+    kidx = idx if kernel_idx is None else kernel_idx
+    out, lse = latent_forward(q, kv, kidx, SCALE)
+    delta = (out.float() * grad.float()).sum(-1)
+    dq, dkv = latent_backward(q, kv, grad, kidx, lse, delta, SCALE, **config)
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+    assert not out[7].any() and not dq[7].any() and not lse[7].any()
+    return {"out": _rel(out, ref), "dq": _rel(dq, qr.grad), "dkv": _rel(dkv, kvr.grad)}
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("config", [{}, {"num_stages": 2, "store_split": 4}])
+@pytest.mark.parametrize("heads", [8, 64])
+def test_kernels_match_the_fp32_attention(heads, config):
+    gen = torch.Generator(device="cuda").manual_seed(heads)
+    errors = _kernel_errors(*_case(heads, gen, torch.device("cuda")), **config)
+    print(heads, config, errors)
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_shifted_index_is_caught():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, kv, idx, grad = _case(64, gen, torch.device("cuda"))
+    shifted = torch.where(idx > 0, idx - 1, idx)
+    errors = _kernel_errors(q, kv, idx, grad, kernel_idx=shifted)
+    print(errors)
+    assert min(errors.values()) > 10 * TOL, errors
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("heads", [8, 64])  # 8: TP8's heads-split share (padded to 16 inside)
+def test_latent_path_matches_the_torch_kernel(heads):
+    """The layer's wrapper on our kernels (bf16) against the fp32 torch kernel at GLM's widths
+    (latent 512, head 256): out, dq, d latent and d weight within 1e-2 relative."""
+    from skyrl_megatron_kda.dsa.fused_sparse_mla import fused_absorbed_sparse_mla
+
+    gen = torch.Generator().manual_seed(3)
+    tq, tk, topk = 300, 700, 130
+    q = torch.randn(tq, heads, 256, generator=gen) * 0.5
+    latent = torch.randn(tk, 512, generator=gen)
+    weight = torch.randn(heads * 512, 512, generator=gen) * 512 ** -0.5
+    pos = torch.arange(tk - tq, tk)[:, None]
+    idx = (torch.rand(tq, topk, generator=gen) * (pos + 1)).long()
+    idx = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.2, -1).to(torch.int32)
+    grad = torch.randn(tq, heads, 256, generator=gen).cuda()
+    results = []
+    for dtype, attend in ((torch.float32, lambda *a: absorbed_sparse_mla(*a, 1 / 16, 256, 64)),
+                          (torch.bfloat16, lambda *a: fused_absorbed_sparse_mla(
+                              *a, 1 / 16, 256, 128, latent_dsa_kernels()))):
+        leaves = [t.cuda().to(dtype).requires_grad_() for t in (q, latent, weight)]
+        out = attend(*leaves, idx.cuda())
+        out.backward(grad.to(dtype))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    errors = [_rel(g, r) for g, r in zip(results[1], results[0])]
+    print(heads, errors)
+    assert max(errors) < TOL, errors
