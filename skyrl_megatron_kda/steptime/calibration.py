@@ -29,12 +29,18 @@ DSA_SELECTED_PER_TOPK = 2049.5 / 2048
 """Tokens selected per query against min(top-k, the query's prefix): the kernel's pools round
 the selection up (2,049.5 of 2,048 there)."""
 
-DSA_ATTN_FWD_S = 84.50683399999548e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)
-"""Sparse MLA forward (megatron's TileLang kernel over the absorbed latent) per query x head x
-selected token: 84.5 ms there."""
-
-DSA_ATTN_BWD_S = 857.7401830000042e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)
-"""Its backward per query x head x selected token: 857.7 ms there, 10.2x the forward."""
+DSA_ATTENTION_S = {
+    # bench/results/h200_dsa_latent/dsa_rank_share_latent.json (``best``), the same share: our
+    # TileLang kernels, forward 77.7 ms, backward 462.3 ms (5.9x the forward).
+    "latent": (77.71837600000708e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+               462.2557320000169e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    # bench/results/h200_dsa_kept_selection/dsa_rank_share_sequence.json (``best``):
+    # megatron-core's TileLang kernels, forward 84.5 ms, backward 857.7 ms (10.2x).
+    "fused": (84.50683399999548e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+              857.7401830000042e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+}
+"""The sparse MLA's forward and backward per query x head x selected token, by
+``model.dsa.kernel`` (the GPU kernels that have a stored run at the share)."""
 
 # --- the head: output layer + loss -----------------------------------------------------------------
 # bench/results/h200_fused_loss/fused_loss.txt: forward+backward of the loss over 65,536 to
@@ -46,9 +52,8 @@ FUSED_LOSS_S_PER_CELL = (
     (87.64821000000467 * 65536 + 176.8873740000032 * 131072 + 357.10796899999764 * 262144
      + 728.7358250000011 * 524288) * 1e-3 * 19360
     / ((65536**2 + 131072**2 + 262144**2 + 524288**2) * 19360**2))
-"""``train.loss_chunk_tokens``: seconds per row x vocabulary column (at hidden 4,096), 71.4 ps
-(the output GEMM forward, its two backward GEMMs and the rebuilt chunk logits: 4 GEMMs, about
-450 TFLOP/s)."""
+"""The loss alone (``train.loss_chunk_tokens``): 71.4 ps per row x vocabulary column (the output
+GEMM forward, its two backward GEMMs and the rebuilt chunk logits)."""
 
 UNFUSED_LOSS_S_PER_CELL = (
     (63.432135999995864 * 65536 + 140.3884099999999 * 131072 + 276.88655400000073 * 262144
@@ -65,34 +70,79 @@ OFFLOAD_EXPOSED_GIB_S = 2 * 4.000244140625 / (2.6496047874999817 - 2.49017638249
 """Bytes copied (both ways) per second of step time they add: 50.2 GiB/s. The copies are
 ordered on the compute stream (model/host_offload.py), so none of it is hidden."""
 
-# --- MoE, dense MLP, mHC: parts of the full-width slice at 131,072 tokens ----------------------
-# bench/results/h200_step_time_slices/slice_131072.json (bench/rank_share.py, one H200, every
-# memory lever, full recompute): each part of a layer called on its own, forward without grad,
-# forward with grad, backward, as the step runs it. Layer 1 (KDA + MoE) and layer 0 (KDA + dense).
+# --- KDA block, MoE, dense MLP, head: two widths ------------------------------------------------
+# Each block is timed at two widths on one H200 (bench/rank_share.py: the part called on its own,
+# forward without grad, forward with grad, backward, as a full-recompute step runs it): the
+# full-width slice at 131,072 tokens (bench/results/h200_step_time_latent/slice_131072.json,
+# layers 0 and 1) and one rank's widths of the 1M recipe fed that rank's rows
+# (bench/results/h200_step_time_share/share_1m.json: 8 KDA heads, 9 experts of 1,024 columns,
+# a 1,536-column dense FFN, a 19,360-row vocabulary shard). At one width the GEMM work and the
+# rows grow together; the two widths separate a GEMM rate from a cost per row and hidden
+# element (norms, casts, the copies around the GEMMs), which the narrow rank pays relatively
+# more of. The slice at 32,768 and 65,536 tokens (same run) checks each fit
+# (tests/test_step_time.py; docs/step_time.md).
 SLICE_PART_ROWS = 131072
+SHARE_ROWS = 524288
+"""Rows of the share's KDA, dense and head parts (the CP rank's rows, gathered over TP)."""
+SHARE_MOE_ROWS = 131072
+"""Rows fed to the share's MoE block: top-8 of its 9 experts, 1,048,576 routed pairs, the
+rank's pairs in the 1M recipe."""
+HIDDEN = 4096
 
-MOE_LAYER_S = 0.8102356370000052
-"""Layer 1's MLP block (norm, router, 16 experts of 2,048 columns with top-8 under
-``train.moe_chunk_tokens=8192``, the shared expert): 0.810 s."""
+MOE_SLICE_S, MOE_SHARE_S = 0.835285209999995, 0.5107687660000124
+MOE_SLICE_FLOP = 5 * (2 * 8 * SLICE_PART_ROWS * 3 * HIDDEN * 2048) \
+    + 4 * (2 * SLICE_PART_ROWS * 3 * HIDDEN * 2048 + 2 * SLICE_PART_ROWS * HIDDEN * 16)
+MOE_SHARE_FLOP = 5 * (2 * 8 * SHARE_MOE_ROWS * 3 * HIDDEN * 1024) \
+    + 4 * (2 * SHARE_MOE_ROWS * 3 * HIDDEN * 1024 + 2 * SHARE_MOE_ROWS * HIDDEN * 9)
+"""The MoE blocks' GEMM work as ``model.moe_part`` counts it, in forward-equivalents (a backward
+is two): the routed experts' three GEMMs over the 1,048,576 (row, expert) pairs five times (two
+forwards under full recompute, the chunks' extra forward, the backward), the shared expert's
+and the router's four times. Both blocks route the same number of pairs."""
 
-MOE_LAYER_FLOP = 5 * (2 * 8 * SLICE_PART_ROWS * 3 * 4096 * 2048) \
-    + 4 * (2 * SLICE_PART_ROWS * 3 * 4096 * 2048 + 2 * SLICE_PART_ROWS * 4096 * 16)
-"""Its GEMM work as ``model.moe_part`` counts it, in forward-equivalents (a backward is two): the
-routed experts' three GEMMs over 8 x 131,072 (row, expert) pairs five times (two forwards under
-full recompute, the chunks' extra forward, the backward), the shared expert's and the router's
-four times."""
+MOE_FLOP_PER_S = (MOE_SLICE_FLOP - MOE_SHARE_FLOP) / (MOE_SLICE_S - MOE_SHARE_S)
+"""The MoE GEMM rate (about 447 TFLOP/s): the two blocks differ in GEMM work only."""
 
-MOE_FLOP_PER_S = MOE_LAYER_FLOP / MOE_LAYER_S
-"""The MoE layer's rate, its GEMM FLOPs per second (about 358 TFLOP/s); the shared expert and the
-router get the same rate. megatron's SequentialMLP runs the experts one after another, with the
-token permutation and the clamped SwiGLU around them."""
+MOE_S_PER_PAIR_ELEMENT = (MOE_SLICE_S - MOE_SLICE_FLOP / MOE_FLOP_PER_S) / (8 * SLICE_PART_ROWS * HIDDEN)
+"""The rest per routed pair and hidden element under full recompute (permutation, SwiGLU and
+its clamp, probabilities, the experts run one after another): 43.4 ps, 0.19 s of each block."""
 
-DENSE_LAYER_S = 0.3144743689999814
-"""Layer 0's MLP block (norm and the dense FFN, 12,288 columns): 0.314 s."""
+DENSE_SLICE_S, DENSE_SHARE_S = 0.323069084999986, 0.25058116299999256
+DENSE_SLICE_FLOP = 4 * 2 * SLICE_PART_ROWS * 3 * HIDDEN * 12288
+DENSE_SHARE_FLOP = 4 * 2 * SHARE_ROWS * 3 * HIDDEN * 1536
+DENSE_S_PER_ROW_ELEMENT = ((DENSE_SHARE_S - DENSE_SLICE_S * DENSE_SHARE_FLOP / DENSE_SLICE_FLOP)
+                           / (SHARE_ROWS * HIDDEN
+                              - SLICE_PART_ROWS * HIDDEN * DENSE_SHARE_FLOP / DENSE_SLICE_FLOP))
+"""The dense block (norm and FFN) per row and hidden element under full recompute: 47.4 ps."""
+DENSE_FLOP_PER_S = DENSE_SLICE_FLOP / (DENSE_SLICE_S - DENSE_S_PER_ROW_ELEMENT * SLICE_PART_ROWS * HIDDEN)
+"""The dense FFN's three GEMMs in four forward-equivalents: about 532 TFLOP/s."""
 
-DENSE_FLOP_PER_S = 4 * 2 * SLICE_PART_ROWS * 3 * 4096 * 12288 / DENSE_LAYER_S
-"""The dense FFN's rate over its three GEMMs in four forward-equivalents (about 503 TFLOP/s)."""
+KDA_SLICE_S, KDA_SHARE_S = 0.5271065869999916, 0.3914068489999636
+KDA_SLICE_LAYER_S, KDA_SHARE_LAYER_S = 0.41947216393694364, 0.2182303089571619
+"""The KDA attention blocks measured, and ``model.kda_layer_s`` of the same recipes (the KDA
+cost model's layer, under full recompute; the runs printed it as ``model_s``, their model
+having no block term yet)."""
+KDA_SLICE_HEAD_WIDTH, KDA_SHARE_HEAD_WIDTH = 64 * 128, 8 * 128
+"""The blocks' head width per row (heads on the rank x head dim)."""
+_KDA_A = ((KDA_SLICE_S - KDA_SLICE_LAYER_S, SLICE_PART_ROWS * HIDDEN, SLICE_PART_ROWS * KDA_SLICE_HEAD_WIDTH),
+          (KDA_SHARE_S - KDA_SHARE_LAYER_S, SHARE_ROWS * HIDDEN, SHARE_ROWS * KDA_SHARE_HEAD_WIDTH))
+_KDA_DET = _KDA_A[0][1] * _KDA_A[1][2] - _KDA_A[0][2] * _KDA_A[1][1]
+KDA_S_PER_ROW_ELEMENT = (_KDA_A[0][0] * _KDA_A[1][2] - _KDA_A[0][2] * _KDA_A[1][0]) / _KDA_DET
+"""What the KDA block costs beyond the cost model's layer (its norm, the residual streams'
+reads, casts and copies around the projections), per row and hidden element under full
+recompute: 63.5 ps ..."""
+KDA_S_PER_ROW_HEAD_ELEMENT = (_KDA_A[0][1] * _KDA_A[1][0] - _KDA_A[0][0] * _KDA_A[1][1]) / _KDA_DET
+"""... and per row and head channel (the rank's heads x head dim): 68.5 ps."""
 
+HEAD_SHARE_S = 0.8209464729999922
+HEAD_SHARE_VOCAB = 19360
+HEAD_S_PER_ROW_ELEMENT = ((HEAD_SHARE_S - FUSED_LOSS_S_PER_CELL * SHARE_ROWS * HEAD_SHARE_VOCAB)
+                          / (SHARE_ROWS * HIDDEN))
+"""The head block beyond the loss (the final norm, the hidden rows' copies and casts) per row
+and hidden element: 44.8 ps; the share's head took 0.821 s where the loss alone at its shape
+takes 0.725 s."""
+
+# bench/results/h200_step_time_slices/slice_131072.json: layer 1's two hyper-connection modules
+# at 131,072 rows.
 MHC_CALIBRATED_STREAMS = 4
 MHC_CALIBRATED_HIDDEN = 4096
 

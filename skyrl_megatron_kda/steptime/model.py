@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import LinkConfig, Recipe
+from ..dsa import kernels as dsa_kernels
 from ..kda.cost import estimate as kda_estimate
 from ..kda.cost import kda_kernel_s
 from ..kda import exchanges
@@ -30,6 +31,7 @@ from ..memory.census import rank_parameters
 from ..memory.offload import offloaded_tensor_bytes
 from ..memory.rows import act_bytes, rows_of
 from ..memory.states import grad_bytes, optimizer_shards
+from ..registry import AUTO
 from . import calibration as cal
 
 GiB = 2**30
@@ -117,6 +119,12 @@ def _passes(recipe: Recipe, kind: str) -> int:
     return 2 if recipe.train.recompute_of(kind) == "full" else 1
 
 
+def _recompute_share(recipe: Recipe, kind: str) -> float:
+    """A per-row cost measured under full recompute (two forwards and a backward, four
+    forward-equivalents), scaled to the recipe's passes."""
+    return (_passes(recipe, kind) + 2) / 4
+
+
 def _gemm_s(flops: float) -> float:
     return flops / cal.GEMM_FLOP_PER_S
 
@@ -130,15 +138,11 @@ def _layer_params(recipe: Recipe, component: str, layers: int) -> float:
 # --- the parts ------------------------------------------------------------------------------------
 
 
-def kda_part(recipe: Recipe) -> Part:
-    """The KDA layers: the cost model's forward+backward per layer (its exchange, kernel,
-    projection GEMMs and elementwise terms), the kernel over ``kda.kernel_head_group`` heads
-    at a time, and the rebuilt forward under recompute."""
-    m, k = recipe.model, recipe.kda
-    n = m.layer_types().count("kda")
-    if n == 0:
-        return Part("KDA attention", 0, 0.0, 0.0)
-    p = recipe.parallel
+def kda_layer_s(recipe: Recipe) -> tuple[float, float]:
+    """One KDA layer's (compute, communication) seconds per step as the KDA cost model prices it:
+    its exchange, kernel, projection GEMMs and elementwise terms, the kernel over
+    ``kda.kernel_head_group`` heads at a time, and the rebuilt forward under recompute."""
+    k, p = recipe.kda, recipe.parallel
     shape = ExchangeShape.of(recipe)
     spans = recipe.cluster.cp_spans_nodes(p.tp, p.cp)
     est = kda_estimate(k.cp_exchange, shape, spans, recipe.cluster,
@@ -155,12 +159,28 @@ def kda_part(recipe: Recipe) -> Part:
         # One call per head group: each pays the per-call cost and runs fewer heads, at lower
         # per-head-token efficiency (kda/cost.py's kernel model).
         kernel *= (heads / group) * kda_kernel_s(group, tokens) / kda_kernel_s(heads, tokens)
-    fwd_bwd = kernel + est.gemm_s + est.elementwise_s
-    compute = fwd_bwd
+    compute = kernel + est.gemm_s + est.elementwise_s
     comm = est.comm_s
     if _passes(recipe, "kda") == 2:
         compute += cal.KDA_FORWARD_SHARE * (kernel + est.elementwise_s) + est.gemm_s / 3
         comm += est.comm_s / 2  # the forward's half of the exchange's and the TP gather's bytes
+    return compute, comm
+
+
+def kda_part(recipe: Recipe) -> Part:
+    """The KDA layers: the cost model's layer (``kda_layer_s``) and what the block around it
+    costs per row (its norm, casts and copies: the measured per-element rates over the hidden
+    width and the rank's head width)."""
+    m, k, p = recipe.model, recipe.kda, recipe.parallel
+    n = m.layer_types().count("kda")
+    if n == 0:
+        return Part("KDA attention", 0, 0.0, 0.0)
+    compute, comm = kda_layer_s(recipe)
+    head_width = k.num_heads / p.tp * k.head_dim
+    compute += (rows_of(recipe).cp * (m.hidden_size * cal.KDA_S_PER_ROW_ELEMENT
+                                      + head_width * cal.KDA_S_PER_ROW_HEAD_ELEMENT)
+                * _recompute_share(recipe, "kda"))
+    spans = recipe.cluster.cp_spans_nodes(p.tp, p.cp)
     link = "CP " + ("between nodes" if spans else "inside a node") + f", {k.cp_exchange}"
     return Part("KDA attention", n, n * compute, n * comm, f"{link}; TP row gathers")
 
@@ -192,8 +212,15 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     indexer = (q * visible_pools * a.index_num_heads * a.index_head_dim
                * cal.DSA_INDEXER_S_PER_SCORE_DIM * indexer_runs)
     work = q * a.num_heads * selected
-    return {"indexer": indexer, "attention_fwd": passes * work * cal.DSA_ATTN_FWD_S,
-            "attention_bwd": work * cal.DSA_ATTN_BWD_S}
+    fwd, bwd = cal.DSA_ATTENTION_S[dsa_rate_kernel(recipe)]
+    return {"indexer": indexer, "attention_fwd": passes * work * fwd, "attention_bwd": work * bwd}
+
+
+def dsa_rate_kernel(recipe: Recipe) -> str:
+    """The DSA kernel whose measured rates price the attention: the recipe's, or for a kernel
+    with no GPU run at the share (torch, unfused) the one ``auto`` picks on a GPU."""
+    name = recipe.model.dsa.kernel
+    return name if name in cal.DSA_ATTENTION_S else dsa_kernels.resolve(AUTO, "gpu")
 
 
 def dsa_part(recipe: Recipe) -> Part:
@@ -266,7 +293,8 @@ def moe_part(recipe: Recipe, dispatcher: str = "allgather") -> Part:
     shared = 2 * rows.cp * 3 * D * (e.ffn_hidden_size * e.num_shared_experts // p.tp)
     router = 2 * rows.sp * D * e.num_experts
     flops = routed * (expert_passes + 2) + (shared + router) * (passes + 2)
-    compute = flops / cal.MOE_FLOP_PER_S
+    compute = (flops / cal.MOE_FLOP_PER_S
+               + moe_pairs(recipe) * D * cal.MOE_S_PER_PAIR_ELEMENT * (passes + 2) / 4)
     group = p.ep * p.etp
     link = _group_link(recipe, 1, group)
     comm = (passes + 1) * _seconds(moe_dispatch_bytes(recipe, dispatcher), link)
@@ -292,7 +320,8 @@ def dense_part(recipe: Recipe) -> Part:
     if p.tp > 1 and p.sequence_parallel:
         comm = (passes + 1) * 2 * _seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
                                            _group_link(recipe, 1, p.tp))
-    return Part("dense MLP", n, n * flops / cal.DENSE_FLOP_PER_S, n * comm, "SP gather + reduce-scatter in TP")
+    compute = flops / cal.DENSE_FLOP_PER_S + rows.cp * D * cal.DENSE_S_PER_ROW_ELEMENT * (passes + 2) / 4
+    return Part("dense MLP", n, n * compute, n * comm, "SP gather + reduce-scatter in TP")
 
 
 def mhc_part(recipe: Recipe) -> Part:
@@ -318,7 +347,8 @@ def head_part(recipe: Recipe) -> Part:
     rows = rows_of(recipe)
     cells = rows.cp * (m.vocab_size / p.tp) * m.hidden_size / cal.HEAD_CALIBRATED_HIDDEN
     rate = cal.FUSED_LOSS_S_PER_CELL if recipe.train.loss_chunk_tokens else cal.UNFUSED_LOSS_S_PER_CELL
-    compute = cells * rate + rows.sp * cal.EMBEDDING_S_PER_ROW
+    compute = (cells * rate + rows.cp * m.hidden_size * cal.HEAD_S_PER_ROW_ELEMENT
+               + rows.sp * cal.EMBEDDING_S_PER_ROW)
     comm = 0.0
     if p.tp > 1 and p.sequence_parallel:
         link = _group_link(recipe, 1, p.tp)
