@@ -53,13 +53,14 @@ class FusedKernel(AbsorbedKernel):
           indexer queries [q, index_heads, index_head_dim], its fp32 head weights, the Triton
           scores [q, P] fp32 and ``torch.topk``'s values and ids (fp32 + int64, index_topk /
           kpool per query).
-        * ``attention forward``: the latent padded to 576 channels [T, 576] w; per call: the
-          absorbed queries [f, n, 576] w, the kernel's output and its masked copy [f, n, 512] w
-          each, the int32 indices copy and the kernel's copy padded to a multiple of 64.
-        * ``attention backward``: the padded latent, the fp32 latent gradient [T, R] and the
-          kernel's fp32 latent gradient [T, 576] and its w copy; per call the absorbed queries,
-          the recomputed output, the output gradient in latent space (einsum, padded and
-          masked: two alive) [f, n, 512] w, dq [f, n, 576] w, and the fp32 copies the weight
+        * ``attention forward``: the latent in the kernels' width (``width``: 576, zero-padded,
+          for megatron-core's; 512 for ours) [T, width] w; per call: the absorbed queries
+          [f, n, width] w, the kernel's output and its masked copy [f, n, value_width] w each,
+          the int32 indices copy and the kernel's copy padded to a multiple of 64.
+        * ``attention backward``: that latent, the fp32 latent gradient [T, R] and the kernel's
+          fp32 latent gradient [T, width] and its w copy; per call the absorbed queries, the
+          recomputed output, the output gradient in latent space (einsum, padded and masked:
+          two alive) [f, n, value_width] w, dq [f, n, width] w, and the fp32 copies the weight
           gradients take (q_nope and dq: [f, n, dn + R] x 4)."""
         w, a = shape.act_bytes, shape.dsa
         T, R, n, dn = shape.whole, a.kv_lora_rank, shape.heads, a.qk_nope_head_dim
