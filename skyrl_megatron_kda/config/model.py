@@ -97,16 +97,16 @@ class DSAConfig(ConfigSection):
     kernel: str = Field(default="auto", strict=True)
     """Sparse attention implementation: a registered kernel (``dsa.kernels``) or ``auto``, which
     is resolved once when the recipe is loaded to run (``recipes.load_recipe``: the first kernel
-    the device does not refuse). fused: megatron-core's TileLang SparseMLA kernels (CUDA, the
-    ``tilelang`` package) in the absorbed layout and our Triton indexer scores
-    (dsa/kernels/fused.py); latent: the same with our own TileLang sparse-MLA kernels for GLM's
-    512-wide NoPE latent (dsa/kernels/latent.py, dsa/latent_sparse_mla.py); torch: the absorbed sparse MLA over the KV latent in query blocks
-    (dsa/kernels/torch_blocks.py), the CPU path and the fused kernel's reference; unfused:
-    megatron-core's ``unfused_dsa_fn`` on whole-sequence keys and values with the full
-    [queries x pools] indexer scores (the oracle the others are tested against); auto: fused
-    when run.device=gpu, else torch. fused and torch share the blocked indexer top-k; memory is
-    linear in the tokens for both. The name, the device and the split are checked against the
-    live registry (``recipe_rules``)."""
+    the device does not refuse). latent: our TileLang sparse-MLA kernels for GLM's 512-wide NoPE
+    latent (CUDA, the ``tilelang`` package; dsa/kernels/latent.py) and our Triton indexer scores;
+    fused: the same with megatron-core's TileLang SparseMLA kernels (the latent zero-padded to
+    576 channels; dsa/kernels/fused.py); torch: the absorbed sparse MLA over the KV latent in
+    query blocks (dsa/kernels/torch_blocks.py), the CPU path and the GPU kernels' reference;
+    unfused: megatron-core's ``unfused_dsa_fn`` on whole-sequence keys and values with the full
+    [queries x pools] indexer scores (the oracle the others are tested against); auto: latent
+    when run.device=gpu, else torch. latent, fused and torch share the blocked indexer top-k;
+    memory is linear in the tokens for all three. The name, the device and the split are checked
+    against the live registry (``recipe_rules``)."""
     tp_split: Literal["heads", "sequence"] = "sequence"
     """How tensor parallelism splits the sparse attention. heads: each TP rank attends with its
     heads/tp heads from all query rows of its CP rank (the indexer runs on all of them, on every
