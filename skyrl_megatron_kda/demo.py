@@ -57,8 +57,8 @@ def check_on_mesh(rank: int, world: int, recipe: Recipe, lengths: tuple[int, ...
     try:
         groups = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         singles = [dist.new_group([r]) for r in range(world)]
-        device = "cuda" if recipe.run.device == "gpu" else "cpu"
-        batch = make_batch(recipe.model.hidden_size, lengths=lengths, device=device,
+        batch = make_batch(recipe.model.hidden_size, lengths=lengths,
+                           device=recipe.run.torch_device,
                            dtype=getattr(torch, recipe.model.params_dtype))
         return check_exchange(recipe, batch, groups.tp, groups.cp, singles[rank])
     finally:

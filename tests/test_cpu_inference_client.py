@@ -1,6 +1,7 @@
-"""The CPU sampler (integrations/skyrl/cpu_inference.py) without a trainer: version folders are
-written here the way ``weight_sync.DiskPublisher`` writes them (an HF folder with ``TRAIN_STEP``,
-named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint and tokenizer.
+"""The project's sampler (integrations/skyrl/glm5_next_client.py) on the CPU, without a trainer:
+version folders are written here the way ``weight_sync.DiskPublisher`` writes them (an HF folder
+with ``TRAIN_STEP``, named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint
+and tokenizer.
 
 - Reproducible across a restart: a call's samples depend on the client's seed, the optimizer
   steps of the weights (``TRAIN_STEP``), its prompts and its index among the calls with those
@@ -8,6 +9,9 @@ named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint and
   before; a fresh client (a resumed job) draws what a long-lived one drew. Negative controls:
   the same weights under another ``TRAIN_STEP``, and the next call on the same weights, draw
   other tokens.
+- The device it is given: with ``device="cpu"`` (what the entrypoint passes for
+  ``run.device=cpu``) the model is fp32 on the CPU, and a pickled copy (what SkyRL ships to the
+  workers) keeps the device and no weights.
 - Colocation: asleep (SkyRL's ``sleep``, and after ``wake_up(["weights"])`` only) it refuses to
   generate; once ``kv_cache`` wakes too, it serves the newest published version.
 - ``offload_kv_for_weight_sync`` under the fully async trainer: SkyRL's own sync bracket
@@ -20,10 +24,12 @@ named in ``LATEST``), from the rl_tiny example's random glm5_next checkpoint and
 from __future__ import annotations
 
 import asyncio
+import pickle
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 PROMPTS = [[5, 9, 14, 3], [5, 9, 14, 3], [7, 7, 21]]  # a repeated prompt, as GRPO sends it
 BATCH = {"prompt_token_ids": PROMPTS,
@@ -32,7 +38,7 @@ BATCH = {"prompt_token_ids": PROMPTS,
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import _glm5_next_class
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import _glm5_next_class
 
     _glm5_next_class()  # the client's torch-path import of glm5_next, before the example's
     from examples.rl_tiny import make_inputs as example
@@ -55,9 +61,10 @@ def _publish(checkpoint: Path, root: Path, version: int, train_step: int) -> Non
 def _client(checkpoint: Path, root: Path):
     from transformers import AutoTokenizer
 
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import Glm5NextInferenceClient
 
-    return CPUInferenceClient(root, AutoTokenizer.from_pretrained(checkpoint), model_name="tiny")
+    return Glm5NextInferenceClient(root, AutoTokenizer.from_pretrained(checkpoint),
+                                   model_name="tiny", device="cpu")
 
 
 def _sample(client) -> list:
@@ -84,6 +91,18 @@ def test_samples_depend_on_weights_step_and_call_not_on_the_clients_history(chec
     assert [t for t, _ in second] != [t for t, _ in first]
     # The two samples of the repeated prompt within one call differ too.
     assert first[0][0] != first[1][0]
+
+
+def test_the_client_loads_its_model_on_the_device_it_is_given(checkpoint, tmp_path):
+    client = _client(checkpoint, tmp_path)
+    _publish(checkpoint, tmp_path, 1, train_step=0)
+    asyncio.run(client.resume_generation())
+    assert client.device == torch.device("cpu")
+    held = {(p.device.type, p.dtype) for p in client.model.parameters()}
+    assert held == {("cpu", torch.float32)}, held
+    assert len(_sample(client)) == len(PROMPTS)
+    shipped = pickle.loads(pickle.dumps(client))
+    assert (shipped.device, shipped._model) == (torch.device("cpu"), None)
 
 
 def test_a_colocated_client_generates_only_awake_on_the_newest_weights(checkpoint, tmp_path):

@@ -1,5 +1,5 @@
-"""The CPU sampler's DSA selection breaks ties as the trainer does, on rows longer than
-``index_topk`` (integrations/skyrl/cpu_inference.py, ``match_trainer_dsa_ties``).
+"""The project's sampler's DSA selection (on the CPU) breaks ties as the trainer does, on rows
+longer than ``index_topk`` (integrations/skyrl/glm5_next_client.py, ``match_trainer_dsa_ties``).
 
 An indexer score is a sum over indexer heads of weighted ReLUs: with few heads many pools score
 exactly 0, and past ``index_topk`` tokens several tie at the top-k boundary. The trainer's torch
@@ -14,7 +14,7 @@ pick. The client's model keeps the earlier pool too, so:
 - negative control: transformers' stock glm5_next on the same weights and row differs from the
   trainer by far more at the positions where a tie at the boundary is broken the other way
   (each config with fewer than 8 heads has such positions here; the 8-head rows have none);
-- the RL path itself: ``CPUInferenceClient.generate`` samples a response that runs past
+- the RL path itself: ``Glm5NextInferenceClient.generate`` samples a response that runs past
   ``index_topk``, and its ``response_logprobs`` are the trainer's on that row (packed as the
   second document after a random row, right-padded), where the stock model's differ;
 - only the client's model changes: another glm5_next instance of the same class, and torch
@@ -71,7 +71,7 @@ def _make_checkpoint(folder: Path, recipe, seed: int) -> None:
     """A random glm5_next of ``recipe``: transformers' init plus noise on every tensor."""
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
 
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import _glm5_next_class
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import _glm5_next_class
     from skyrl_megatron_kda.model.hf_io import hf_text_config
 
     text = dict(hf_text_config(recipe), pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -90,7 +90,7 @@ def _make_checkpoint(folder: Path, recipe, seed: int) -> None:
 
 def _stock(folder: Path) -> torch.nn.Module:
     """transformers' glm5_next as it ships (``torch.topk``'s ties), fp32."""
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import _glm5_next_class
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import _glm5_next_class
 
     return _glm5_next_class().from_pretrained(folder, attn_implementation="eager").float().eval()
 
@@ -114,7 +114,7 @@ class _Tokenizer:
 
 
 def _client(checkpoint: Path, root: Path):
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import Glm5NextInferenceClient
     from skyrl_megatron_kda.integrations.skyrl.weight_sync import (
         LATEST,
         TRAIN_STEP,
@@ -125,7 +125,7 @@ def _client(checkpoint: Path, root: Path):
     shutil.copytree(checkpoint, folder)
     (folder / TRAIN_STEP).write_text("0")
     (root / LATEST).write_text(folder.name)
-    client = CPUInferenceClient(root, _Tokenizer(), model_name="ties", seed=3)
+    client = Glm5NextInferenceClient(root, _Tokenizer(), model_name="ties", seed=3, device="cpu")
     asyncio.run(client.resume_generation())  # loads the published version
     return client
 
@@ -156,7 +156,7 @@ def _trainer_logprobs(rank, world, jobs):
 def rows(tmp_path_factory):
     """Per config: the client's, the stock model's and the trainer's log-probs of a random row;
     and the client's sampled row on ``GENERATED``."""
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import _glm5_next_class
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import _glm5_next_class
 
     _glm5_next_class()  # the client's torch-path import of glm5_next comes first
     base = tmp_path_factory.mktemp("ties")
@@ -243,7 +243,7 @@ def test_only_the_clients_model_changes(tmp_path):
     another instance is untouched (the stock model's differing log-probs above show its
     ``torch.topk`` at work), the stable top-k's mode ends with the call, and applying the rule
     twice changes nothing more."""
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import (
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import (
         INDEXER_CLASS,
         load_glm5_next,
         match_trainer_dsa_ties,

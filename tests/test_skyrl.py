@@ -280,18 +280,50 @@ def test_dry_run_lists_only_what_remains(tmp_path):
     assert "set trainer.kda.sampler=glm5_next" in line
 
 
-@pytest.mark.parametrize("settings, blocker", [
-    (["trainer.kda.overrides.run.device=gpu", "trainer.kda.sampler=glm5_next"],
-     "trainer.kda.sampler=glm5_next samples on the CPU"),
-    (["trainer.kda.sampler=glm5_next", "trainer.kda.env_modules=[no_such_pkg.envs]"],
-     "trainer.kda.env_modules: no module 'no_such_pkg.envs' to import"),
-], ids=["sampler-on-gpu", "env-module"])
-def test_dry_run_blocks_a_sampler_or_env_module_it_cannot_serve(tmp_path, settings, blocker):
-    done = _run([*MAIN_BASE, *ALLGATHER, *settings, "trainer.kda.dry_run=true",
+def test_dry_run_blocks_an_env_module_it_cannot_import(tmp_path):
+    done = _run([*MAIN_BASE, *ALLGATHER, "trainer.kda.sampler=glm5_next",
+                 "trainer.kda.env_modules=[no_such_pkg.envs]", "trainer.kda.dry_run=true",
                  f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
     assert done.returncode == 1, done.stderr[-3000:]
     [line] = _blockers(done)
-    assert line.startswith(blocker), line
+    assert line.startswith("trainer.kda.env_modules: no module 'no_such_pkg.envs' to import"), line
+
+
+def test_dry_run_is_ready_for_the_projects_sampler_on_a_gpu_recipe(tmp_path):
+    """trainer.kda.sampler=glm5_next serves a GPU recipe too, on cuda. The dry run asks for no
+    CUDA (it may run on a login node without GPUs): the client refuses cuda where its process
+    sees none (tests/test_sampler_device.py)."""
+    done = _run([*MAIN_BASE, *ALLGATHER, "trainer.kda.overrides.run.device=gpu",
+                 "trainer.kda.sampler=glm5_next", "trainer.kda.dry_run=true",
+                 f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "launch: ready"
+    assert any(line.endswith("rollouts from trainer.kda.sampler=glm5_next on cuda")
+               for line in lines), lines
+
+
+def test_the_experiment_builds_the_sampler_on_the_recipes_device(tmp_path):
+    """The one place the client is built (``KDAPPOExp.get_inference_client``) gives it the
+    recipe's device: cpu for run.device=cpu, cuda for run.device=gpu (refused at once by the
+    client where this process has no CUDA)."""
+    import torch
+
+    from skyrl_megatron_kda.integrations.skyrl.entrypoint import KDAPPOExp, parse
+
+    def client(device: str):
+        exp = object.__new__(KDAPPOExp)  # no tokenizer, datasets or engines: the hook alone
+        exp.cfg = parse([*ALLGATHER, f"trainer.kda.overrides.run.device={device}",
+                         "trainer.kda.sampler=glm5_next", f"trainer.export_path={tmp_path}"])
+        exp.recipe, exp.tokenizer = exp.cfg.trainer.kda.resolve(), None
+        return exp.get_inference_client()
+
+    assert client("cpu").device == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert client("gpu").device.type == "cuda"
+    else:
+        with pytest.raises(RuntimeError, match="device='cuda' but this process sees no CUDA GPU"):
+            client("gpu")
 
 
 # --- the dry run as a gate: exit 0 only when nothing blocks the launch ------------------------

@@ -1,10 +1,11 @@
-"""Weight sync of the KDA policy worker (integrations/skyrl/weight_sync.py) and the CPU sampler
-(integrations/skyrl/cpu_inference.py), on spawned gloo ranks with the tiny recipe (fp32).
+"""Weight sync of the KDA policy worker (integrations/skyrl/weight_sync.py) and the project's
+sampler on the CPU (integrations/skyrl/glm5_next_client.py), on spawned gloo ranks with the tiny
+recipe (fp32).
 
 Four ranks at TP2 x CP2 (+SP, EP2) build the worker from a random glm5_next checkpoint and:
 - iterate ``HFWeightSource`` (the stream SkyRL's nccl / ipc engines send) and its metadata;
 - publish it twice through the worker's own ``init_weight_sync_state`` /
-  ``broadcast_to_inference_engines`` with a ``CPUInferenceClient`` (the disk backend), an
+  ``broadcast_to_inference_engines`` with a ``Glm5NextInferenceClient`` (the disk backend), an
   optimizer step in between; rank 0 samples from each published version with the client and
   every rank scores the sampled tokens with ``worker.forward`` (the trainer's log-probs). The
   two must agree (SkyRL's ``rollout_train_logprobs_abs_diff_max``) below 1e-5: the random
@@ -90,7 +91,7 @@ def _sample_and_score(worker, client, ie_cfg):
     the trainer. Returns (sampler log-probs, trainer log-probs) per response, or None off rank 0."""
     import torch.distributed as dist
 
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import sampled_tokens
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import sampled_tokens
 
     box = [None]
     if dist.get_rank() == 0:
@@ -164,7 +165,7 @@ def _ranks(rank, world, hf_dir, publish_dir):
     import torch.distributed as dist
 
     from skyrl_megatron_kda.integrations.skyrl import weight_sync
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import Glm5NextInferenceClient
     from skyrl_megatron_kda.model.hf_io import expected_hf_names
 
     worker, ie_cfg = _worker(hf_dir)
@@ -175,7 +176,7 @@ def _ranks(rank, world, hf_dir, publish_dir):
     out = {"meta": meta, "stream": stream, "expected": sorted(expected_hf_names(worker.recipe)),
            "vllm": _through_vllms_contract(model)}
 
-    client = CPUInferenceClient(publish_dir, tokenizer=None, model_name="tiny")
+    client = Glm5NextInferenceClient(publish_dir, tokenizer=None, model_name="tiny")
     asyncio.run(worker.init_weight_sync_state(client, ie_cfg))
     asyncio.run(worker.broadcast_to_inference_engines(None, ie_cfg))
     out["v1"] = _sample_and_score(worker, client, ie_cfg)
@@ -294,18 +295,18 @@ def test_weight_source_refuses_backends_it_does_not_serve():
     ({"temperature": -1.0}, "temperature=-1.0 is negative"),
 ])
 def test_cpu_client_refuses_sampling_settings_by_name(setting, message):
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import Glm5NextInferenceClient
 
-    client = CPUInferenceClient("/nonexistent", tokenizer=None, model_name="tiny")
+    client = Glm5NextInferenceClient("/nonexistent", tokenizer=None, model_name="tiny")
     batch = {"prompt_token_ids": [[1, 2]], "sampling_params": {"max_tokens": 2, **setting}}
     with pytest.raises(ValueError, match=message):
         asyncio.run(client.generate(batch))
 
 
 def test_cpu_client_refuses_to_generate_during_a_sync_or_before_weights_exist(tmp_path):
-    from skyrl_megatron_kda.integrations.skyrl.cpu_inference import CPUInferenceClient
+    from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import Glm5NextInferenceClient
 
-    client = CPUInferenceClient(tmp_path, tokenizer=None, model_name="tiny")
+    client = Glm5NextInferenceClient(tmp_path, tokenizer=None, model_name="tiny")
     batch = {"prompt_token_ids": [[1, 2]], "sampling_params": {"max_tokens": 2}}
     asyncio.run(client.pause_generation())
     with pytest.raises(RuntimeError, match="paused for a weight sync"):

@@ -33,6 +33,11 @@ class RunConfig(ConfigSection):
     Every rank reads it, so it must exist on every node when the run starts; with ``resume`` the
     checkpoint's weights win and this folder is only checked (export copies its config through)."""
 
+    @property
+    def torch_device(self) -> str:
+        """The torch device type of ``device``: ``cuda`` for ``gpu``, else ``cpu``."""
+        return "cuda" if self.device == "gpu" else "cpu"
+
     @field_validator("init_from_hf")
     @classmethod
     def _init_path_not_empty(cls, value: str | None) -> str | None:

@@ -20,8 +20,8 @@
 #            must find nothing broken
 #   dry-run  SkyRL's main_base dispatched to the KDA entrypoint with trainer.kda.dry_run=true, on a
 #            model folder matching the tiny recipe: exit 0 and `launch: ready`
-#   sampler  the sampler extra (transformers with the glm5_next the CPU sampler loads): the one pin
-#            that moves past skyrl's; `pip check` may then name skyrl's transformers cap and
+#   sampler  the sampler extra (transformers with the glm5_next the project's sampler loads): the
+#            one pin that moves past skyrl's; `pip check` may then name skyrl's transformers cap and
 #            nothing else
 #   rl-step  one GRPO step on CPU through SkyRL's trainer (RL_STEP below), metrics.jsonl written
 #

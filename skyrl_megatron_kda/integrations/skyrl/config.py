@@ -57,8 +57,9 @@ class _RecipeSelection(BaseConfig):
     """Resolve and print the recipe and the checks of the SkyRL job, then exit without Ray."""
     sampler: str = "vllm"
     """What serves the rollouts: ``vllm`` (SkyRL's vLLM servers, as SkyRL configures them) or
-    ``glm5_next`` (this project's sampler, ``cpu_inference.CPUInferenceClient``: transformers'
-    glm5_next on the weights the policy publishes to disk; for tiny models, tests and CPU jobs)."""
+    ``glm5_next`` (this project's sampler, ``glm5_next_client.Glm5NextInferenceClient``:
+    transformers' glm5_next on the weights the policy publishes to disk, on the recipe's device;
+    for small models, tests and CPU jobs)."""
     env_modules: List[str] = field(default_factory=list)
     """Python modules the experiment imports before SkyRL makes environments; each registers its
     ``skyrl_gym`` environments when imported (SkyRL's own register when skyrl_gym is imported)."""
@@ -217,7 +218,4 @@ def apply_recipe(cfg, recipe: Recipe) -> List[str]:
         problems.append("run.device=cpu: vLLM (trainer.kda.sampler=vllm) serves rollouts from "
                         "GPUs; set trainer.kda.sampler=glm5_next (this project's sampler) for a "
                         "CPU job, or trainer.kda.overrides.run.device=gpu")
-    if recipe.run.device == "gpu" and cfg.trainer.kda.sampler == "glm5_next":
-        problems.append("trainer.kda.sampler=glm5_next samples on the CPU: it serves CPU jobs "
-                        "(run.device=cpu); a GPU job uses trainer.kda.sampler=vllm")
     return problems

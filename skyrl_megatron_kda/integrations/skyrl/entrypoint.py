@@ -10,7 +10,8 @@ SkyRL's settings ask for (``trainers``: the synchronous one, or the fully async 
 through its ``build_models`` (they also stand in for SkyRL's import of its own Megatron
 workers). The experiment imports ``trainer.kda.env_modules`` (the jobs' environments), serves
 rollouts from SkyRL's vLLM servers or, with ``trainer.kda.sampler=glm5_next``, from this
-project's sampler (``cpu_inference``), and records each step with ``tracking.kda_tracker``. A CPU
+project's sampler (``glm5_next_client``, on the recipe's device: ``cuda`` for ``run.device=gpu``,
+``cpu`` for ``run.device=cpu``), and records each step with ``tracking.kda_tracker``. A CPU
 recipe (``run.device=cpu``, with the project's sampler) gets a local Ray whose logical GPUs
 stand for its ranks (``local_ray``); a GPU one SkyRL's own ``initialize_ray``.
 ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved, which
@@ -100,10 +101,11 @@ class KDAPPOExp(BasePPOExp):
         t = self.cfg.trainer
         if t.kda.sampler == "vllm":
             return super().get_inference_client()
-        from .cpu_inference import CPUInferenceClient
+        from .glm5_next_client import Glm5NextInferenceClient
 
-        client = CPUInferenceClient(sampler_weights_dir(t), self.tokenizer,
-                                    model_name=t.policy.model.path, seed=t.seed)
+        client = Glm5NextInferenceClient(sampler_weights_dir(t), self.tokenizer,
+                                         model_name=t.policy.model.path, seed=t.seed,
+                                         device=self.recipe.run.torch_device)
         if t.placement.colocate_all:
             # as SkyRL's own engines under colocation: they start asleep, and the trainer wakes
             # them around each weight sync
@@ -180,8 +182,9 @@ def provenance(cfg, recipe) -> List[str]:
         lines.append(f"  {d.key}={d.value} <- {d.source}{was}")
     lines.append("  train.steps <- num_training_steps, which SkyRL's trainer passes at init_model")
     roles = "policy + reference (KL)" if uses_reference(t) else "policy"
+    where = f" on {recipe.run.torch_device}" if t.kda.sampler == "glm5_next" else ""
     lines.append(f"workers: {roles}; colocate_all={t.placement.colocate_all}; rollouts from "
-                 f"trainer.kda.sampler={t.kda.sampler}")
+                 f"trainer.kda.sampler={t.kda.sampler}{where}")
     return ["what comes from where:"] + lines
 
 

@@ -14,8 +14,8 @@ then one ``engine.send_weights()`` between the trainer's ``pause_generation`` an
   a temporary name, renamed into place, and only then named in ``<dir>/LATEST``. Each version
   records how many optimizer steps its weights have taken (``TRAIN_STEP``), which a restart
   cannot renumber the way it renumbers versions. An inference client that is a
-  ``DiskSyncTarget`` (``cpu_inference.CPUInferenceClient``) reloads the newest version when SkyRL
-  resumes or wakes it. vLLM needs none of this, so it runs on a laptop.
+  ``DiskSyncTarget`` (``glm5_next_client.Glm5NextInferenceClient``) reloads the newest version
+  when SkyRL resumes or wakes it. vLLM needs none of this, so it runs on a laptop.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A small CPU inference client for SkyRL: transformers' glm5_next samples from the weights the
-policy worker publishes on disk (``weight_sync.DiskPublisher``).
+"""This project's sampler for SkyRL: transformers' glm5_next samples from the weights the policy
+worker publishes on disk (``weight_sync.DiskPublisher``), on the CPU or on a GPU (``device``).
 
 It stands where SkyRL's HTTP client over vLLM servers stands (``BasePPOExp.get_inference_client``
 returns it): the generator calls ``generate``; the trainer brackets each weight sync with
@@ -23,7 +23,13 @@ order they call in. A request's own ``seed`` replaces that, as in vLLM.
 Sampling follows vLLM's semantics for what it supports (temperature, ``max_tokens``,
 ``min_tokens``, EOS stop, the sampled token's log-prob of the temperature-scaled distribution when
 ``logprobs`` is set); other sampling settings are refused by name. One sequence at a time, the
-whole prefix recomputed per token (no KV cache): it is for tiny models on a laptop.
+whole prefix recomputed per token (no KV cache): it is for small models and tests.
+
+Device: the entrypoint passes ``cuda`` for a GPU recipe and ``cpu`` for a CPU one. The model is
+fp32 on either, on transformers' torch path (fla's kernels, which take fp32 through TF32 dot
+products, are not bound), so a GPU samples what a CPU samples up to rounding; tokens are drawn
+on the CPU from the last position's log-probs, so a seed draws the same tokens on both unless
+rounding moves a draw across a boundary.
 
 DSA ties: the loaded model's indexers break ties at the top-k boundary as the trainer's torch
 kernel does, earlier pool first (``match_trainer_dsa_ties``); transformers' own glm5_next, whose
@@ -66,18 +72,24 @@ SLEEP_TAGS = ("weights", "kv_cache")
 
 GLM5_NEXT = "transformers.models.glm5_next.modeling_glm5_next"
 
+CLIENT = "Glm5NextInferenceClient"
+"""The client's name in its error messages."""
+
 
 def _glm5_next_class():
-    """transformers' ``Glm5NextForConditionalGeneration`` on its torch path. transformers binds
-    fla's Triton kernels (GPU only) in place of its torch functions when the module is first
-    imported and fla imports (our own package imports fla), so on a CPU machine fla is hidden
-    from that one import."""
-    if torch.cuda.is_available() or GLM5_NEXT in sys.modules:
-        module = importlib.import_module(GLM5_NEXT)
+    """transformers' ``Glm5NextForConditionalGeneration`` on its torch path, on every device.
+    transformers binds fla's Triton kernels (GPU only) in place of its torch functions when the
+    module is first imported and fla imports (our own package imports fla), so fla is hidden
+    from that one import. On a GPU too: fla's chunk kernels take fp32 inputs through TF32 dot
+    products, and on the tiny recipe's random checkpoint every weight moved by 1e-3 relative
+    (TF32's rounding) moves log-probs by up to 0.13 where an MoE route or a DSA selection flips
+    (by 1.6e-3 at 1e-4); the torch path is fp32 throughout, as on a CPU."""
+    if GLM5_NEXT in sys.modules:
+        module = sys.modules[GLM5_NEXT]
         kda = inspect.getclosurevars(module.chunk_kimi_delta_attention).nonlocals["implementation"]
-        if not torch.cuda.is_available() and kda.__module__.startswith("fla"):
-            raise RuntimeError(f"{GLM5_NEXT} was imported with fla's GPU kernels before the CPU "
-                               "client loaded it; import the client first")
+        if kda.__module__.startswith("fla"):
+            raise RuntimeError(f"{GLM5_NEXT} was imported with fla's kernels before the sampler "
+                               "loaded it; import the sampler first")
         return module.Glm5NextForConditionalGeneration
     hidden = {name: sys.modules.pop(name) for name in list(sys.modules)
               if name == "fla" or name.startswith("fla.")}
@@ -89,12 +101,28 @@ def _glm5_next_class():
         sys.modules.update(hidden)
 
 
-def load_glm5_next(folder: str | Path) -> torch.nn.Module:
-    """transformers' glm5_next from a published folder, fp32, eval, its DSA ties broken as the
-    trainer breaks them (``match_trainer_dsa_ties``)."""
+def sampler_device(device: str | torch.device) -> torch.device:
+    """``device`` checked for the sampler: a CPU, or a CUDA GPU that this process can see (the
+    sampler runs where SkyRL's experiment runs, which may not be where the job was checked)."""
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:  # torch's message lists every device type it knows
+        chosen = None
+    if chosen is None or chosen.type not in ("cpu", "cuda"):
+        raise ValueError(f"{CLIENT}: device={str(device)!r}: choose cpu or cuda")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{CLIENT}: device={str(device)!r} but this process sees no CUDA GPU "
+                           "(torch.cuda.is_available() is False); run the job where SkyRL's "
+                           "experiment sees a GPU, or use a CPU recipe (run.device=cpu)")
+    return chosen
+
+
+def load_glm5_next(folder: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """transformers' glm5_next from a published folder on ``device``, fp32, eval, its DSA ties
+    broken as the trainer breaks them (``match_trainer_dsa_ties``)."""
     model = _glm5_next_class().from_pretrained(folder, attn_implementation="eager")
     match_trainer_dsa_ties(model)
-    return model.float().eval()
+    return model.float().eval().to(device)
 
 
 class _StableTopk(TorchFunctionMode):
@@ -171,7 +199,7 @@ def _tags(tags: Optional[List[str]]) -> set:
     chosen = set(SLEEP_TAGS if tags is None else tags)
     unknown = sorted(chosen - set(SLEEP_TAGS))
     if unknown:
-        raise ValueError(f"CPUInferenceClient: unknown sleep tags {unknown} "
+        raise ValueError(f"{CLIENT}: unknown sleep tags {unknown} "
                          f"(known: {', '.join(SLEEP_TAGS)})")
     return chosen
 
@@ -179,11 +207,13 @@ def _tags(tags: Optional[List[str]]) -> set:
 def sampled_tokens(model: torch.nn.Module, prompt: List[int], *, temperature: float, max_tokens: int,
                    min_tokens: int, eos_token_id: Optional[int],
                    generator: torch.Generator) -> Tuple[List[int], List[float], str]:
-    """(tokens, their log-probs under softmax(logits / temperature), stop reason) of one sample."""
+    """(tokens, their log-probs under softmax(logits / temperature), stop reason) of one sample.
+    The model runs on its own device; the token is drawn on the CPU (``generator`` is a CPU one)."""
     ids, logps = list(prompt), []
+    device = next(model.parameters()).device
     for i in range(max_tokens):
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].float().cpu()
         # vLLM's sampled-token log-prob: of the temperature-scaled distribution (raw at 0, greedy)
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
         allowed = logp.clone()
@@ -198,11 +228,14 @@ def sampled_tokens(model: torch.nn.Module, prompt: List[int], *, temperature: fl
     return ids[len(prompt):], logps, "length"
 
 
-class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
-    """SkyRL inference client over one transformers glm5_next model on the CPU, reloaded from
+class Glm5NextInferenceClient(InferenceEngineInterface, DiskSyncTarget):
+    """SkyRL inference client over one transformers glm5_next model on ``device`` (``cpu`` or
+    ``cuda``: refused at once where this process sees no CUDA GPU), reloaded from
     ``weight_sync_dir`` (where the policy worker publishes) each time generation resumes."""
 
-    def __init__(self, weight_sync_dir: str | Path, tokenizer, *, model_name: str, seed: int = 0):
+    def __init__(self, weight_sync_dir: str | Path, tokenizer, *, model_name: str, seed: int = 0,
+                 device: str | torch.device = "cpu"):
+        self.device = sampler_device(device)
         self.weight_sync_dir = str(weight_sync_dir)
         self.tokenizer = tokenizer
         self._model_name = model_name
@@ -231,7 +264,9 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
                                     "trainer publishes them in init_weight_sync_state's first sync)")
         version, folder = latest
         if version != self.loaded_version:
-            self._model, self.loaded_version = load_glm5_next(folder), version
+            # the old model goes first: on a GPU its memory is free for the new one
+            self._model = self.loaded_version = None
+            self._model, self.loaded_version = load_glm5_next(folder, self.device), version
             self.loaded_train_step, self._calls = published_train_step(folder), {}
         return version
 
@@ -263,25 +298,25 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
     async def generate(self, input_batch: InferenceEngineInput,
                        model: Optional[str] = None) -> InferenceEngineOutput:
         if self.paused:
-            raise RuntimeError("CPUInferenceClient.generate while generation is paused for a "
+            raise RuntimeError(f"{CLIENT}.generate while generation is paused for a "
                                "weight sync")
         if self.asleep:
             asleep = ", ".join(sorted(self.asleep))
-            raise RuntimeError(f"CPUInferenceClient.generate while asleep ({asleep}): under "
+            raise RuntimeError(f"{CLIENT}.generate while asleep ({asleep}): under "
                                "colocate_all SkyRL wakes the engine before generating")
         if input_batch.get("prompt_token_ids") is None:
-            raise ValueError("CPUInferenceClient.generate needs prompt_token_ids (SkyRL's "
+            raise ValueError(f"{CLIENT}.generate needs prompt_token_ids (SkyRL's "
                              "token-in-token-out path); text prompts are not supported")
         params = dict(input_batch.get("sampling_params") or {})
         for key, value in params.items():
             if key in _NEUTRAL and value not in _NEUTRAL[key]:
-                raise ValueError(f"CPUInferenceClient: sampling setting {key}={value!r} is not "
+                raise ValueError(f"{CLIENT}: sampling setting {key}={value!r} is not "
                                  f"supported (accepted: {_NEUTRAL[key]})")
             if key not in _NEUTRAL and key not in _HONOURED:
-                raise ValueError(f"CPUInferenceClient: sampling setting {key}={value!r} is not "
+                raise ValueError(f"{CLIENT}: sampling setting {key}={value!r} is not "
                                  "supported")
         if float(params.get("temperature", 1.0)) < 0:
-            raise ValueError(f"CPUInferenceClient: temperature={params['temperature']} is negative")
+            raise ValueError(f"{CLIENT}: temperature={params['temperature']} is negative")
         model = self.model  # loads the newest version if none is loaded yet
         prompts = repr([list(p) for p in input_batch["prompt_token_ids"]])
         seed = (int(params["seed"]) if params.get("seed") is not None
@@ -313,8 +348,8 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         self.paused = False
 
     async def sleep(self, level: int = 2, tags: Optional[List[str]] = None) -> None:
-        """Colocation: the engine gives the GPU to the trainer (its weights stay loaded here:
-        there is nothing to free on a CPU); it generates nothing until woken."""
+        """Colocation: the engine gives the GPU to the trainer; it generates nothing until woken.
+        Its weights stay loaded where they are (on a GPU they stay resident: a small model's)."""
         self.asleep |= _tags(tags)
 
     async def wake_up(self, tags: Optional[List[str]] = None) -> None:
@@ -327,11 +362,12 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
 
     async def sleep_for_weight_sync(self, offload_kv: bool = True) -> None:
         """``offload_kv_for_weight_sync`` on the fully async trainer: vLLM frees its GPU pools with
-        in-flight requests frozen. Here there is nothing to free or offload (CPU weights, no KV
-        cache: every token recomputes its prefix, and no request is in flight during a pause,
-        since each ``generate`` runs to its end); it only stops generating until woken."""
+        in-flight requests frozen. Here there is nothing to free or offload (the weights stay
+        loaded, no KV cache: every token recomputes its prefix, and no request is in flight
+        during a pause, since each ``generate`` runs to its end); it only stops generating until
+        woken."""
         if not self.paused:
-            raise RuntimeError("CPUInferenceClient.sleep_for_weight_sync without pause_generation "
+            raise RuntimeError(f"{CLIENT}.sleep_for_weight_sync without pause_generation "
                                "first (SkyRL pauses, then sleeps for the sync)")
         self.asleep |= set(SLEEP_TAGS)
 
@@ -356,22 +392,22 @@ class CPUInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         self._model = None
 
     def get_endpoint_url(self) -> str:
-        raise NotImplementedError("CPUInferenceClient serves no HTTP endpoint: use SkyRL's "
+        raise NotImplementedError(f"{CLIENT} serves no HTTP endpoint: use SkyRL's "
                                   "token-in-token-out generator (SkyRLGymGenerator)")
 
     async def chat_completion(self, request_payload: Dict[str, Any]) -> Dict[str, Any]:
-        raise NotImplementedError("CPUInferenceClient serves generate() only (no chat_completion)")
+        raise NotImplementedError(f"{CLIENT} serves generate() only (no chat_completion)")
 
     async def render_chat_completion(self, request_payload: Dict[str, Any]) -> Dict[str, Any]:
-        raise NotImplementedError("CPUInferenceClient serves generate() only "
+        raise NotImplementedError(f"{CLIENT} serves generate() only "
                                   "(no render_chat_completion)")
 
     async def completion(self, request_payload: Dict[str, Any]) -> Dict[str, Any]:
-        raise NotImplementedError("CPUInferenceClient serves generate() only (no completion)")
+        raise NotImplementedError(f"{CLIENT} serves generate() only (no completion)")
 
     async def update_named_weights(self, request) -> None:
-        raise NotImplementedError("CPUInferenceClient loads weights from its disk folder only "
+        raise NotImplementedError(f"{CLIENT} loads weights from its disk folder only "
                                   "(weight_sync.DiskPublisher)")
 
     async def load_lora_adapter(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("CPUInferenceClient does not serve LoRA adapters")
+        raise NotImplementedError(f"{CLIENT} does not serve LoRA adapters")
