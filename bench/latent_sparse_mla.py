@@ -27,6 +27,7 @@ import math
 import time
 
 import torch
+from kda_layer import timed  # bench/ is on sys.path when run as a script
 import torch.nn.functional as F
 from megatron.core.transformer.experimental_attention_variant.ops import (
     tilelang_sparse_mla_bwd,
@@ -60,18 +61,6 @@ def pool_shaped_indices(positions: torch.Tensor, gen: torch.Generator, block: in
         tail = torch.where(tail <= pos[:, None], tail, -1)
         out.append(torch.cat([tokens, tail], -1).to(torch.int32))
     return torch.cat(out)
-
-
-def median_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -173,9 +162,9 @@ def main():
     configs = json.loads(a.backward_configs)
     for impl in [Megatron(q, kv, idx)] + [Ours(q, kv, idx, **c) for c in configs]:
         out, lse = impl.forward()                                   # compiles
-        fwd_ms = median_ms(impl.forward, a.iters)
+        fwd_ms = timed(impl.forward, 0, a.iters)[0]
         dq, dkv = impl.backward(out, lse, grad)                     # compiles
-        bwd_ms = median_ms(lambda: impl.backward(out, lse, grad), a.iters)
+        bwd_ms = timed(lambda: impl.backward(out, lse, grad), 0, a.iters)[0]
         r = dict(kernel=impl.name, forward_ms=fwd_ms, backward_ms=bwd_ms,
                  forward_tflops=fwd_tflop / fwd_ms * 1e3, backward_tflops=bwd_tflop / bwd_ms * 1e3)
         if reference is None:

@@ -17,6 +17,7 @@ import argparse
 import json
 
 import torch
+from kda_layer import timed  # bench/ is on sys.path when run as a script
 
 
 def chunked_topk(scores: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,18 +29,6 @@ def chunked_topk(scores: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
     ids = ids + torch.arange(0, width, chunk, device=scores.device)[:, None]
     best, order = values.flatten(1).topk(k, dim=-1)
     return best, ids.flatten(1).gather(1, order)
-
-
-def median_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -55,12 +44,12 @@ def main():
     scores[:, -a.pools // 100:] = float("-inf")
     reference = scores.topk(a.k, dim=-1)
     ref_sets = reference.indices.sort(-1).values
-    runs = [{"variant": "torch.topk", "ms": median_ms(lambda: scores.topk(a.k, dim=-1), a.iters)}]
+    runs = [{"variant": "torch.topk", "ms": timed(lambda: scores.topk(a.k, dim=-1), 1, a.iters)[0]}]
     for chunk in (2048, 4096, 8192, 16384):
         values, indices = chunked_topk(scores, a.k, chunk)
         same_values = torch.equal(values.sort(-1).values, reference.values.sort(-1).values)
         same_sets = float((indices.sort(-1).values == ref_sets).all(-1).float().mean())
-        ms = median_ms(lambda: chunked_topk(scores, a.k, chunk), a.iters)
+        ms = timed(lambda: chunked_topk(scores, a.k, chunk), 1, a.iters)[0]
         runs.append({"variant": f"two-stage, chunks of {chunk}", "ms": ms,
                      "same_values": same_values, "same_pool_sets": same_sets})
     for r in runs:

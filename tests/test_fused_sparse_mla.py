@@ -20,6 +20,7 @@ from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     fused_absorbed_sparse_mla,
     fused_dsa_kernels,
 )
+from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
 from tests.support.dsa_kernels import torch_dsa_kernels
 
@@ -123,10 +124,12 @@ def test_fused_kernel_needs_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
+@pytest.mark.parametrize("load", [fused_dsa_kernels, latent_dsa_kernels], ids=["megatron", "latent"])
 @pytest.mark.parametrize("heads", [8, 64])  # 8: TP8's heads-split share (padded to 16 inside)
-def test_fused_dsa_kernels_match_torch(heads):
-    """bf16 TileLang kernels vs the fp32 torch kernel at GLM's widths (latent 512, head 256):
-    out, dq, d latent and d weight within 1e-2 relative, with -1 padded indices."""
+def test_fused_dsa_kernels_match_torch(heads, load):
+    """The wrapper on bf16 TileLang kernels (megatron-core's, and ours: latent_sparse_mla.py) vs
+    the fp32 torch kernel at GLM's widths (latent 512, head 256): out, dq, d latent and d
+    weight within 1e-2 relative, with -1 padded indices."""
     gen = torch.Generator().manual_seed(3)
     tq, tk, topk = 300, 700, 130  # rows and top-k that are not multiples of the kernels' 64/256
     q = torch.randn(tq, heads, 256, generator=gen) * 0.5
@@ -141,8 +144,9 @@ def test_fused_dsa_kernels_match_torch(heads):
     ref = _run(lambda q, c, w, i: absorbed_sparse_mla(q, c, w, i, 1 / 16, 256, 64), *args,
                grad.to(dev))
     bf16 = [t.bfloat16() for t in args[:3]] + [args[3]]
-    got = _run(lambda q, c, w, i: fused_absorbed_sparse_mla(q, c, w, i, 1 / 16, 256, 128), *bf16,
-               grad.to(dev).bfloat16())
+    kernels = load()
+    got = _run(lambda q, c, w, i: fused_absorbed_sparse_mla(q, c, w, i, 1 / 16, 256, 128, kernels),
+               *bf16, grad.to(dev).bfloat16())
     errors = {k: _rel(got[k], ref[k]) for k in ref}
     print(heads, errors)
     assert max(errors.values()) < 1e-2, errors
