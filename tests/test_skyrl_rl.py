@@ -551,21 +551,26 @@ def test_kl_in_reward_goes_through_skyrls_penalty(kl_runs):
     assert float((rewards - out["rewards"]).abs().max()) > 0
 
 
+OFFLOAD_RUNS = ("plain", "plain_again", "offload", "offload_losing_moments")
+
+
 def _gpu_offload_rank(rank, world):
     """On one GPU: how much offload_to_cpu frees, the frozen parameters' storage while offloaded,
-    and the step after backload against a run without offload (bf16, NCCL)."""
+    and the step after backload (bf16, NCCL) in four runs: without offload twice (the GPU's own
+    run-to-run noise: atomics in the kernels), with offload, and with offload that loses Adam's
+    first moments on the way back (the negative control)."""
     gpu = ["run.device=gpu", "model.dsa.kernel=torch"]
     skyrl = ("trainer.placement.colocate_all=true", "trainer.algorithm.use_kl_loss=false",
              "trainer.bf16=true")
     out = {}
-    for colocate in (False, True):
+    for run in OFFLOAD_RUNS:
         worker = _worker(CP1 + gpu, skyrl)
         batch = _batch()
         batch["action_log_probs"] = torch.tensor(
             [s["logprobs"] for s in worker.forward(batch).loss_fn_outputs])
         worker.forward_backward(batch)
         worker.optim_step()
-        if colocate:
+        if run.startswith("offload"):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             worker.offload_to_cpu()
@@ -575,22 +580,41 @@ def _gpu_offload_rank(rank, world):
             out["state_bytes"] = sum(p.numel() * p.element_size()
                                      for p in worker.trainer.model.module.parameters())
             worker.backload_to_gpu()
+        if run == "offload_losing_moments":
+            optimizer = worker.trainer.optimizer
+            for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+                for state in opt.optimizer.state.values():
+                    state["exp_avg"].zero_()
         worker.forward_backward(batch)
-        out[colocate] = {"grad_norm": worker.optim_step(), "after": _weights(worker)}
+        out[run] = {"grad_norm": worker.optim_step(),
+                    "after": {k: w.float().cpu() for k, w in _weights(worker).items()}}
         worker.trainer.close()
     return out
 
 
+def _distance(a: dict, b: dict) -> float:
+    return math.sqrt(sum(float((a[k] - b[k]).square().sum()) for k in a))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves GPU memory: needs CUDA")
-def test_gpu_offload_frees_memory_and_continues_bit_identically():
+def test_gpu_offload_frees_memory_and_continues_as_without_it():
     out = run_ranks(1, _gpu_offload_rank, backend="nccl")[0]
     # Freed at least the bf16 weights (plus fp32 grads, main params and Adam moments on top).
     assert out["freed"] >= out["state_bytes"], (out["freed"], out["state_bytes"])
     assert out["frozen_offloaded"] and set(out["frozen_offloaded"]) == {0}
-    assert out[True]["grad_norm"] == out[False]["grad_norm"]
-    for name, w in out[False]["after"].items():
-        assert torch.equal(out[True]["after"][name], w), name
+    plain = out["plain"]["after"]
+    noise = _distance(out["plain_again"]["after"], plain)
+    gap = _distance(out["offload"]["after"], plain)
+    lost = _distance(out["offload_losing_moments"]["after"], plain)
+    print(f"weights after the step following backload, distance from the run without offload: "
+          f"offload {gap:.3e}, the same run again {noise:.3e}, offload losing Adam's first "
+          f"moments {lost:.3e}; grad norms {[out[r]['grad_norm'] for r in OFFLOAD_RUNS]}")
+    assert lost > 10 * max(gap, noise), "the comparison cannot see lost optimizer state"
+    # bitwise equal where the GPU repeats itself exactly, else within its own noise
+    assert gap <= 10 * noise, (gap, noise)
+    noise_norm = abs(out["plain_again"]["grad_norm"] - out["plain"]["grad_norm"])
+    assert abs(out["offload"]["grad_norm"] - out["plain"]["grad_norm"]) <= 10 * noise_norm
 
 
 def _nonfinite_optim_step(rank, world, mode: str) -> dict:

@@ -301,6 +301,12 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
                     dist.get_rank(), offload_model, offload_optimizer)
         offload.offload_to_cpu(self.trainer, offload_optimizer=offload_optimizer,
                                offload_model=offload_model)
+        if not self.trainer.use_cpu and not getattr(self, "_offload_reported", False):
+            # once per worker: what colocation leaves resident beside the inference engines
+            self._offload_reported = True
+            print(f"{type(self).__name__} rank {dist.get_rank()}: after offload_to_cpu the GPU "
+                  f"holds {torch.cuda.memory_allocated() / 2**30:.3f} GiB of its tensors "
+                  f"({torch.cuda.memory_reserved() / 2**30:.3f} GiB reserved)", flush=True)
 
     def backload_to_gpu(self, backload_optimizer: bool = True, backload_model: bool = True) -> None:
         """The inverse of ``offload_to_cpu``."""
