@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # SkyRL's own launcher (main_base with the KDA entrypoint) training GRPO steps on one GPU: the RL
 # example (examples/rl_tiny/run_rl_tiny.sh) with the recipe on the GPU and the project's sampler
-# beside it. Each argument is one job, PLACEMENT:DTYPE[:RECIPE]:
+# beside it. Each argument is one job, PLACEMENT:DTYPE, of the tiny recipe:
 #   PLACEMENT  colocated  trainer.placement.colocate_all=true: policy, reference and sampler share
 #                         the GPU, the workers offload their state while the sampler generates
 #              separate   colocate_all=false: no offload between phases (the reference still
 #                         shares the policy's GPU, SkyRL's colocate_policy_ref default)
 #   DTYPE      fp32 | bf16   (trainer.bf16 and the sampler's model_dtype)
-#   RECIPE     tiny (default)
 # Each job's console, metrics.jsonl and summary.txt (exit, the workers' built and offload lines from
-# SkyRL's infra log, the GPU memory peak from nvidia-smi every 250 ms) go to $OUT/<job>/. STEPS (default 3) steps per job.
+# SkyRL's infra log, the GPU memory peak from nvidia-smi every 250 ms) go to $OUT/<job>/.
+# STEPS (default 3) steps per job.
 #
 # On the device (carry [".whl-gpu", ".rlxz", ".tcache"]):
 #   mkdir -p .site-rl && tar xJf .rlxz/rl.tar.xz -C .site-rl &&
@@ -23,7 +23,7 @@ set -uo pipefail
 export PYTHONPATH="$PWD/.site-rl${PYTHONPATH:+:$PYTHONPATH}"
 
 for job in "$@"; do
-  IFS=: read -r placement dtype recipe <<< "$job"
+  IFS=: read -r placement dtype <<< "$job"
   case "$placement" in
     colocated) PLACE=(trainer.placement.colocate_all=true) ;;
     separate) PLACE=(trainer.placement.colocate_all=false) ;;
@@ -34,21 +34,20 @@ for job in "$@"; do
     bf16) DTYPE=(trainer.bf16=true generator.inference_engine.model_dtype=bfloat16) ;;
     *) echo "error: $job: DTYPE is fp32 or bf16" >&2; exit 2 ;;
   esac
-  [ "${recipe:-tiny}" = tiny ] || { echo "error: $job: RECIPE is tiny" >&2; exit 2; }
   name="${placement}_${dtype}"
   dir="$OUT/$name"
   mkdir -p "$dir"
   nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 250 > "$dir/gpu_memory.csv" &
   smi=$!
   echo "== $job: $STEPS GRPO steps through main_base"
-  start=$(date +%s.%N)
+  SECONDS=0
   WORKDIR="/tmp/rl_gpu/$name" STEPS="$STEPS" bash examples/rl_tiny/run_rl_tiny.sh \
     trainer.kda.overrides.run.device=gpu trainer.kda.overrides.model.dsa.kernel=torch \
     "${PLACE[@]}" "${DTYPE[@]}" > "$dir/console.txt" 2>&1
   status=$?
   kill "$smi" 2>/dev/null
   {
-    echo "exit $status after $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$start" "$(date +%s.%N)") s"
+    echo "exit $status after $SECONDS s"
     # SkyRL sends its workers' output to the infra log, not the console
     grep -h "built\|after offload_to_cpu" "/tmp/rl_gpu/$name"/logs/infra-*.log 2>/dev/null | sort -u
     python3 -c "

@@ -557,7 +557,7 @@ OFFLOAD_RUNS = ("plain", "plain_again", "offload", "offload_losing_moments")
 def _gpu_offload_rank(rank, world):
     """On one GPU: how much offload_to_cpu frees, the frozen parameters' storage while offloaded,
     and the step after backload (bf16, NCCL) in four runs: without offload twice (the GPU's own
-    run-to-run noise: atomics in the kernels), with offload, and with offload that loses Adam's
+    run-to-run noise), with offload, and with offload that loses Adam's
     first moments on the way back (the negative control)."""
     gpu = ["run.device=gpu", "model.dsa.kernel=torch"]
     skyrl = ("trainer.placement.colocate_all=true", "trainer.algorithm.use_kl_loss=false",
