@@ -23,6 +23,7 @@ pass of a recompute that selects again). Not included: the MLA projections and t
 all-to-all / all-gathers (per rank: a few GEMMs over 65,536 rows and ~2 GiB over NVLink).
 
 Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel fused|latent]
+                          [--keep-output]
 """
 
 from __future__ import annotations
@@ -127,11 +128,12 @@ def indexer_split(x: dict, keys: int, block: int, kernels) -> dict:
                 same_inf=bool(torch.equal(torch.isinf(scores), torch.isinf(megatron))))
 
 
-def attention(x: dict, idx: torch.Tensor, kernel: str, block: int, kernels) -> torch.Tensor:
+def attention(x: dict, idx: torch.Tensor, kernel: str, block: int, kernels,
+              keep_output: bool = False) -> torch.Tensor:
     scale = (DN ** -0.5)
     if kernel != "torch":
         return fused_absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, scale, DV,
-                                         block, kernels)
+                                         block, kernels, keep_output=keep_output)
     return absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, scale, DV, block)
 
 
@@ -153,9 +155,14 @@ def main():
                    help="attention queries per call (torch: per block)")
     p.add_argument("--indexer-block", type=int, default=defaults.indexer_query_block)
     p.add_argument("--queries", type=int, default=0, help="only the first N rows (0: all)")
+    p.add_argument("--keep-output", action="store_true",
+                   help="model.dsa.keep_attention_output: the backward reads the forward's kept "
+                        "kernel output instead of running the kernel forward again (fused, latent)")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--json", default="")
     a = p.parse_args()
+    if a.keep_output and a.kernel == "torch":
+        p.error("--keep-output needs --kernel fused or latent (the torch kernel keeps no output)")
     dev = torch.device("cuda")
     kernels = {"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}.get(a.kernel, lambda: None)()
     x = make_inputs(a.keys, a.split, dev)
@@ -170,7 +177,8 @@ def main():
         base = torch.cuda.memory_allocated()
         with torch.no_grad():
             idx, t_index = timed(lambda: indexer(x, a.keys, a.kernel, a.indexer_block, kernels))
-        out, t_fwd = timed(lambda: attention(x, idx, a.kernel, a.query_block, kernels))
+        out, t_fwd = timed(lambda: attention(x, idx, a.kernel, a.query_block, kernels,
+                                             a.keep_output))
         grad = torch.ones_like(out)
         _, t_bwd = timed(lambda: out.backward(grad))
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
@@ -190,7 +198,8 @@ def main():
     violations = index_violations(idx.long(), x["pos"], torch.zeros_like(x["pos"]))
     kept = float((idx >= 0).sum(-1).float().mean())
     best = min(results[1:], key=lambda r: r["step_ms_full_recompute"]) if a.iters else results[0]
-    summary = dict(kernel=a.kernel, split=a.split, queries=rows, heads=x["heads"], keys=a.keys,
+    summary = dict(kernel=a.kernel, split=a.split, keep_output=a.keep_output, queries=rows,
+                   heads=x["heads"], keys=a.keys,
                    query_block=a.query_block, indexer_block=a.indexer_block,
                    index_violations=violations, mean_selected=kept, best=best,
                    last_indexer_block=split,

@@ -100,6 +100,11 @@ def check_dsa(dsa: DSAConfig) -> DSAConfig:
         raise ValueError(f"model.dsa.tp_split=sequence needs model.dsa.kernel "
                          f"{names}: the {name} kernel attends with "
                          "whole-sequence keys per head")
+    if dsa.keep_attention_output and name != AUTO and not dsa_kernels.get(name).keeps_output:
+        keeping = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.keeps_output]
+        raise ValueError(f"model.dsa.keep_attention_output=true needs model.dsa.kernel "
+                         f"{' or '.join(keeping)}: the {name} kernel has no kernel output to keep "
+                         "(set it false)")
     return dsa
 
 

@@ -223,3 +223,20 @@ def test_gpu_layer_matches_the_torch_layer(gpu_kernel, torch_selection):
     print(result)
     assert result["out"] < 1e-2 and result["dx"] < 1e-2, result
     assert result["same_tokens"] > 0.97, result
+
+
+@pytest.mark.parametrize("kernel, refused", [("torch", True), ("unfused", True), ("fused", False),
+                                             ("latent", False)])
+def test_keeping_the_attention_output_needs_a_kernel_with_one(kernel, refused):
+    """model.dsa.keep_attention_output applies to the kernels whose backward can read a kept
+    output (fused, latent); elsewhere it is refused by name, not ignored."""
+    from skyrl_megatron_kda.recipe_rules import check_dsa
+
+    dsa = DSAConfig(kernel=kernel, keep_attention_output=True,
+                    tp_split="heads" if kernel == "unfused" else "sequence")
+    if refused:
+        with pytest.raises(ValueError, match=f"keep_attention_output=true needs model.dsa.kernel "
+                                             f"latent or fused: the {kernel} kernel"):
+            check_dsa(dsa)
+    else:
+        assert check_dsa(dsa) is dsa

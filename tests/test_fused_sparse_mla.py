@@ -14,12 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from skyrl_megatron_kda.config.model import DSAConfig
 from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     KERNEL_VALUE_WIDTH,
     DSAKernels,
     fused_absorbed_sparse_mla,
     fused_dsa_kernels,
 )
+from skyrl_megatron_kda.dsa.kernels import DSAShape
+from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
 from tests.support.dsa_kernels import torch_dsa_kernels
@@ -109,6 +112,78 @@ def test_controls_are_caught(control, widths):
     assert _rel(got["out"], ref["out"]) > 1e-2
 
 
+def _counting(kernels, calls):
+    """The stand-in with every forward call counted in ``calls``."""
+    def forward(*args):
+        calls.append(1)
+        return kernels.forward(*args)
+    return DSAKernels(forward=forward, delta=kernels.delta, backward=kernels.backward,
+                      index_scores=kernels.index_scores, dtype=kernels.dtype, width=kernels.width,
+                      value_width=kernels.value_width)
+
+
+def _saved_bytes(attend, q, latent, weight, idx):
+    """Bytes autograd saves for backward in ``attend``'s forward (each storage once; all alive
+    until the graph goes)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    q, latent, weight = (t.detach().clone().requires_grad_() for t in (q, latent, weight))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attend(q, latent, weight, idx)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("widths", list(WIDTHS))
+@pytest.mark.parametrize("block", [8, TQ])
+def test_keeping_the_output_skips_the_backwards_forward_and_changes_no_bit(block, widths):
+    """``keep_output`` (model.dsa.keep_attention_output): the backward reads the forward's kernel
+    output and log-sum-exp instead of calling the kernel forward again per block; every gradient
+    is bitwise the recomputing path's, and autograd keeps exactly the output [S, H, value_width]
+    and log-sum-exp [S, H] more (what FusedKernel.kept_bytes adds)."""
+    gen = torch.Generator().manual_seed(3)
+    q, latent, weight, idx = _inputs(torch.float64, gen)
+    grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=torch.float64)
+    runs, saved = {}, {}
+    blocks = -(-TQ // block)
+    for keep in (False, True):
+        calls = []
+        kernels = _counting(torch_dsa_kernels(**WIDTHS[widths]), calls)
+        attend = lambda q, c, w, i: fused_absorbed_sparse_mla(  # noqa: E731
+            q, c, w, i, SCALE, DV, block, kernels, keep_output=keep)
+        runs[keep] = _run(attend, q, latent, weight, idx, grad)
+        assert len(calls) == (blocks if keep else 2 * blocks), (keep, len(calls))
+        saved[keep] = _saved_bytes(attend, q, latent, weight, idx)
+    for name, value in runs[False].items():
+        assert torch.equal(runs[True][name], value), name
+    # plan's term (FusedKernel.kept_bytes) on this call's shape, at the stand-in's output width
+    model = type("StandIn", (FusedKernel,), {
+        "value_width": torch_dsa_kernels(**WIDTHS[widths]).value_width})
+    shape = {keep: DSAShape(dsa=DSAConfig(keep_attention_output=keep), whole=TK, cp_rows=TQ,
+                            sp_rows=TQ, tp=1, cp=1, act_bytes=8, rows=TQ, heads=HEADS,
+                            index_rows=TQ, gathers_weight=False) for keep in (False, True)}
+    lse_in_fp64 = TQ * HEADS * 4  # the stand-in's log-sum-exp is fp64, the kernels' fp32
+    assert (saved[True] - saved[False]
+            == model.kept_bytes(shape[True]) - model.kept_bytes(shape[False]) + lse_in_fp64)
+
+
+def test_nothing_is_kept_without_a_backward():
+    """Under no_grad (a recomputed layer's first forward) keep_output keeps nothing: the same
+    one kernel call per block and no [S, H, value_width] copy."""
+    gen = torch.Generator().manual_seed(4)
+    q, latent, weight, idx = _inputs(torch.float64, gen)
+    calls = []
+    kernels = _counting(torch_dsa_kernels(), calls)
+    with torch.no_grad():
+        kept = fused_absorbed_sparse_mla(q, latent, weight, idx, SCALE, DV, 8, kernels,
+                                         keep_output=True)
+        plain = fused_absorbed_sparse_mla(q, latent, weight, idx, SCALE, DV, 8, kernels)
+    assert torch.equal(kept, plain) and len(calls) == 2 * -(-TQ // 8)
+    assert kept.grad_fn is None
+
+
 def test_latent_wider_than_the_kernel_is_refused():
     gen = torch.Generator().manual_seed(2)
     q, latent, weight, idx = _inputs(torch.float64, gen, rank=KERNEL_VALUE_WIDTH + 1)
@@ -126,10 +201,12 @@ def test_fused_kernel_needs_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
 @pytest.mark.parametrize("load", [fused_dsa_kernels, latent_dsa_kernels], ids=["megatron", "latent"])
 @pytest.mark.parametrize("heads", [8, 64])  # 8: TP8's heads-split share (padded to 16 inside)
-def test_fused_dsa_kernels_match_torch(heads, load):
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_output"])
+def test_fused_dsa_kernels_match_torch(heads, load, keep):
     """The wrapper on bf16 TileLang kernels (megatron-core's, and ours: latent_sparse_mla.py) vs
     the fp32 torch kernel at GLM's widths (latent 512, head 256): out, dq, d latent and d
-    weight within 1e-2 relative, with -1 padded indices."""
+    weight within 1e-2 relative, with -1 padded indices; the backward recomputing the kernel
+    output or reading the kept one."""
     gen = torch.Generator().manual_seed(3)
     tq, tk, topk = 300, 700, 130  # rows and top-k that are not multiples of the kernels' 64/256
     q = torch.randn(tq, heads, 256, generator=gen) * 0.5
@@ -145,7 +222,8 @@ def test_fused_dsa_kernels_match_torch(heads, load):
                grad.to(dev))
     bf16 = [t.bfloat16() for t in args[:3]] + [args[3]]
     kernels = load()
-    got = _run(lambda q, c, w, i: fused_absorbed_sparse_mla(q, c, w, i, 1 / 16, 256, 128, kernels),
+    got = _run(lambda q, c, w, i: fused_absorbed_sparse_mla(q, c, w, i, 1 / 16, 256, 128, kernels,
+                                                             keep_output=keep),
                *bf16, grad.to(dev).bfloat16())
     errors = {k: _rel(got[k], ref[k]) for k in ref}
     print(heads, errors)

@@ -15,7 +15,11 @@ kernel, one block of ``query_block`` queries at a time, so forward keeps only wh
 kernel keeps (q_nope, the latent, the weight, the indices) and the [block, H, 576] kernel inputs
 and outputs are transient. Backward recomputes each block's forward for its output and
 log-sum-exp (megatron's own ``SparseMLA`` autograd does the same rather than keep them) and sums
-the blocks' latent gradients in fp32.
+the blocks' latent gradients in fp32. With ``keep_output`` (``model.dsa.keep_attention_output``)
+the forward keeps every block's latent-space output [S, H, 512] and log-sum-exp [S, H] instead,
+and backward reads them: one kernel forward less per step, for that memory until the backward
+(the value projection's weight gradient needs the latent-space output itself, so the log-sum-exp
+alone cannot replace the recompute).
 
 The kernels are passed in as ``DSAKernels``: ``fused_dsa_kernels()`` on CUDA; the CPU tests
 pass a torch stand-in with the same contract to check the padding, absorption and blocking here.
@@ -95,7 +99,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_nope, latent, kv_up_weight, indices, scale, v_head_dim, query_block,
-                kernels: DSAKernels):
+                kernels: DSAKernels, keep_output: bool = False):
         if latent.dim() != 2 or latent.shape[-1] > kernels.value_width:
             raise ValueError(f"the fused kernel takes a latent [Tk, R <= {kernels.value_width}], "
                              f"got {list(latent.shape)}")
@@ -104,20 +108,26 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, v_head_dim)
         kv = _padded(latent, kernels.width, kernels.dtype)[:, None]
         out = q_nope.new_empty(q_nope.shape[0], num_heads, v_head_dim)
+        kept = None
         for b0 in range(0, q_nope.shape[0], query_block):
             b1 = b0 + query_block
             q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels)
-            out_latent, _ = _attend(kernels, q, kv, indices[b0:b1], scale)
+            out_latent, lse = _attend(kernels, q, kv, indices[b0:b1], scale)
+            if keep_output:
+                if kept is None:
+                    kept = (out_latent.new_empty(q_nope.shape[0], *out_latent.shape[1:]),
+                            lse.new_empty(q_nope.shape[0], *lse.shape[1:]))
+                kept[0][b0:b1], kept[1][b0:b1] = out_latent, lse
             out[b0:b1] = torch.einsum("qhr,hvr->qhv", out_latent[..., :latent.shape[-1]],
                                       w_uv.to(out_latent.dtype))
-        ctx.save_for_backward(q_nope, latent, kv_up_weight, indices)
+        ctx.save_for_backward(q_nope, latent, kv_up_weight, indices, *(kept or ()))
         ctx.scale, ctx.v_head_dim, ctx.query_block, ctx.kernels = (scale, v_head_dim,
                                                                    query_block, kernels)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_nope, latent, kv_up_weight, indices = ctx.saved_tensors
+        q_nope, latent, kv_up_weight, indices, *kept = ctx.saved_tensors
         kernels, scale, R = ctx.kernels, ctx.scale, latent.shape[-1]
         num_heads, qk_head_dim = q_nope.shape[1], q_nope.shape[2]
         w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, ctx.v_head_dim)
@@ -131,7 +141,10 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
             b1 = b0 + ctx.query_block
             q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels)
             idx = indices[b0:b1]
-            out_latent, lse = _attend(kernels, q, kv, idx, scale)
+            if kept:
+                out_latent, lse = kept[0][b0:b1], kept[1][b0:b1]
+            else:
+                out_latent, lse = _attend(kernels, q, kv, idx, scale)
             g_out = grad_out[b0:b1]
             grad_uv += torch.einsum("qhv,qhr->hvr", g_out.to(acc), out_latent[..., :R].to(acc))
             # dL/d(latent-space output), zero where the forward's output was forced to zero.
@@ -147,7 +160,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
             grad_latent += dkv[:, 0, :R].to(acc)
         grad_weight = torch.cat([grad_uk, grad_uv], dim=1).view(kv_up_weight.shape)
         return (grad_q, grad_latent.to(latent.dtype), grad_weight.to(kv_up_weight.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _absorbed_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, kernels: DSAKernels) -> torch.Tensor:
@@ -174,11 +187,17 @@ def _attend(kernels: DSAKernels, q, kv, indices, scale):
 def fused_absorbed_sparse_mla(q_nope: torch.Tensor, latent: torch.Tensor,
                               kv_up_weight: torch.Tensor, indices: torch.Tensor, scale: float,
                               v_head_dim: int, query_block: int,
-                              kernels: DSAKernels | None = None) -> torch.Tensor:
+                              kernels: DSAKernels | None = None,
+                              keep_output: bool = False) -> torch.Tensor:
     """``sparse_mla.absorbed_sparse_mla`` on megatron-core's TileLang kernels (``kernels``
     defaults to ``fused_dsa_kernels()``): queries [Tq, H, dn], latent [Tk, R <= 512], the kv
-    up-projection weight [H * (dn + dv), R], indices [Tq, topk] -> [Tq, H, dv]."""
+    up-projection weight [H * (dn + dv), R], indices [Tq, topk] -> [Tq, H, dv]. ``keep_output``:
+    keep the kernel's output and log-sum-exp for the backward rather than recompute them; only
+    where a backward will run (under ``no_grad``, as in a recomputed layer's first forward,
+    nothing is kept)."""
     if q_nope.dim() != 3:
         raise ValueError(f"expected q_nope [Tq, H, dn], got {list(q_nope.shape)}")
+    keep = keep_output and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q_nope, latent, kv_up_weight))
     return FusedAbsorbedSparseMLA.apply(q_nope, latent, kv_up_weight, indices, scale, v_head_dim,
-                                        query_block, kernels or fused_dsa_kernels())
+                                        query_block, kernels or fused_dsa_kernels(), keep)

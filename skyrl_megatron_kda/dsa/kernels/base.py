@@ -75,6 +75,9 @@ class DSAKernel(ABC):
     """Whether ``model.dsa.kernel=auto`` may pick it (first unrefused in registration order)."""
     working_set_label: ClassVar[str]
     """What dominates its transient memory (the label of ``plan``'s DSA phase)."""
+    keeps_output: ClassVar[bool] = False
+    """Whether ``model.dsa.keep_attention_output`` applies: its backward can read the forward's
+    kept kernel output and log-sum-exp instead of running the kernel forward again."""
 
     def __init__(self, dsa: DSAConfig):
         self.dsa = dsa

@@ -20,6 +20,7 @@ from .base import DSAShape
 class FusedKernel(AbsorbedKernel):
     name = "fused"
     working_set_label = "one call's working set"
+    keeps_output = True
     load_kernels = staticmethod(fused_dsa_kernels)
     """Where the ``fused_sparse_mla.DSAKernels`` come from (the CPU tests swap in a stand-in)."""
     width, value_width = KERNEL_WIDTH, KERNEL_VALUE_WIDTH
@@ -42,7 +43,18 @@ class FusedKernel(AbsorbedKernel):
 
     def attend(self, query, latent, kv_up_weight, indices, scale, v_head_dim):
         return fused_absorbed_sparse_mla(query, latent, kv_up_weight, indices, scale, v_head_dim,
-                                         self.dsa.fused_query_block, self.kernels)
+                                         self.dsa.fused_query_block, self.kernels,
+                                         keep_output=self.dsa.keep_attention_output)
+
+    @classmethod
+    def kept_bytes(cls, shape: DSAShape) -> int:
+        """The absorbed layout's (``AbsorbedKernel.kept_bytes``), and under
+        ``model.dsa.keep_attention_output`` the kernel's output [rows, heads, value_width] w and
+        fp32 log-sum-exp [rows, heads] of every call."""
+        kept = super().kept_bytes(shape)
+        if shape.dsa.keep_attention_output:
+            kept += shape.rows * shape.heads * (cls.value_width * shape.act_bytes + 4)
+        return kept
 
     @classmethod
     def working_sets(cls, shape: DSAShape) -> dict[str, int]:
@@ -59,9 +71,10 @@ class FusedKernel(AbsorbedKernel):
           the int32 indices copy and the kernel's copy padded to a multiple of 64.
         * ``attention backward``: that latent, the fp32 latent gradient [T, R] and the kernel's
           fp32 latent gradient [T, width] and its w copy; per call the absorbed queries, the
-          recomputed output, the output gradient in latent space (einsum, padded and masked:
-          two alive) [f, n, value_width] w, dq [f, n, width] w, and the fp32 copies the weight
-          gradients take (q_nope and dq: [f, n, dn + R] x 4)."""
+          recomputed output (not under ``model.dsa.keep_attention_output``: the kept one is
+          read), the output gradient in latent space (einsum, padded and masked: two alive)
+          [f, n, value_width] w, dq [f, n, width] w, and the fp32 copies the weight gradients
+          take (q_nope and dq: [f, n, dn + R] x 4)."""
         w, a = shape.act_bytes, shape.dsa
         T, R, n, dn = shape.whole, a.kv_lora_rank, shape.heads, a.qk_nope_head_dim
         K = a.index_topk + a.index_kpool - 1
@@ -76,6 +89,7 @@ class FusedKernel(AbsorbedKernel):
         indexer = (indexer_inputs_bytes(shape) + q * hi * (di * w + 4) + q * pools * 4
                    + q * selected * (4 + 8))
         forward = latent + f * n * (width + 2 * value) * w + f * (K + K64) * 4
+        outputs = 2 if a.keep_attention_output else 3
         backward = (latent + T * R * 4 + T * width * (4 + w)
-                    + f * n * ((2 * width + 3 * value) * w + 4 * (dn + R)))
+                    + f * n * ((2 * width + outputs * value) * w + 4 * (dn + R)))
         return {"indexer": indexer, "attention forward": forward, "attention backward": backward}
