@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # SkyRL's own launcher (main_base with the KDA entrypoint) training GRPO steps on one GPU: the RL
 # example (examples/rl_tiny/run_rl_tiny.sh) with the recipe on the GPU and the project's sampler
-# beside it. Each argument is one job, PLACEMENT:DTYPE, of the tiny recipe:
+# beside it. Each argument is one job, PLACEMENT:DTYPE[:MODEL]:
 #   PLACEMENT  colocated  trainer.placement.colocate_all=true: policy, reference and sampler share
 #                         the GPU, the workers offload their state while the sampler generates
 #              separate   colocate_all=false: no offload between phases (the reference still
 #                         shares the policy's GPU, SkyRL's colocate_policy_ref default)
-#   DTYPE      fp32 | bf16   (trainer.bf16 and the sampler's model_dtype)
+#   DTYPE      fp32 | bf16   (trainer.bf16 and the dtype of the weights the sampler loads)
+#   MODEL      tiny      glm53_flash_tiny, prompts of 28-40 tokens, 40 generated (the default)
+#              slice     glm53_flash_slice: the full-width 4-layer slice (hidden 4096, 64 heads,
+#                        vocab 154,880, 16 experts), prompts of 2,064-2,160 tokens (longer than its
+#                        index_topk of 2,048), 16 generated, one row per micro-batch, the
+#                        recipe's learning rate (1e-5)
 # Each job's console, metrics.jsonl and summary.txt (exit, the workers' built and offload lines from
 # SkyRL's infra log, the GPU memory peak from nvidia-smi every 250 ms) go to $OUT/<job>/.
 # STEPS (default 3) steps per job.
@@ -23,7 +28,7 @@ set -uo pipefail
 export PYTHONPATH="$PWD/.site-rl${PYTHONPATH:+:$PYTHONPATH}"
 
 for job in "$@"; do
-  IFS=: read -r placement dtype <<< "$job"
+  IFS=: read -r placement dtype model <<< "$job"
   case "$placement" in
     colocated) PLACE=(trainer.placement.colocate_all=true) ;;
     separate) PLACE=(trainer.placement.colocate_all=false) ;;
@@ -34,16 +39,25 @@ for job in "$@"; do
     bf16) DTYPE=(trainer.bf16=true generator.inference_engine.model_dtype=bfloat16) ;;
     *) echo "error: $job: DTYPE is fp32 or bf16" >&2; exit 2 ;;
   esac
-  name="${placement}_${dtype}"
+  case "${model:=tiny}" in
+    tiny) RECIPE=glm53_flash_tiny; PROMPT_WORDS=28:40; SIZE=() ;;
+    slice) RECIPE=glm53_flash_slice; PROMPT_WORDS=2064:2160
+      SIZE=(trainer.max_prompt_length=2304 generator.sampling_params.max_generate_length=16
+            trainer.micro_train_batch_size_per_gpu=1 trainer.micro_forward_batch_size_per_gpu=1
+            trainer.policy.optimizer_config.lr=1e-5) ;;
+    *) echo "error: $job: MODEL is tiny or slice" >&2; exit 2 ;;
+  esac
+  name="${placement}_${dtype}_${model}"
   dir="$OUT/$name"
   mkdir -p "$dir"
   nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 250 > "$dir/gpu_memory.csv" &
   smi=$!
   echo "== $job: $STEPS GRPO steps through main_base"
   SECONDS=0
-  WORKDIR="/tmp/rl_gpu/$name" STEPS="$STEPS" bash examples/rl_tiny/run_rl_tiny.sh \
+  WORKDIR="/tmp/rl_gpu/$name" STEPS="$STEPS" RECIPE="$RECIPE" PROMPT_WORDS="$PROMPT_WORDS" \
+    bash examples/rl_tiny/run_rl_tiny.sh \
     trainer.kda.overrides.run.device=gpu trainer.kda.overrides.model.dsa.kernel=torch \
-    "${PLACE[@]}" "${DTYPE[@]}" > "$dir/console.txt" 2>&1
+    "${PLACE[@]}" "${DTYPE[@]}" "${SIZE[@]}" > "$dir/console.txt" 2>&1
   status=$?
   kill "$smi" 2>/dev/null
   {

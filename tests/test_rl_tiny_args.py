@@ -47,6 +47,19 @@ def test_a_count_that_is_not_a_number_is_one_error_line_and_writes_nothing(tmp_p
     assert not work.exists()
 
 
+@pytest.mark.parametrize("env, error", [
+    ({"RECIPE": "glm53_flash_huge"}, "error: --recipe glm53_flash_huge: 'glm53_flash_huge' is "
+     "neither a registered recipe (glm53_flash_1m, glm53_flash_slice, glm53_flash_tiny) nor a "
+     ".yaml/.yml file"),
+    ({"PROMPT_WORDS": "40:28"}, "error: argument --prompt-words: '40:28': needs 1 <= MIN <= MAX"),
+    ({"PROMPT_WORDS": "long"}, "error: argument --prompt-words: 'long': MIN:MAX, e.g. 28:40"),
+])
+def test_a_bad_recipe_or_prompt_length_is_one_error_line_and_writes_nothing(tmp_path, env, error):
+    work = tmp_path / "work"
+    assert _one_error(_script(work, **env)) == error
+    assert not work.exists()
+
+
 def test_a_finished_workdir_is_one_error_line_and_is_left_alone(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "metrics.jsonl").write_text('{"step": 1}\n')

@@ -68,10 +68,11 @@ def make_corpus(path: Path, documents: int = 300, seed: int = 0) -> None:
             f.write(json.dumps({"text": text}) + "\n")
 
 
-def make_hf_checkpoint(out: Path, seed: int = 0) -> None:
-    """A random glm5_next checkpoint with the tiny recipe's text model (and a 1-block vision
-    tower, as the released model has one): transformers' own init, every tensor then nudged by
-    noise so that no weight sits at a constant (norms at 1, biases at 0) a mapping could hide in."""
+def make_hf_checkpoint(out: Path, seed: int = 0, recipe: str = RECIPE) -> None:
+    """A random glm5_next checkpoint with ``recipe``'s text model (the tiny one unless named; and
+    a 1-block vision tower, as the released model has one), saved in the recipe's
+    ``model.params_dtype``: transformers' own init, every tensor then nudged by noise so that no
+    weight sits at a constant (norms at 1, biases at 0) a mapping could hide in."""
     import torch
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
@@ -79,8 +80,8 @@ def make_hf_checkpoint(out: Path, seed: int = 0) -> None:
     from skyrl_megatron_kda.model.hf_io import hf_text_config
     from skyrl_megatron_kda.recipes import load_recipe
 
-    text = dict(hf_text_config(load_recipe(RECIPE).recipe), pad_token_id=0, bos_token_id=1,
-                eos_token_id=2)
+    model_recipe = load_recipe(recipe).recipe
+    text = dict(hf_text_config(model_recipe), pad_token_id=0, bos_token_id=1, eos_token_id=2)
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16,
                   out_hidden_size=text["hidden_size"], projection_intermediate_size=16,
                   patch_size=2, temporal_patch_size=1)
@@ -91,7 +92,7 @@ def make_hf_checkpoint(out: Path, seed: int = 0) -> None:
         biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
         for tensor in [*model.parameters(), *biases]:
             tensor.add_(0.05 * torch.randn(tensor.shape, generator=gen))
-    model.float().save_pretrained(out)
+    model.to(getattr(torch, model_recipe.model.params_dtype)).save_pretrained(out)
 
 
 def skyrl_kda(*args: str) -> list[str]:

@@ -9,14 +9,16 @@
 #
 # Environment: WORKDIR (default /tmp/rl_tiny; must hold no finished job), MESH=tp1|tp2cp2
 # (default tp1), STEPS (default 2), FULLY_ASYNC=N (SkyRL's fully async trainer, rollouts at most
-# N steps stale), PYTHON (default python3). KEY=VALUE arguments are SkyRL settings: they come
-# last, so they win.
+# N steps stale), PYTHON (default python3), RECIPE (default glm53_flash_tiny: the recipe and the
+# checkpoint's shape) and PROMPT_WORDS=MIN:MAX (the prompts' length, make_inputs.py). KEY=VALUE
+# arguments are SkyRL settings: they come last, so they win.
 set -euo pipefail
 
 : "${WORKDIR:=/tmp/rl_tiny}"
 : "${MESH:=tp1}"
 : "${STEPS:=2}"
 : "${PYTHON:=python3}"
+: "${RECIPE:=glm53_flash_tiny}"
 BATCH=4  # prompts per step: one mini-batch, so one optimizer step per training step
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -49,11 +51,11 @@ if [ -n "${FULLY_ASYNC:-}" ]; then
     trainer.algorithm.off_policy_correction.outlier_token_is_threshold_high=1e4)
 fi
 
-"$PYTHON" -m examples.rl_tiny.make_inputs "$WORKDIR"
-HF="$WORKDIR/GLM-tiny-hf"
+"$PYTHON" -m examples.rl_tiny.make_inputs "$WORKDIR" --recipe "$RECIPE" ${PROMPT_WORDS:+--prompt-words "$PROMPT_WORDS"}
+HF="$WORKDIR/$RECIPE-hf"
 exec "$PYTHON" -m skyrl.train.entrypoints.main_base \
   trainer.override_entrypoint=skyrl_megatron_kda.integrations.skyrl.entrypoint \
-  trainer.kda.recipe=glm53_flash_tiny \
+  "trainer.kda.recipe=$RECIPE" \
   $(printf 'trainer.kda.overrides.%s ' "${MESH_ARGS[@]}") \
   "trainer.kda.overrides.run.num_workers=$RANKS" \
   trainer.kda.overrides.run.device=cpu \

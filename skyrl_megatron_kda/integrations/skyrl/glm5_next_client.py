@@ -213,7 +213,10 @@ def sampled_tokens(model: torch.nn.Module, prompt: List[int], *, temperature: fl
     device = next(model.parameters()).device
     for i in range(max_tokens):
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].float().cpu()
+            # logits_to_keep=1: the head runs on the last position only (at a full-size
+            # vocabulary the head over every position is a large share of the forward)
+            logits = model(input_ids=torch.tensor([ids], device=device),
+                           logits_to_keep=1).logits[0, -1].float().cpu()
         # vLLM's sampled-token log-prob: of the temperature-scaled distribution (raw at 0, greedy)
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
         allowed = logp.clone()
