@@ -144,36 +144,25 @@ def cmd_rows(args):
 # --------------------------------------------------------------------------------------- run
 
 def _layers_hooks(layers, seq_first: bool, rec: dict, attn_name: str, mlp_name: str):
-    hs = []
+    """Hooks recording each layer's output and its token mixer's and MLP's (fp32 [s, ...]; ours
+    are sequence-first [s, b, ...], transformers' batch-first [b, s, ...])."""
+    def recorder(key: str, i: int):
+        def hook(mod, inp, out):
+            x = (out[0] if isinstance(out, tuple) else out).detach().float()
+            rec.setdefault(key, {})[i] = (x[:, 0] if seq_first else x[0]).clone()
+        return hook
+
+    hooks = []
     for i, layer in enumerate(layers):
-        def out_hook(mod, inp, out, i=i):
-            x = out[0] if isinstance(out, tuple) else out
-            x = x.detach().float()
-            if seq_first:  # ours: [s, b, N, D]
-                x = x[:, 0]
-            else:  # HF: [b, s, N, D]
-                x = x[0]
-            rec.setdefault("layer_out", {})[i] = x.clone()
-
-        def attn_hook(mod, inp, out, i=i):
-            x = out[0] if isinstance(out, tuple) else out
-            x = x.detach().float()
-            x = x[:, 0] if seq_first else x[0]
-            rec.setdefault("attn_out", {})[i] = x.clone()
-
-        def mlp_hook(mod, inp, out, i=i):
-            x = out[0] if isinstance(out, tuple) else out
-            x = x.detach().float()
-            x = x[:, 0] if seq_first else x[0]
-            rec.setdefault("mlp_out", {})[i] = x.clone()
-
-        hs.append(layer.register_forward_hook(out_hook))
-        hs.append(getattr(layer, attn_name).register_forward_hook(attn_hook))
-        hs.append(getattr(layer, mlp_name).register_forward_hook(mlp_hook))
-    return hs
+        hooks.append(layer.register_forward_hook(recorder("layer_out", i)))
+        hooks.append(getattr(layer, attn_name).register_forward_hook(recorder("attn_out", i)))
+        hooks.append(getattr(layer, mlp_name).register_forward_hook(recorder("mlp_out", i)))
+    return hooks
 
 
 def _selection_hooks(model, rec: dict, router_cls: str, indexer_cls: str, ours: bool):
+    """Hooks recording each MoE router's choice (a [T, E] bool map) and each DSA indexer's
+    selection (sorted key positions per query), with the counts of routers and indexers."""
     hs = []
     routers = [m for m in model.modules() if type(m).__name__ == router_cls]
     indexers = [m for m in model.modules() if type(m).__name__ == indexer_cls]
@@ -197,12 +186,35 @@ def _selection_hooks(model, rec: dict, router_cls: str, indexer_cls: str, ours: 
         def hook(mod, inp, out, j=j):
             t = out[0]  # [s, K] natural key positions, -1 none
             rec.setdefault("dsa_sel", {})[j] = t.detach().to(torch.int32).sort(-1).values.cpu()
-        if ours:
-            hs.append(ix.register_forward_hook(hook))
-        else:
-            # the indexer's forward is wrapped per instance (match_trainer_dsa_ties): hook works
-            hs.append(ix.register_forward_hook(hook))
+        # transformers' indexer forward is wrapped per instance (match_trainer_dsa_ties); a
+        # forward hook still sees its output
+        hs.append(ix.register_forward_hook(hook))
     return hs, len(routers), len(indexers)
+
+
+def _score_rows(rows, score, model, layers, seq_first: bool, names: tuple[str, str, str, str]) -> dict:
+    """Each row through ``score(ids) -> {key: value}`` (values listed per row), without gradient;
+    row 0 with hooks recording ``layers``' outputs (``names``: the token mixer's and the MLP's
+    attribute, the router's and the indexer's class) and ``model``'s routes and selections."""
+    attn, mlp, router, indexer = names
+    out, rec = {"times": []}, {}
+    for n, ids in enumerate(rows):
+        hooks = []
+        if n == 0:
+            hooks = _layers_hooks(layers, seq_first, rec, attn, mlp)
+            more, nr, ni = _selection_hooks(model, rec, router, indexer, ours=seq_first)
+            hooks += more
+            log("hooked routers", nr, "indexers", ni)
+        s = t0()
+        with torch.no_grad():
+            for key, value in score(ids).items():
+                out.setdefault(key, []).append(value)
+        out["times"].append(time.time() - s)
+        log(f"row {n} ({len(ids)} tokens) {time.time() - s:.0f}s")
+        for hk in hooks:
+            hk.remove()
+    out.update(rec)
+    return out
 
 
 def _summaries(logp_rows):
@@ -236,25 +248,13 @@ def cmd_hf(args):
     log(f"glm5_next loaded fp32 in {time.time() - s:.0f}s;",
         {p.dtype for p in model.parameters()})
     rows = torch.load(work / "rows.pt")
-    lm = model.model.language_model
-    out = {"logp": [], "times": []}
-    rec = {}
-    for n, ids in enumerate(rows):
-        hooks = []
-        if n == 0:
-            hooks += _layers_hooks(lm.layers, False, rec, "self_attn", "mlp")
-            h, nr, ni = _selection_hooks(model, rec, "Glm5NextTextTopkRouter", "Glm5NextTextIndexer", False)
-            hooks += h
-            log("hooked routers", nr, "indexers", ni)
-        s = t0()
-        with torch.no_grad():
-            logits = model(input_ids=ids[None], use_cache=False).logits.float()[0]
-        out["logp"].append(torch.log_softmax(logits, -1))
-        out["times"].append(time.time() - s)
-        log(f"row {n} ({len(ids)} tokens) {time.time() - s:.0f}s")
-        for hk in hooks:
-            hk.remove()
-    out.update(rec)
+
+    def score(ids):
+        logits = model(input_ids=ids[None], use_cache=False).logits.float()[0]
+        return {"logp": torch.log_softmax(logits, -1)}
+
+    out = _score_rows(rows, score, model, model.model.language_model.layers, False,
+                      ("self_attn", "mlp", "Glm5NextTextTopkRouter", "Glm5NextTextIndexer"))
     torch.save(out, args.out)
 
 
@@ -285,29 +285,18 @@ def cmd_ours(args):
     log(f"loaded in {time.time() - s:.0f}s;", {p.dtype for p in model.parameters()},
         sum(p.numel() for p in model.parameters()) / 1e9, "B params")
     rows = torch.load(work / "rows.pt")
-    out = {"logp": [], "times": [], "trainer_logp": []}
-    rec = {}
-    for n, ids in enumerate(rows):
-        hooks = []
-        if n == 0:
-            hooks += _layers_hooks(model.layers, True, rec, "self_attention", "mlp")
-            h, nr, ni = _selection_hooks(model, rec, "TopKRouter", "GlmKPoolIndexer", True)
-            hooks += h
-            log("hooked routers", nr, "indexers", ni)
-        s = t0()
-        with torch.no_grad():
-            hidden = model._final_hidden(ids[None], None)
-            logits, _ = model.output_layer(hidden, weight=model._output_weight())  # [s, 1, V]
-            from skyrl_megatron_kda.model import head
-            labels = ids[None].roll(-1, 1).transpose(0, 1).contiguous()
-            tlp, _ = head.logprobs_from_logits(logits.clone(), labels, tp_group=model.pg_collection.tp)
-        out["logp"].append(torch.log_softmax(logits[:, 0].float(), -1))
-        out["trainer_logp"].append(tlp[:, 0].float())  # what token_logprobs gives (head path)
-        out["times"].append(time.time() - s)
-        log(f"row {n} ({len(ids)} tokens) {time.time() - s:.0f}s, logits dtype {logits.dtype}")
-        for hk in hooks:
-            hk.remove()
-    out.update(rec)
+    from skyrl_megatron_kda.model import head
+
+    def score(ids):
+        hidden = model._final_hidden(ids[None], None)
+        logits, _ = model.output_layer(hidden, weight=model._output_weight())  # [s, 1, V]
+        labels = ids[None].roll(-1, 1).transpose(0, 1).contiguous()
+        tlp, _ = head.logprobs_from_logits(logits.clone(), labels, tp_group=model.pg_collection.tp)
+        # trainer_logp: what token_logprobs gives (the head's path)
+        return {"logp": torch.log_softmax(logits[:, 0].float(), -1), "trainer_logp": tlp[:, 0].float()}
+
+    out = _score_rows(rows, score, model, model.layers, True,
+                      ("self_attention", "mlp", "TopKRouter", "GlmKPoolIndexer"))
     torch.save(out, args.out)
     dist.destroy_process_group()
 

@@ -118,13 +118,15 @@ def main(argv: list[str]) -> int:
                         help="words (tokens) per prompt (default %d:%d)" % PROMPT_WORDS)
     parser.error = _one_line_error
     args = parser.parse_args(argv)
+    import yaml
+
+    from skyrl_megatron_kda.console import message
     from skyrl_megatron_kda.recipes import load_recipe
 
     try:
         load_recipe(args.recipe)
-    except (KeyError, ValueError) as exc:  # an unknown name, a file that is not a recipe
-        reason = exc.args[0] if isinstance(exc, KeyError) else str(exc).splitlines()[0]
-        _one_line_error(f"--recipe {args.recipe}: {reason}")
+    except (KeyError, ValueError, OSError, yaml.YAMLError) as exc:  # unknown, unreadable, invalid
+        _one_line_error(f"--recipe {args.recipe}: {message(exc)}")
     work = args.workdir.resolve()
     hf = make_inputs(work, args.recipe, args.prompt_words)
     low, high = args.prompt_words

@@ -122,14 +122,14 @@ class DSAConfig(ConfigSection):
     fused_query_block: PositiveInt = 8192
     """Queries per call of the fused kernel (forward and backward): each call's transient
     tensors are about fused_query_block x heads x 576 bf16 values, a few times over."""
-    indexer_query_block: PositiveInt = 1024
-    """Queries per step of the indexer (query projection, pool scores, top-k, indices); the
-    fused kernel's step holds indexer_query_block x (visible pools) fp32 scores."""
     keep_attention_output: bool = False
     """fused and latent kernels: keep each call's latent-space output [rows, heads, 512] (bf16)
     and log-sum-exp [rows, heads] (fp32) from the forward for the backward instead of running
     the kernel forward again there: one sparse-attention forward less per DSA layer and step,
     for that memory from the layer's (recomputed) forward to its backward (plan counts it)."""
+    indexer_query_block: PositiveInt = 1024
+    """Queries per step of the indexer (query projection, pool scores, top-k, indices); the
+    fused kernel's step holds indexer_query_block x (visible pools) fp32 scores."""
     indexer_pool_block: PositiveInt = 4096
     """Pools scored per step of the torch indexer: the live scores are indexer_query_block x
     index_num_heads x indexer_pool_block fp32 values."""
