@@ -1,12 +1,17 @@
 """The indexer's top-k at the 1M share on one GPU: ``torch.topk`` over a query block's whole
-[queries x pools] scores (what ``pool_topk.fused_pool_topk`` runs) against an exact two-stage
-top-k (each chunk of pools' own top-k, then the top-k of those). The two-stage one lost at every
-chunk size (bench/results/h200_pool_topk/), so the layer keeps ``torch.topk``.
+[queries x pools] scores (what ``pool_topk.fused_pool_topk`` runs) against two exact candidates
+that never run one top-k over a whole row: ``chunked_topk`` (the best chunks by their maxima,
+then the best columns of those; stable-sort ties) at three chunk sizes, and a two-stage top-k
+(each chunk's own top-k, then the top-k of those). Both lost to ``torch.topk`` at every chunk
+size on an H200 (bench/results/h200_pool_topk/), so the layer keeps ``torch.topk``.
 
 Shape: one block of 1,024 queries over the 262,144 pools of a 1M-token sequence (fp32 scores,
-the last 1% of pools -inf as a causal tail), top 512 pools. Each variant's time is the median of
-``--iters`` calls after a warm-up; the selected pool sets are compared with ``torch.topk``'s
-(as sets per query: the order among equal scores is not part of either).
+the last 1% of pools -inf as a causal tail), top 512 pools. Two score distributions: ``relu``
+(half the pools score exactly 0, as a weighted ReLU with few heads can) and ``sum`` (a sum of 32
+ReLUs with random signs: few ties). Each variant's time is the median of ``--iters`` calls after
+a warm-up. ``chunked_topk`` is compared with a stable descending sort (its contract: the same ids
+in the same order); ``torch.topk`` and the two-stage top-k by their pool sets per query (they
+order equal scores in any way).
 
 Usage (CUDA):  python3 bench/pool_topk.py [--json out.json]
 """
@@ -20,7 +25,39 @@ import torch
 from kda_layer import timed  # bench/ is on sys.path when run as a script
 
 
+def order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose descending order is fp32 ``values`` descending, then ``ids`` (in
+    [0, 2**32)) ascending: a total order, so a top-k over them keeps the earlier id among equal
+    values, as a stable descending sort does. -0.0 counts as 0.0."""
+    bits = (values.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()  # float order as int order
+    return (ordered << 32) | (0xFFFFFFFF - ids.long())
+
+
 def chunked_topk(scores: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly ``scores.sort(dim=-1, descending=True, stable=True)[..., :k]`` (values, ids) of
+    fp32 ``scores`` [n, P], searching only the ``k`` chunks of ``chunk`` columns with the best
+    maxima: no other chunk can hold one of the ``k`` best columns, since each of those chunks has
+    a column that outranks its maximum. At 262,144 pools, k = 512 and chunks of 32 that is two
+    top-ks over 8,192 and 16,384 keys instead of one over 262,144."""
+    n, width = scores.shape
+    n_chunks, full = -(-width // chunk), width // chunk
+    chunk_max = scores.new_full((n, n_chunks), float("-inf"))
+    chunk_max[:, :full] = scores.unfold(1, chunk, chunk).amax(dim=-1)  # a view, not a copy
+    if full < n_chunks:
+        chunk_max[:, full] = scores[:, full * chunk:].amax(dim=-1)
+    chunk_ids = torch.arange(n_chunks, device=scores.device).expand(n, -1)
+    best_chunks = order_keys(chunk_max, chunk_ids).topk(min(k, n_chunks), dim=-1).indices
+    cols = (best_chunks[..., None] * chunk + torch.arange(chunk, device=scores.device)).flatten(1)
+    # Columns past the row's end rank after every real one (-inf with larger ids), and the
+    # candidates hold at least k real columns, so none is chosen.
+    past_end = cols >= width
+    values = scores.gather(1, cols.clamp(max=width - 1)).masked_fill(past_end, float("-inf"))
+    best = order_keys(values, cols).topk(k, dim=-1).indices
+    return values.gather(1, best), cols.gather(1, best)
+
+
+def per_chunk_topk(scores: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores.topk(k, dim=-1)``'s values and ids, exactly, in two stages: each run of
     ``chunk`` columns' own top-k, then the top-k of those candidates (every column of the top-k
     is in its chunk's top-k); ``scores``' width a multiple of ``chunk``."""
@@ -31,6 +68,19 @@ def chunked_topk(scores: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
     return best, ids.flatten(1).gather(1, order)
 
 
+def make_scores(kind: str, queries: int, pools: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if kind == "relu":
+        scores = torch.randn(queries, pools, generator=g, device="cuda").relu_()
+    else:
+        scores = torch.zeros(queries, pools, device="cuda")
+        for _ in range(32):
+            w = torch.randn(queries, 1, generator=g, device="cuda")
+            scores += w * torch.randn(queries, pools, generator=g, device="cuda").relu_()
+    scores[:, -pools // 100:] = float("-inf")
+    return scores
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queries", type=int, default=1024)
@@ -39,21 +89,35 @@ def main():
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--json", default="")
     a = p.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    scores = torch.randn(a.queries, a.pools, generator=g, device="cuda").relu_()  # weighted ReLU: many zeros
-    scores[:, -a.pools // 100:] = float("-inf")
-    reference = scores.topk(a.k, dim=-1)
-    ref_sets = reference.indices.sort(-1).values
-    runs = [{"variant": "torch.topk", "ms": timed(lambda: scores.topk(a.k, dim=-1), 1, a.iters)[0]}]
-    for chunk in (2048, 4096, 8192, 16384):
-        values, indices = chunked_topk(scores, a.k, chunk)
-        same_values = torch.equal(values.sort(-1).values, reference.values.sort(-1).values)
-        same_sets = float((indices.sort(-1).values == ref_sets).all(-1).float().mean())
-        ms = timed(lambda: chunked_topk(scores, a.k, chunk), 1, a.iters)[0]
-        runs.append({"variant": f"two-stage, chunks of {chunk}", "ms": ms,
-                     "same_values": same_values, "same_pool_sets": same_sets})
-    for r in runs:
-        print(json.dumps(r), flush=True)
+    runs = []
+    for kind in ("relu", "sum"):
+        scores = make_scores(kind, a.queries, a.pools)
+        stable = scores.sort(dim=-1, descending=True, stable=True)
+        ref_values, ref_ids = stable.values[:, : a.k], stable.indices[:, : a.k]
+        ref_sets = ref_ids.sort(-1).values
+        del stable
+        ms = timed(lambda: scores.topk(a.k, dim=-1), 1, a.iters)[0]
+        got = scores.topk(a.k, dim=-1).indices.sort(-1).values
+        runs.append({"scores": kind, "variant": "torch.topk", "ms": ms,
+                     "same_pool_sets": float((got == ref_sets).all(-1).float().mean())})
+        ms = timed(lambda: scores.topk(a.k, dim=-1, sorted=False), 1, a.iters)[0]
+        got = scores.topk(a.k, dim=-1, sorted=False).indices.sort(-1).values
+        runs.append({"scores": kind, "variant": "torch.topk, sorted=False", "ms": ms,
+                     "same_pool_sets": float((got == ref_sets).all(-1).float().mean())})
+        for chunk in (16, 32, 64):
+            values, ids = chunked_topk(scores, a.k, chunk)
+            ms = timed(lambda: chunked_topk(scores, a.k, chunk), 1, a.iters)[0]
+            runs.append({"scores": kind, "variant": f"chunked_topk, chunks of {chunk}", "ms": ms,
+                         "equals_stable_sort": bool(torch.equal(ids, ref_ids)
+                                                    and torch.equal(values, ref_values))})
+        for chunk in (4096, 16384):
+            _, ids = per_chunk_topk(scores, a.k, chunk)
+            ms = timed(lambda: per_chunk_topk(scores, a.k, chunk), 1, a.iters)[0]
+            runs.append({"scores": kind, "variant": f"two-stage, chunks of {chunk}", "ms": ms,
+                         "same_pool_sets": float((ids.sort(-1).values == ref_sets)
+                                                 .all(-1).float().mean())})
+        for r in runs[-7:]:
+            print(json.dumps(r), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"queries": a.queries, "pools": a.pools, "k": a.k, "runs": runs}, f, indent=1)

@@ -29,7 +29,7 @@ from .config import Recipe, merge, parse_overrides
 from .console import yaml_message
 from .dsa import kernels as dsa_kernels
 from .kda.cost import resolve_cp_exchange
-from .recipe_rules import load_recipe_dict
+from .recipe_rules import check_dsa, load_recipe_dict
 from .registry import AUTO
 
 RECIPES_DIR = Path(str(files("skyrl_megatron_kda.builtin_recipes")))
@@ -186,10 +186,14 @@ def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = (),
 
 def _with_dsa_kernel_resolved(recipe: Recipe) -> tuple[Recipe, str]:
     """``recipe`` with ``model.dsa.kernel=auto`` replaced by the kernel ``dsa.kernels.resolve``
-    picks for ``run.device``, and the reason."""
+    picks for ``run.device``, and the reason; refused (``ValueError``) where the other DSA
+    settings do not suit that kernel."""
     device = recipe.run.device
     name = dsa_kernels.resolve(recipe.model.dsa.kernel, device)
-    dsa = recipe.model.dsa.model_copy(update={"kernel": name})
+    try:
+        dsa = check_dsa(recipe.model.dsa.model_copy(update={"kernel": name}))
+    except ValueError as e:
+        raise ValueError(f"model.dsa.kernel=auto picks {name} on run.device={device}; {e}") from None
     resolved = recipe.model_copy(update={"model": recipe.model.model_copy(update={"dsa": dsa})})
     return resolved, f"{name}: the first registered kernel that run.device={device} does not refuse"
 

@@ -240,3 +240,16 @@ def test_keeping_the_attention_output_needs_a_kernel_with_one(kernel, refused):
             check_dsa(dsa)
     else:
         assert check_dsa(dsa) is dsa
+
+
+def test_auto_is_refused_where_it_picks_a_kernel_that_keeps_no_output():
+    """model.dsa.kernel=auto with keep_attention_output=true: on a CPU recipe auto picks torch,
+    which has no kernel output to keep, so loading the recipe refuses it in one line naming both
+    settings instead of running torch with the setting ignored."""
+    from skyrl_megatron_kda.recipes import load_recipe
+
+    with pytest.raises(ValueError, match=r"^model.dsa.kernel=auto picks torch on run.device=cpu; "
+                                         r"model.dsa.keep_attention_output=true needs"):
+        load_recipe("glm53_flash_tiny", ["model.dsa.keep_attention_output=true"])
+    assert load_recipe("glm53_flash_tiny", []).recipe.model.dsa.kernel == "torch"
+

@@ -115,7 +115,10 @@ def test_full_recipe_loads(monkeypatch):
     monkeypatch.delenv(CP_EXCHANGE_ENV, raising=False)
     r = get_recipe(FULL)
     assert isinstance(r, Recipe)
-    assert r.model == ModelConfig()  # the file spells out the defaults: they must agree
+    # The file spells out the model card's sizes, the defaults, and one speed setting besides.
+    assert r.model.dsa.keep_attention_output
+    as_card = r.model.dsa.model_copy(update={"keep_attention_output": False})
+    assert r.model.model_copy(update={"dsa": as_card}) == ModelConfig()
     p = r.parallel
     assert (p.tp, p.cp, p.ep, p.etp, p.pp, p.sequence_parallel) == (8, 2, 32, 2, 1, True)
     assert r.data.seq_len == 2**20

@@ -64,12 +64,15 @@ def test_stored_run_constants_derive_again():
     visible = (dsa["keys"] - q / 2) / 4
     assert cal.DSA_INDEXER_S_PER_SCORE_DIM == pytest.approx(best["indexer_ms"] * 1e-3 / (q * visible * 32 * 128))
     assert cal.DSA_SELECTED_PER_TOPK == pytest.approx(dsa["mean_selected"] / 2048)
-    for kernel, path in (("fused", "h200_dsa_kept_selection/dsa_rank_share_sequence.json"),
-                         ("latent", "h200_dsa_latent/dsa_rank_share_latent.json")):
+    for rates, kernel, path in (
+            (cal.DSA_ATTENTION_S, "fused", "h200_dsa_kept_selection/dsa_rank_share_sequence.json"),
+            (cal.DSA_ATTENTION_S, "latent", "h200_dsa_latent/dsa_rank_share_latent.json"),
+            (cal.DSA_KEPT_OUTPUT_S, "fused", "h200_dsa_keep_output/dsa_fusedkeepoutput.json"),
+            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_dsa_keep_output/dsa_latentkeepoutput.json")):
         run = json.loads((RESULTS / path).read_text())
-        assert run["kernel"] == kernel
+        assert (run["kernel"], run.get("keep_output", False)) == (kernel, rates is cal.DSA_KEPT_OUTPUT_S)
         work = run["queries"] * run["heads"] * run["mean_selected"]
-        assert cal.DSA_ATTENTION_S[kernel] == pytest.approx(
+        assert rates[kernel] == pytest.approx(
             (run["best"]["attn_fwd_ms"] * 1e-3 / work, run["best"]["attn_bwd_ms"] * 1e-3 / work))
 
     rows = [json.loads(line) for line in (RESULTS / "h200_fused_loss" / "fused_loss.txt").read_text().splitlines()]
@@ -227,10 +230,10 @@ def share_measured() -> dict[str, float]:
     """One rank's parts at the 1M recipe's share, per layer, from the stored rank-share runs: the
     blocks at the rank's widths fed its rows (bench/results/h200_step_time_share/), the DSA
     attention core on our kernels (65,536 queries x 64 heads over 1M keys, full recompute, the
-    selection kept)."""
+    selection and the attention output kept, as the recipe runs it)."""
     share = json.loads((RESULTS / "h200_step_time_share" / "share_1m.json").read_text())
     layer = {p["layer"]: p for p in share["layers"]}
-    dsa = json.loads((RESULTS / "h200_dsa_latent" / "dsa_rank_share_latent.json").read_text())
+    dsa = json.loads((RESULTS / "h200_dsa_keep_output" / "dsa_latentkeepoutput.json").read_text())
     return {"KDA block": layer[0]["attention_part"]["s"],
             "DSA core": dsa["best"]["step_ms_full_recompute"] * 1e-3,
             "MoE block": layer[1]["mlp_part"]["s"], "dense block": layer[0]["mlp_part"]["s"],

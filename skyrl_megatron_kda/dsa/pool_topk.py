@@ -127,6 +127,6 @@ def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor
         ke = (end_pool[q0:q1] - lo).clamp(min=0).to(torch.int32)
         logits = scorer(q[q0:q1].contiguous(), pool_k[lo:hi].contiguous(),
                         weights[q0:q1].float().contiguous(), ks.contiguous(), ke.contiguous())
-        score, ids = logits.topk(k, dim=-1)
+        score, ids = logits.topk(k, dim=-1, sorted=False)  # the attention needs no order
         result[q0:q1, :k] = (ids + lo).masked_fill(score == float("-inf"), -1)
     return result

@@ -40,7 +40,21 @@ DSA_ATTENTION_S = {
               857.7401830000042e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
 }
 """The sparse MLA's forward and backward per query x head x selected token, by
-``model.dsa.kernel`` (the GPU kernels that have a stored run at the share)."""
+``model.dsa.kernel`` (the GPU kernels that have a stored run at the share); the backward runs
+the kernel forward again."""
+
+DSA_KEPT_OUTPUT_S = {
+    # bench/results/h200_dsa_keep_output/dsa_latentkeepoutput.json (``best``): forward 79.3 ms,
+    # backward 391.8 ms (against 77.2 and 457.0 without, dsa_latent.json of the same call).
+    "latent": (79.30984199998647e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+               391.84569200000396e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    # bench/results/h200_dsa_keep_output/dsa_fusedkeepoutput.json (``best``): forward 86.3 ms,
+    # backward 777.6 ms.
+    "fused": (86.29485199998044e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+              777.560292000004e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+}
+"""``DSA_ATTENTION_S`` under ``model.dsa.keep_attention_output``: the forward keeps its output
+and log-sum-exp, and the backward reads them instead of running the kernel forward again."""
 
 # --- the head: output layer + loss -----------------------------------------------------------------
 # bench/results/h200_fused_loss/fused_loss.txt: forward+backward of the loss over 65,536 to

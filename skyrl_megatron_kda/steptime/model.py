@@ -199,7 +199,8 @@ def _mean_selected(topk: int, first: int, last: int) -> float:
 def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     """The DSA attention core of the slowest rank per layer and step: the indexer (once under
     ``train.keep_dsa_selection`` with full recompute, else in every forward), the sparse
-    attention forward in each forward pass and its backward. The rank holds ``q`` query rows
+    attention forward in each forward pass and its backward (without the backward's kernel
+    forward under ``model.dsa.keep_attention_output``). The rank holds ``q`` query rows
     (its SP rows with all heads: the sequence split) ending at the sequence's last token (the
     zigzag CP rank 0's last TP slice, which sees the most keys)."""
     m, p, a = recipe.model, recipe.parallel, recipe.model.dsa
@@ -212,7 +213,8 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     indexer = (q * visible_pools * a.index_num_heads * a.index_head_dim
                * cal.DSA_INDEXER_S_PER_SCORE_DIM * indexer_runs)
     work = q * a.num_heads * selected
-    fwd, bwd = cal.DSA_ATTENTION_S[dsa_rate_kernel(recipe)]
+    rates = cal.DSA_KEPT_OUTPUT_S if a.keep_attention_output else cal.DSA_ATTENTION_S
+    fwd, bwd = rates[dsa_rate_kernel(recipe)]
     return {"indexer": indexer, "attention_fwd": passes * work * fwd, "attention_bwd": work * bwd}
 
 
