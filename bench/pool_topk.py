@@ -1,17 +1,19 @@
 """The indexer's top-k at the 1M share on one GPU: ``torch.topk`` over a query block's whole
-[queries x pools] scores (what ``pool_topk.fused_pool_topk`` runs) against two exact candidates
-that never run one top-k over a whole row: ``chunked_topk`` (the best chunks by their maxima,
-then the best columns of those; stable-sort ties) at three chunk sizes, and a two-stage top-k
-(each chunk's own top-k, then the top-k of those). Both lost to ``torch.topk`` at every chunk
-size on an H200 (bench/results/h200_pool_topk/), so the layer keeps ``torch.topk``.
+[queries x pools] scores, sorted and not (``pool_topk.fused_pool_topk`` runs it unsorted),
+against three exact candidates that never run one top-k over a whole row: a Triton radix select
+per row (``radix_topk.row_topk_ids``), ``chunked_topk`` (the best chunks by their maxima, then
+the best columns of those; stable-sort ties) at three chunk sizes, and a two-stage top-k (each
+chunk's own top-k, then the top-k of those). All three lost to ``torch.topk`` on an H200
+(bench/results/h200_pool_topk/).
 
 Shape: one block of 1,024 queries over the 262,144 pools of a 1M-token sequence (fp32 scores,
 the last 1% of pools -inf as a causal tail), top 512 pools. Two score distributions: ``relu``
 (half the pools score exactly 0, as a weighted ReLU with few heads can) and ``sum`` (a sum of 32
 ReLUs with random signs: few ties). Each variant's time is the median of ``--iters`` calls after
-a warm-up. ``chunked_topk`` is compared with a stable descending sort (its contract: the same ids
-in the same order); ``torch.topk`` and the two-stage top-k by their pool sets per query (they
-order equal scores in any way).
+a warm-up. ``row_topk_ids`` and ``chunked_topk`` are compared with a stable descending sort
+(their contract: the same ids, ascending for ``row_topk_ids``, by score for ``chunked_topk``);
+``torch.topk`` and the two-stage top-k by their pool sets per query (they order equal scores in
+any way).
 
 Usage (CUDA):  python3 bench/pool_topk.py [--json out.json]
 """
@@ -23,6 +25,7 @@ import json
 
 import torch
 from kda_layer import timed  # bench/ is on sys.path when run as a script
+from radix_topk import reference_row_topk_ids, row_topk_ids
 
 
 def order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -100,6 +103,10 @@ def main():
         got = scores.topk(a.k, dim=-1).indices.sort(-1).values
         runs.append({"scores": kind, "variant": "torch.topk", "ms": ms,
                      "same_pool_sets": float((got == ref_sets).all(-1).float().mean())})
+        ms = timed(lambda: row_topk_ids(scores, a.k), 1, a.iters)[0]
+        runs.append({"scores": kind, "variant": "row_topk_ids (radix select)", "ms": ms,
+                     "equals_stable_sort": bool(torch.equal(row_topk_ids(scores, a.k),
+                                                            reference_row_topk_ids(scores, a.k)))})
         ms = timed(lambda: scores.topk(a.k, dim=-1, sorted=False), 1, a.iters)[0]
         got = scores.topk(a.k, dim=-1, sorted=False).indices.sort(-1).values
         runs.append({"scores": kind, "variant": "torch.topk, sorted=False", "ms": ms,
@@ -116,7 +123,7 @@ def main():
             runs.append({"scores": kind, "variant": f"two-stage, chunks of {chunk}", "ms": ms,
                          "same_pool_sets": float((ids.sort(-1).values == ref_sets)
                                                  .all(-1).float().mean())})
-        for r in runs[-7:]:
+        for r in runs[-8:]:
             print(json.dumps(r), flush=True)
     if a.json:
         with open(a.json, "w") as f:
