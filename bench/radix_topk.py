@@ -5,9 +5,11 @@ each row's ``k`` best scores, exact, ties at the k-th score to the earlier colum
 stable sort on both score distributions) and 11.7x slower: 36.4 ms against 3.1 ms per block of
 1,024 queries over 262,144 pools, and 2.65 s against 0.58 s for the indexer of the 1M share in
 the layer (bench/results/h200_pool_topk/). One program per row streams the row four times with
-a 2,048-bin ``tl.histogram`` per tile of 2,048 scores; at about 120 GB/s it is nowhere near the
-memory's rate, so the histogram, not the reads, sets its time. The algorithm, kept here with the
-measurement:
+a 2,048-bin ``tl.histogram`` per tile of 2,048 scores, about 120 GB/s, far below the memory's
+rate: Triton builds a histogram inside each warp from one ballot per bit of the bin index and
+one popcount per bin a thread owns, 64 bins per thread at 2,048 bins, so the counting, not the
+reads, sets the time. A faster select needs counters in shared memory (atomics, as CUDA radix
+selects use), which Triton does not expose. The algorithm, kept here with the measurement:
 
 1. Each fp32 score becomes a uint32 key in the same order (sign bit flipped for positive values,
    all bits for negative ones; -0.0 first turned into 0.0, so the two tie).
