@@ -193,7 +193,8 @@ def _with_dsa_kernel_resolved(recipe: Recipe) -> tuple[Recipe, str]:
     try:
         dsa = check_dsa(recipe.model.dsa.model_copy(update={"kernel": name}))
     except ValueError as e:
-        raise ValueError(f"model.dsa.kernel=auto picks {name} on run.device={device}; {e}") from None
+        why = f"model.dsa.kernel=auto picks {name} on run.device={device}; {e}"
+        raise ValueError(why) from None
     resolved = recipe.model_copy(update={"model": recipe.model.model_copy(update={"dsa": dsa})})
     return resolved, f"{name}: the first registered kernel that run.device={device} does not refuse"
 

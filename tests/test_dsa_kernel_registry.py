@@ -252,4 +252,3 @@ def test_auto_is_refused_where_it_picks_a_kernel_that_keeps_no_output():
                                          r"model.dsa.keep_attention_output=true needs"):
         load_recipe("glm53_flash_tiny", ["model.dsa.keep_attention_output=true"])
     assert load_recipe("glm53_flash_tiny", []).recipe.model.dsa.kernel == "torch"
-

@@ -70,7 +70,8 @@ def test_stored_run_constants_derive_again():
             (cal.DSA_KEPT_OUTPUT_S, "fused", "h200_dsa_keep_output/dsa_fusedkeepoutput.json"),
             (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_dsa_keep_output/dsa_latentkeepoutput.json")):
         run = json.loads((RESULTS / path).read_text())
-        assert (run["kernel"], run.get("keep_output", False)) == (kernel, rates is cal.DSA_KEPT_OUTPUT_S)
+        kept = rates is cal.DSA_KEPT_OUTPUT_S
+        assert (run["kernel"], run.get("keep_output", False)) == (kernel, kept)
         work = run["queries"] * run["heads"] * run["mean_selected"]
         assert rates[kernel] == pytest.approx(
             (run["best"]["attn_fwd_ms"] * 1e-3 / work, run["best"]["attn_bwd_ms"] * 1e-3 / work))
