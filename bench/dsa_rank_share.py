@@ -6,9 +6,10 @@ TP) its own 65,536 rows with all 64 heads; the keys are the whole 1,048,576-toke
 runs that rank's work with the model's own functions on random data of GLM's sizes:
 
 * indexer: pooled keys (``pools.pooled_keys``), per query block the indexer scores and
-  top-k (``pool_topk.fused_pool_topk`` on our Triton scores, ``index_scores.py``, or
-  the torch ``blocked_pool_topk``; the last block is also scored by megatron-core's TileLang
-  indexer kernel, for its time) and the token indices (``pools.pool_token_indices``);
+  top-k (``pool_topk.fused_pool_topk`` on our Triton scores, ``index_scores.py``, and the
+  floor's exact top-k, ``threshold_topk.py``; or the torch ``blocked_pool_topk``; the last
+  block is also scored by megatron-core's TileLang indexer kernel and its top-k taken by
+  ``torch.topk``, for their times) and the token indices (``pools.pool_token_indices``);
 * sparse attention: ``fused_sparse_mla.fused_absorbed_sparse_mla`` on megatron-core's TileLang
   kernels (``--kernel fused``) or ours (``latent``, ``latent_sparse_mla.py``), or
   ``sparse_mla.absorbed_sparse_mla`` (torch), forward and backward.
@@ -23,7 +24,7 @@ pass of a recompute that selects again). Not included: the MLA projections and t
 all-to-all / all-gathers (per rank: a few GEMMs over 65,536 rows and ~2 GiB over NVLink).
 
 Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel fused|latent]
-                          [--keep-output]
+                          [--keep-output] [--whole-row-topk]
 """
 
 from __future__ import annotations
@@ -48,8 +49,14 @@ from skyrl_megatron_kda.dsa.pools import (
     pool_token_indices,
     pooled_keys,
 )
+from skyrl_megatron_kda.dsa import pool_topk
 from skyrl_megatron_kda.dsa.pool_topk import blocked_pool_topk, fused_pool_topk
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
+from skyrl_megatron_kda.dsa.threshold_topk import (
+    CANDIDATES_PER_PICK,
+    grouped_compact_kernel,
+    threshold_topk,
+)
 
 HEADS, TP, CP = 64, 8, 2
 LATENT, DN, DV = 512, 256, 256
@@ -99,7 +106,7 @@ def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tenso
         args = (x["idx_q"][q0:q1], x["idx_w"][q0:q1], pool_k, starts, x["pos"][q0:q1],
                 first[q0:q1], KPOOL, TOPK // KPOOL)
         if kernel != "torch":
-            pools = fused_pool_topk(*args, block, kernels.index_scores)
+            pools = fused_pool_topk(*args, block, kernels.index_scores, kernels.index_group)
         else:
             pools = blocked_pool_topk(*args, query_block=block, pool_block=4096)
         out[q0:q1] = pool_token_indices(pools, starts, x["pos"][q0:q1], first[q0:q1], KPOOL)
@@ -116,14 +123,22 @@ def indexer_split(x: dict, keys: int, block: int, kernels) -> dict:
     ke = torch.searchsorted(starts + KPOOL - 1, pos, right=True).to(torch.int32)
     ks = torch.zeros_like(ke)
     megatron, t_megatron = timed(lambda: indexer_fwd_interface(q, pool_k, w, ks, ke))
+    k, group = TOPK // KPOOL, kernels.index_group
     for _ in range(2):  # the first call compiles
-        scores, t_scores = timed(lambda: kernels.index_scores(q, pool_k, w, ks, ke))
+        (scores, maxima), t_scores = timed(lambda: kernels.index_scores(q, pool_k, w, ks, ke))
         megatron, t_megatron = timed(lambda: indexer_fwd_interface(q, pool_k, w, ks, ke))
-    _, t_topk = timed(lambda: scores.topk(TOPK // KPOOL, dim=-1))
+        (best, ids), t_threshold = timed(lambda: threshold_topk(scores, maxima, group, k))
+        _, t_topk = timed(lambda: scores.topk(k, dim=-1, sorted=False))
+    floor = maxima.topk(k, dim=-1).values[:, -1]
+    candidates = grouped_compact_kernel(scores, maxima, group, floor,
+                                        CANDIDATES_PER_PICK * k)[2].float()
+    same = torch.equal(best.sort(-1).values, scores.topk(k, dim=-1).values.sort(-1).values)
     finite = torch.isfinite(megatron)
     diff = float((scores[finite] - megatron[finite]).norm() / megatron[finite].norm())
     return dict(queries=block, pools=pool_k.shape[0], scores_ms=t_scores,
-                megatron_tilelang_scores_ms=t_megatron, topk_ms=t_topk,
+                megatron_tilelang_scores_ms=t_megatron, torch_topk_ms=t_topk,
+                threshold_topk_ms=t_threshold, threshold_equals_topk=same,
+                candidates_mean=float(candidates.mean()), candidates_max=float(candidates.max()),
                 scores_vs_megatron_rel=diff,
                 same_inf=bool(torch.equal(torch.isinf(scores), torch.isinf(megatron))))
 
@@ -158,9 +173,15 @@ def main():
     p.add_argument("--keep-output", action="store_true",
                    help="model.dsa.keep_attention_output: the backward reads the forward's kept "
                         "kernel output instead of running the kernel forward again (fused, latent)")
+    p.add_argument("--whole-row-topk", action="store_true",
+                   help="the indexer's top-k as torch.topk over each whole row of scores (what "
+                        "threshold_topk replaced), for a comparison in one call")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--json", default="")
     a = p.parse_args()
+    if a.whole_row_topk:
+        pool_topk.threshold_topk = lambda scores, maxima, group, k: scores.topk(k, dim=-1,
+                                                                               sorted=False)
     if a.keep_output and a.kernel == "torch":
         p.error("--keep-output needs --kernel fused or latent (the torch kernel keeps no output)")
     dev = torch.device("cuda")
@@ -198,7 +219,8 @@ def main():
     violations = index_violations(idx.long(), x["pos"], torch.zeros_like(x["pos"]))
     kept = float((idx >= 0).sum(-1).float().mean())
     best = min(results[1:], key=lambda r: r["step_ms_full_recompute"]) if a.iters else results[0]
-    summary = dict(kernel=a.kernel, split=a.split, keep_output=a.keep_output, queries=rows,
+    summary = dict(kernel=a.kernel, split=a.split, keep_output=a.keep_output,
+                   whole_row_topk=a.whole_row_topk, queries=rows,
                    heads=x["heads"], keys=a.keys,
                    query_block=a.query_block, indexer_block=a.indexer_block,
                    index_violations=violations, mean_selected=kept, best=best,

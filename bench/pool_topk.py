@@ -1,10 +1,11 @@
 """The indexer's top-k at the 1M share on one GPU: ``torch.topk`` over a query block's whole
-[queries x pools] scores, sorted and not (``pool_topk.fused_pool_topk`` runs it unsorted),
-against three exact candidates that never run one top-k over a whole row: a Triton radix select
-per row (``radix_topk.row_topk_ids``), ``chunked_topk`` (the best chunks by their maxima, then
-the best columns of those; stable-sort ties) at three chunk sizes, and a two-stage top-k (each
-chunk's own top-k, then the top-k of those). All three lost to ``torch.topk`` on an H200
-(bench/results/h200_pool_topk/).
+[queries x pools] scores, sorted and not, against four exact candidates that never run one
+top-k over a whole row: a Triton radix select per row (``radix_topk.row_topk_ids``),
+``chunked_topk`` (the best chunks by their maxima, then the best columns of those; stable-sort
+ties) at three chunk sizes, a two-stage top-k (each chunk's own top-k, then the top-k of those)
+and the layer's ``threshold_topk.threshold_topk`` (a floor from group maxima that the score
+kernel writes, one compacting pass, a top-k over the few scores above it) at four group widths.
+The first three lost to ``torch.topk`` on an H200 (bench/results/h200_pool_topk/).
 
 Shape: one block of 1,024 queries over the 262,144 pools of a 1M-token sequence (fp32 scores,
 the last 1% of pools -inf as a causal tail), top 512 pools. Two score distributions: ``relu``
@@ -26,6 +27,14 @@ import json
 import torch
 from kda_layer import timed  # bench/ is on sys.path when run as a script
 from radix_topk import reference_row_topk_ids, row_topk_ids
+
+from skyrl_megatron_kda.dsa.threshold_topk import (
+    CANDIDATES_PER_PICK,
+    compact_kernel,
+    group_maxima,
+    grouped_compact_kernel,
+    threshold_topk,
+)
 
 
 def order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -123,7 +132,28 @@ def main():
             runs.append({"scores": kind, "variant": f"two-stage, chunks of {chunk}", "ms": ms,
                          "same_pool_sets": float((ids.sort(-1).values == ref_sets)
                                                  .all(-1).float().mean())})
-        for r in runs[-8:]:
+        for group in (16, 32, 64, 128):  # the score kernel writes the maxima: not timed here
+            maxima = group_maxima(scores, group)
+            values, ids = threshold_topk(scores, maxima, group, a.k)
+            ms = timed(lambda: threshold_topk(scores, maxima, group, a.k), 1, a.iters)[0]
+            cap = CANDIDATES_PER_PICK * a.k
+            floor = maxima.topk(a.k, dim=-1).values[:, -1]
+            floor_ms = timed(lambda: maxima.topk(a.k, dim=-1).values[:, -1], 1, a.iters)[0]
+            kept = grouped_compact_kernel(scores, maxima, group, floor, cap)
+            kept_ms = timed(lambda: grouped_compact_kernel(scores, maxima, group, floor, cap), 1,
+                            a.iters)[0]
+            whole_ms = timed(lambda: compact_kernel(scores, floor, cap), 1, a.iters)[0]
+            final_ms = timed(lambda: kept[0].topk(a.k, dim=-1, sorted=False), 1, a.iters)[0]
+            runs.append({"scores": kind, "variant": f"threshold_topk, maxima of {group}",
+                         "ms": ms, "same_pool_sets": float((ids.sort(-1).values == ref_sets)
+                                                           .all(-1).float().mean()),
+                         "same_values": bool(torch.equal(values.sort(-1, descending=True).values,
+                                                         ref_values)),
+                         "floor_ms": floor_ms, "grouped_compaction_ms": kept_ms,
+                         "whole_row_compaction_ms": whole_ms, "final_topk_ms": final_ms,
+                         "candidates_mean": float(kept[2].float().mean()),
+                         "candidates_max": float(kept[2].max())})
+        for r in runs[-12:]:
             print(json.dumps(r), flush=True)
     if a.json:
         with open(a.json, "w") as f:

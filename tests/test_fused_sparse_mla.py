@@ -11,6 +11,8 @@ kernel."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -83,13 +85,11 @@ def test_fused_wrapper_equals_torch_kernel(block, widths):
 
 def _shifted(kernels):
     """Control: the kernel reads each selected row one position later."""
-    return DSAKernels(
+    return replace(
+        kernels,
         forward=lambda q, kv, i, s: kernels.forward(q, kv, torch.where(i >= 0, (i + 1) % kv.shape[0], i), s),
-        delta=kernels.delta,
         backward=lambda q, kv, o, do, i, lse, sm_scale, delta: kernels.backward(
-            q, kv, o, do, torch.where(i >= 0, (i + 1) % kv.shape[0], i), lse, sm_scale, delta),
-        index_scores=kernels.index_scores, dtype=kernels.dtype, width=kernels.width,
-        value_width=kernels.value_width)
+            q, kv, o, do, torch.where(i >= 0, (i + 1) % kv.shape[0], i), lse, sm_scale, delta))
 
 
 def _value_from_padding(kernels):
@@ -97,8 +97,35 @@ def _value_from_padding(kernels):
     def forward(q, kv, i, s):
         out, lse = kernels.forward(q, kv.roll(-64, dims=-1).contiguous(), i, s)
         return out, lse
-    return DSAKernels(forward=forward, delta=kernels.delta, backward=kernels.backward,
-                      index_scores=kernels.index_scores, dtype=kernels.dtype)
+    return replace(kernels, forward=forward)
+
+
+@pytest.mark.parametrize("block", [1, 8, 64])
+def test_a_backward_that_adds_into_the_latent_gradient_changes_nothing(block):
+    """Our kernels' backward adds each call's latent gradient into the layer's fp32 buffer
+    (``backward_adds_dkv``) instead of returning one to be added: the same gradients in fp32
+    to rounding of the summation order (fp64: the buffer is not fp32, so it is not used and
+    every bit is equal). Control: a backward that adds into the buffer but returns it as its
+    own gradient too counts the calls before it twice."""
+    gen = torch.Generator().manual_seed(2)
+    widths = WIDTHS["latent"]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 0.0)):
+        q, latent, weight, idx = _inputs(dtype, gen)
+        grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=dtype)
+        ref = _run(_fused(torch_dsa_kernels(**widths), block), q, latent, weight, idx, grad)
+        got = _run(_fused(torch_dsa_kernels(**widths, backward_adds_dkv=True), block), q,
+                   latent, weight, idx, grad)
+        errors = {k: _rel(got[k], ref[k]) for k in ref}
+        assert max(errors.values()) <= tol, (dtype, errors)
+    kernels = torch_dsa_kernels(**widths, backward_adds_dkv=True)
+    q, latent, weight, idx = _inputs(torch.float32, gen)
+    shared = torch.zeros(TK, 1, RANK)  # one buffer across the calls, returned by each
+    doubled = replace(kernels, backward_adds_dkv=False,
+                      backward=lambda *a, **k: kernels.backward(*a, **k, dkv=shared))
+    grad = torch.randn(TQ, HEADS, DV, generator=gen)
+    ref = _run(_fused(kernels, 8), q, latent, weight, idx, grad)
+    got = _run(_fused(doubled, 8), q, latent, weight, idx, grad)
+    assert _rel(got["dlatent"], ref["dlatent"]) > 1e-2
 
 
 @pytest.mark.parametrize("control, widths", [(_shifted, "megatron"), (_shifted, "latent"),
@@ -117,9 +144,7 @@ def _counting(kernels, calls):
     def forward(*args):
         calls.append(1)
         return kernels.forward(*args)
-    return DSAKernels(forward=forward, delta=kernels.delta, backward=kernels.backward,
-                      index_scores=kernels.index_scores, dtype=kernels.dtype, width=kernels.width,
-                      value_width=kernels.value_width)
+    return replace(kernels, forward=forward)
 
 
 def _saved_bytes(attend, q, latent, weight, idx):
@@ -247,8 +272,9 @@ def test_fused_indexer_selects_the_torch_pools():
     w = torch.rand(pos.numel(), 32, generator=gen).to(dev)
     keys = torch.randn(starts.numel(), 128, generator=gen).to(dev).bfloat16()
     ref = blocked_pool_topk(q, w, keys, starts, pos, first, 4, 64, query_block=256)
-    got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 64, 700,
-                          fused_dsa_kernels().index_scores)
+    kernels = fused_dsa_kernels()
+    got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 64, 700, kernels.index_scores,
+                          kernels.index_group)
     same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(got.cpu(), ref.cpu())]
     ends = starts[got.clamp(min=0)] + 3
     bad = (got >= 0) & ((ends > pos[:, None]) | (starts[got.clamp(min=0)] < first[:, None]))
@@ -273,13 +299,13 @@ def test_fused_indexer_selects_the_blocked_pools(block):
     q, w = torch.randn(192, 4, 8, generator=gen), torch.rand(192, 4, generator=gen)
     keys = torch.randn(starts.numel(), 8, generator=gen)
     ref = blocked_pool_topk(q, w, keys, starts, pos, first, 4, 5, query_block=9, pool_block=3)
-    scores = torch_dsa_kernels().index_scores
-    got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores)
+    scores, group = torch_dsa_kernels().index_scores, torch_dsa_kernels().index_group
+    got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores, group)
     assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
     assert (got[:3] == -1).all()  # tokens 0..2: no complete pool
     # (one block: a single query's window ends at its own range, so the control needs several)
     late = fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, 4000,
-                           lambda q, k, w, ks, ke: scores(q, k, w, ks, ke + 1))
+                           lambda q, k, w, ks, ke: scores(q, k, w, ks, ke + 1), group)
     assert not torch.equal(late.sort(-1).values, ref.sort(-1).values)
 
 
@@ -289,8 +315,10 @@ def test_fused_indexer_selects_the_blocked_pools(block):
 def test_triton_pool_scores_equal_the_reference(n, pools):
     """``index_scores.pool_scores`` against the fp32 torch reference of the same contract on
     bf16-rounded inputs: the same -inf pattern (visible ranges, empty ranges) and finite scores
-    within 1e-3 relative (bf16 products, fp32 sums in another order)."""
-    from skyrl_megatron_kda.dsa.index_scores import pool_scores
+    within 1e-3 relative (bf16 products, fp32 sums in another order); its group maxima are
+    exactly its scores' (partial last group included)."""
+    from skyrl_megatron_kda.dsa.index_scores import GROUP, pool_scores
+    from skyrl_megatron_kda.dsa.threshold_topk import group_maxima
 
     gen, dev = torch.Generator().manual_seed(6), torch.device("cuda")
     q = torch.randn(n, 32, 128, generator=gen).bfloat16()
@@ -298,10 +326,11 @@ def test_triton_pool_scores_equal_the_reference(n, pools):
     w = torch.rand(n, 32, generator=gen)
     ks = torch.randint(0, pools, (n,), generator=gen, dtype=torch.int32)
     ke = (ks + torch.randint(-3, pools, (n,), generator=gen, dtype=torch.int32)).clamp(0, pools)
-    ref = torch_dsa_kernels().index_scores(q.float(), keys.float(), w, ks, ke)
-    got = pool_scores(*(t.to(dev) for t in (q, keys, w, ks, ke))).cpu()
+    ref = torch_dsa_kernels().index_scores(q.float(), keys.float(), w, ks, ke)[0]
+    got, maxima = (t.cpu() for t in pool_scores(*(t.to(dev) for t in (q, keys, w, ks, ke))))
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     finite = torch.isfinite(ref)
     err = float((got[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
     print(n, pools, err)
     assert err < 1e-3, err
+    assert torch.equal(maxima, group_maxima(got, GROUP))  # the kernel's own scores' maxima

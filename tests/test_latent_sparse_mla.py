@@ -10,6 +10,11 @@ shifted by one) that the tolerance catches. The layer's wrapper on these kernels
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -88,3 +93,47 @@ def test_a_shifted_index_is_caught():
     errors = _kernel_errors(q, kv, idx, grad, kernel_idx=shifted)
     print(errors)
     assert min(errors.values()) > 10 * TOL, errors
+
+
+_ROW_DOTS = """
+import json
+import torch
+from skyrl_megatron_kda.dsa.row_dots import row_dots
+g = torch.Generator().manual_seed(3)
+a, b = torch.randn(5, 3, 64, generator=g), torch.randn(5, 3, 64, generator=g)
+ref = (a.double() * b.double()).sum(-1)
+print(json.dumps({"err": float((row_dots(a, b) - ref).abs().max()),
+                  "swapped": float((row_dots(a, b.flip(-1)) - ref).abs().max())}))
+"""
+
+
+def test_the_delta_kernel_equals_the_row_sums_interpreted():
+    """The latent set's ``delta`` (``row_dots``, Triton) under Triton's CPU interpreter: fp32
+    sums of products over 15 rows (two programs, the second partial) to rounding; control: the
+    channels of one input reversed."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _ROW_DOTS], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip().splitlines()[-1]
+    got = json.loads(out)
+    assert got["err"] < 1e-4 < got["swapped"], got
+
+
+def test_the_delta_kernel_refuses_other_shapes():
+    from skyrl_megatron_kda.dsa.row_dots import row_dots
+
+    with pytest.raises(ValueError, match="one shape"):
+        row_dots(torch.ones(2, 3, 8), torch.ones(2, 3, 6))
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_delta_kernel_on_the_gpu():
+    """bf16 [8192, 64, 512] (one call's shape at GLM's widths): equal to the fp32 sums of the
+    bf16 values to fp32 rounding."""
+    from skyrl_megatron_kda.dsa.row_dots import row_dots
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(8192, 64, 512, generator=g, device="cuda").bfloat16() for _ in range(2))
+    ref = (a.double() * b.double()).sum(-1)
+    err = float(((row_dots(a, b) - ref).norm() / ref.norm()))
+    assert err < 1e-6, err

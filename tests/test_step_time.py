@@ -59,7 +59,7 @@ def kda_forward_share(path: Path) -> float:
 
 
 def test_stored_run_constants_derive_again():
-    dsa = json.loads((RESULTS / "h200_dsa_kept_selection" / "dsa_rank_share_sequence.json").read_text())
+    dsa = json.loads((RESULTS / "h200_threshold_topk" / "dsa_latent_keep.json").read_text())
     best, q = dsa["best"], dsa["queries"]
     visible = (dsa["keys"] - q / 2) / 4
     assert cal.DSA_INDEXER_S_PER_SCORE_DIM == pytest.approx(best["indexer_ms"] * 1e-3 / (q * visible * 32 * 128))
@@ -67,8 +67,8 @@ def test_stored_run_constants_derive_again():
     for rates, kernel, path in (
             (cal.DSA_ATTENTION_S, "fused", "h200_dsa_kept_selection/dsa_rank_share_sequence.json"),
             (cal.DSA_ATTENTION_S, "latent", "h200_dsa_latent/dsa_rank_share_latent.json"),
-            (cal.DSA_KEPT_OUTPUT_S, "fused", "h200_dsa_keep_output/dsa_fusedkeepoutput.json"),
-            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_dsa_keep_output/dsa_latentkeepoutput.json")):
+            (cal.DSA_KEPT_OUTPUT_S, "fused", "h200_threshold_topk/dsa_fused_keep.json"),
+            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_threshold_topk/dsa_latent_keep.json")):
         run = json.loads((RESULTS / path).read_text())
         kept = rates is cal.DSA_KEPT_OUTPUT_S
         assert (run["kernel"], run.get("keep_output", False)) == (kernel, kept)
@@ -234,7 +234,7 @@ def share_measured() -> dict[str, float]:
     selection and the attention output kept, as the recipe runs it)."""
     share = json.loads((RESULTS / "h200_step_time_share" / "share_1m.json").read_text())
     layer = {p["layer"]: p for p in share["layers"]}
-    dsa = json.loads((RESULTS / "h200_dsa_keep_output" / "dsa_latentkeepoutput.json").read_text())
+    dsa = json.loads((RESULTS / "h200_threshold_topk" / "dsa_latent_keep.json").read_text())
     return {"KDA block": layer[0]["attention_part"]["s"],
             "DSA core": dsa["best"]["step_ms_full_recompute"] * 1e-3,
             "MoE block": layer[1]["mlp_part"]["s"], "dense block": layer[0]["mlp_part"]["s"],

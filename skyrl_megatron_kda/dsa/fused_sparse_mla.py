@@ -40,7 +40,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import (
     tilelang_sparse_mla_fwd,
 )
 
-from .index_scores import pool_scores
+from .index_scores import GROUP, pool_scores
 from .sparse_mla import check_indices, split_kv_up_weight
 
 KERNEL_WIDTH = 576
@@ -57,25 +57,32 @@ class DSAKernels:
     (out [S, H, 512], lse [S, H])``; ``delta(out, grad_out) -> [S, H]``; ``backward(q, kv,
     None, grad_out, indices, lse, sm_scale, delta) -> (dq [S, H, 576], dkv [T, 1, 576])``.
     Indexer: ``index_scores(q [S, h, d], keys [P, d], weights [S, h] fp32, ks [S] int32,
-    ke [S] int32) -> [S, P]`` fp32, sum_h weights * relu(q . k), -inf outside [ks, ke).
+    ke [S] int32) -> (scores [S, P], maxima [S, G])`` fp32: sum_h weights * relu(q . k), -inf
+    outside [ks, ke), and the scores' maxima over consecutive groups of ``index_group`` pools
+    (G = ceil(P / index_group); the exact top-k's floor, ``threshold_topk``).
     ``dtype`` is what the inputs are cast to (None: left as they are); ``width`` the channels
     the sparse-MLA kernels take (576 above: the latent is zero-padded to it) and
     ``value_width`` those of their output. The log-sum-exp is the forward's to define and the
-    backward's to read."""
+    backward's to read. ``backward_adds_dkv``: the backward also takes ``dkv=``, an fp32 [T, 1,
+    width] accumulator that it adds its latent gradient to, so the calls of a layer share one
+    buffer instead of each zeroing and adding a fresh one (ours; megatron-core's has no such
+    argument)."""
 
     forward: Callable
     delta: Callable
     backward: Callable
     index_scores: Callable
+    index_group: int = GROUP
     dtype: torch.dtype | None = torch.bfloat16
     width: int = KERNEL_WIDTH
     value_width: int = KERNEL_VALUE_WIDTH
+    backward_adds_dkv: bool = False
 
 
 def fused_dsa_kernels() -> DSAKernels:
     """megatron-core's TileLang sparse-MLA kernels and our Triton indexer scores
-    (``index_scores.pool_scores``: megatron's TileLang indexer kernel has the same contract but
-    was 9x slower on an H200, README.md); a clear error where they cannot run."""
+    (``index_scores.pool_scores``: megatron's TileLang indexer kernel computes the same scores
+    but was 9x slower on an H200, README.md); a clear error where they cannot run."""
     if not torch.cuda.is_available():
         raise RuntimeError("model.dsa.kernel=fused needs CUDA (TileLang kernels); "
                            "use model.dsa.kernel=torch on CPU")
@@ -135,6 +142,9 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         acc = torch.promote_types(latent.dtype, torch.float32)
         grad_q = torch.empty_like(q_nope)
         grad_latent = torch.zeros(latent.shape, dtype=acc, device=latent.device)
+        # The kernel adds into grad_latent itself where it can (no zeroed buffer and sum per call).
+        adds_dkv = (kernels.backward_adds_dkv and acc == torch.float32
+                    and kernels.width == latent.shape[-1])
         grad_uk = torch.zeros(w_uk.shape, dtype=acc, device=w_uk.device)
         grad_uv = torch.zeros(w_uv.shape, dtype=acc, device=w_uv.device)
         for b0 in range(0, q_nope.shape[0], ctx.query_block):
@@ -146,18 +156,20 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
             else:
                 out_latent, lse = _attend(kernels, q, kv, idx, scale)
             g_out = grad_out[b0:b1]
-            grad_uv += torch.einsum("qhv,qhr->hvr", g_out.to(acc), out_latent[..., :R].to(acc))
+            grad_uv += _head_products(g_out, out_latent[..., :R], acc)
             # dL/d(latent-space output), zero where the forward's output was forced to zero.
             g_latent = torch.einsum("qhv,hvr->qhr", g_out, w_uv.to(g_out.dtype))
             g_latent = _padded(g_latent, kernels.value_width, kernels.dtype)
             g_latent = torch.where(_has_keys(idx)[:, None, None], g_latent, 0)
             delta = kernels.delta(out_latent, g_latent)
+            into = {"dkv": grad_latent[:, None]} if adds_dkv else {}
             dq, dkv = kernels.backward(q, kv, None, g_latent, idx.to(torch.int32)[:, None].contiguous(),
-                                       lse, sm_scale=scale, delta=delta)
+                                       lse, sm_scale=scale, delta=delta, **into)
+            if not adds_dkv:
+                grad_latent += dkv[:, 0, :R].to(acc)
             dq = dq[..., :R]
             grad_q[b0:b1] = torch.einsum("qhr,hdr->qhd", dq, w_uk.to(dq.dtype)).to(grad_q.dtype)
-            grad_uk += torch.einsum("qhd,qhr->hdr", q_nope[b0:b1].to(acc), dq.to(acc))
-            grad_latent += dkv[:, 0, :R].to(acc)
+            grad_uk += _head_products(q_nope[b0:b1], dq, acc)
         grad_weight = torch.cat([grad_uk, grad_uv], dim=1).view(kv_up_weight.shape)
         return (grad_q, grad_latent.to(latent.dtype), grad_weight.to(kv_up_weight.dtype),
                 None, None, None, None, None, None)
@@ -167,6 +179,17 @@ def _absorbed_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, kernels: DSAKern
     """[b, H, dn] @ W_UK [H, dn, R] -> the kernels' [b, H, width] queries."""
     q = torch.einsum("qhd,hdr->qhr", q_nope, w_uk.to(q_nope.dtype))
     return _padded(q, kernels.width, kernels.dtype)
+
+
+def _head_products(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """sum_q a[q, h, :]^T b[q, h, :] -> [H, x, y] in ``acc`` (a weight gradient's share of one
+    call): one GEMM per head. bf16/fp16 operands on CUDA go in as they are with fp32 output
+    (the tensor cores accumulate in fp32), not as fp32 copies through an fp32 GEMM, which cost
+    tens of ms per layer at the 1M share; elsewhere (CPU, fp32/fp64) in ``acc``."""
+    a_t, b_t = a.permute(1, 2, 0), b.permute(1, 0, 2)
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a_t, b_t, out_dtype=acc)
+    return torch.bmm(a_t.to(acc), b_t.to(acc))
 
 
 def _has_keys(indices: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ pool p for query i is ``sum_h w[i, h] * relu(q[i, h] . k[p])``; pools outside th
 range [ks[i], ke[i]) score -inf. A kernel program takes a tile of queries x pools, loops over the
 heads with one bf16 tensor-core product each, and accumulates the weighted relu in fp32 on chip,
 so the [queries x heads x pools] products are never written; tiles that no query of the tile can
-see only write -inf.
+see only write -inf. Each program also writes the maxima of its rows over groups of ``GROUP``
+pools (``threshold_topk`` takes its exact top-k's floor from them, so the scores are not read
+again for it).
 
 megatron-core 0.19.2 has the same computation as a TileLang kernel (``indexer_fwd_interface``);
 on one H200 it took 51.0 ms per 1,024 queries over 262,144 pools (about 43 TFLOP/s: its programs
@@ -24,11 +26,14 @@ import triton.language as tl
 
 TILES = (64, 128, 8, 2)
 """Queries and pools per program, its warps and pipeline stages."""
+GROUP = 32
+"""Pools per maximum written beside the scores (a divisor of every tile's pool count)."""
 
 
 @triton.jit
-def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, n_queries, n_pools,
-                 HEADS: tl.constexpr, DIM: tl.constexpr, QT: tl.constexpr, PT: tl.constexpr):
+def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, max_ptr, n_queries, n_pools,
+                 n_groups, HEADS: tl.constexpr, DIM: tl.constexpr, QT: tl.constexpr,
+                 PT: tl.constexpr, GROUP: tl.constexpr):
     rows = tl.program_id(0) * QT + tl.arange(0, QT)
     cols = tl.program_id(1) * PT + tl.arange(0, PT)
     row_ok = rows < n_queries
@@ -51,26 +56,37 @@ def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, n_queries, n_pool
     acc = tl.where(visible, acc, float("-inf"))
     tl.store(out_ptr + rows[:, None].to(tl.int64) * n_pools + cols[None, :], acc,
              mask=row_ok[:, None] & (cols < n_pools)[None, :])
+    groups = tl.program_id(1) * (PT // GROUP) + tl.arange(0, PT // GROUP)
+    group_max = tl.max(tl.reshape(acc, (QT, PT // GROUP, GROUP)), axis=2)
+    tl.store(max_ptr + rows[:, None].to(tl.int64) * n_groups + groups[None, :], group_max,
+             mask=row_ok[:, None] & (groups < n_groups)[None, :])
 
 
 def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor,
-                ke: torch.Tensor, tiles: tuple[int, int, int, int] = TILES) -> torch.Tensor:
+                ke: torch.Tensor, tiles: tuple[int, int, int, int] = TILES,
+                group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, heads, d] and keys [P, d] (bf16 on CUDA), weights [n, heads] fp32, ks/ke [n] int32
-    -> fp32 [n, P]: sum over heads of weights * relu(q . k), -inf outside [ks, ke). ``tiles``:
-    (queries, pools, warps, pipeline stages) per program (``bench/index_scores.py`` times them)."""
+    -> fp32 scores [n, P]: sum over heads of weights * relu(q . k), -inf outside [ks, ke); and
+    fp32 maxima [n, ceil(P / group)] of the scores over consecutive groups of ``group`` pools.
+    ``tiles``: (queries, pools, warps, pipeline stages) per program (``bench/index_scores.py``
+    times them); ``group`` divides the tile's pools."""
     n, heads, dim = q.shape
     if keys.dim() != 2 or keys.shape[1] != dim or weights.shape != (n, heads):
         raise ValueError(f"expected q [n, h, d], keys [P, d], weights [n, h]; got "
                          f"{list(q.shape)}, {list(keys.shape)}, {list(weights.shape)}")
     if dim < 16 or dim & (dim - 1):
         raise ValueError(f"the index head width must be a power of two >= 16, got {dim}")
+    query_tile, pool_tile, warps, stages = tiles
+    if pool_tile % group:
+        raise ValueError(f"the maxima's group ({group}) must divide the tile's pools ({pool_tile})")
     q, keys = q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous()
     out = torch.empty(n, keys.shape[0], dtype=torch.float32, device=q.device)
+    maxima = torch.empty(n, -(-keys.shape[0] // group), dtype=torch.float32, device=q.device)
     if n == 0 or keys.shape[0] == 0:
-        return out
-    query_tile, pool_tile, warps, stages = tiles
+        return out, maxima
     grid = (triton.cdiv(n, query_tile), triton.cdiv(keys.shape[0], pool_tile))
     _pool_scores[grid](q, keys, weights.float().contiguous(), ks.contiguous(), ke.contiguous(),
-                       out, n, keys.shape[0], HEADS=heads, DIM=dim, QT=query_tile, PT=pool_tile,
-                       num_warps=warps, num_stages=stages)
-    return out
+                       out, maxima, n, keys.shape[0], maxima.shape[1], HEADS=heads, DIM=dim,
+                       QT=query_tile, PT=pool_tile, GROUP=group, num_warps=warps,
+                       num_stages=stages)
+    return out, maxima

@@ -11,9 +11,12 @@ rows and each add their gradient. These kernels are written for GLM's shape inst
   latent row is gathered once per query and its gradient added once;
 * the backward's gathers pipelined in two stages, its fp32 latent gradient staged through
   shared memory in parts for the atomics;
-* the forward writes the log-sum-exp and the backward takes it and ``delta = sum(dO * O)`` from
-  its caller (the layer's wrapper recomputes the forward in backward for them and for the
-  value projection's gradient, which needs the latent-space output).
+* the forward writes the log-sum-exp and the backward takes it and ``delta = sum(dO * O)``
+  (``row_dots.py``, Triton) from its caller (the layer's wrapper keeps the forward's output or
+  recomputes it in backward for them and for the value projection's gradient, which needs the
+  latent-space output);
+* the backward adds its latent gradient into a buffer it is given, so the layer's calls over
+  query blocks share one fp32 buffer.
 
 They fill ``fused_sparse_mla.DSAKernels`` (``latent_dsa_kernels``) with ``width`` 512, so the
 layer's wrapper (``FusedAbsorbedSparseMLA``: absorption, query blocks, masking) is the one the
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from .fused_sparse_mla import DSAKernels
 from .index_scores import pool_scores
+from .row_dots import row_dots
 
 LOG2E = math.log2(math.e)
 LATENT_WIDTH = 512
@@ -264,14 +268,20 @@ def latent_forward(q, kv, indices, scale, **config):
     return out[:, :H], lse[:, :H]
 
 
-def latent_backward(q, kv, grad_out, indices, lse, delta, scale, **config):
-    """The backward kernel on the contract's tensors -> (dq, dkv fp32); ``config``:
-    ``backward_program``'s tuning keywords."""
+def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, **config):
+    """The backward kernel on the contract's tensors -> (dq, dkv fp32); ``dkv``: an fp32
+    accumulator of kv's shape that the kernel adds the latent gradient to (and returns), so that
+    calls over query blocks share one buffer; ``config``: ``backward_program``'s tuning
+    keywords."""
     S, H, D = q.shape
     heads = padded_heads(H)
     idx = _pad_keys(indices.to(torch.int32), BACKWARD_KEY_BLOCK).contiguous()
     kernel = backward_kernel(heads, D, idx.shape[1], float(scale), **config)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    if dkv is None:
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    elif dkv.shape != kv.shape or dkv.dtype != torch.float32 or not dkv.is_contiguous():
+        raise ValueError(f"dkv must be a contiguous fp32 {list(kv.shape)}, got "
+                         f"{dkv.dtype} {list(dkv.shape)}")
     dq = kernel(_pad_heads(q, heads).contiguous(), kv.contiguous(),
                 _pad_heads(grad_out, heads).contiguous(), idx,
                 _pad_heads(lse[..., None], heads)[..., 0].contiguous(),
@@ -290,12 +300,11 @@ def latent_dsa_kernels() -> DSAKernels:
     def forward(q, kv, indices, sm_scale):
         return latent_forward(q, kv[:, 0], indices[:, 0], sm_scale)
 
-    def delta(out, grad_out):
-        return (out.float() * grad_out.float()).sum(-1)
-
-    def backward(q, kv, out, grad_out, indices, lse, sm_scale, delta):
-        dq, dkv = latent_backward(q, kv[:, 0], grad_out, indices[:, 0], lse, delta, sm_scale)
+    def backward(q, kv, out, grad_out, indices, lse, sm_scale, delta, dkv=None):
+        dq, dkv = latent_backward(q, kv[:, 0], grad_out, indices[:, 0], lse, delta, sm_scale,
+                                  None if dkv is None else dkv[:, 0])
         return dq, dkv[:, None]
 
-    return DSAKernels(forward=forward, delta=delta, backward=backward, index_scores=pool_scores,
-                      width=LATENT_WIDTH, value_width=LATENT_WIDTH)
+    return DSAKernels(forward=forward, delta=row_dots, backward=backward,
+                      index_scores=pool_scores, width=LATENT_WIDTH, value_width=LATENT_WIDTH,
+                      backward_adds_dkv=True)

@@ -8,14 +8,17 @@ block of pools at a time and merges it into a running top-k, so the live scores 
 the running top-k (already ordered by score, then pool id) goes before the new block in a stable
 sort, so equal scores keep the earlier pool, as ``select_pools``' stable sort of the whole row
 does. Pools a block's queries cannot see (before the earliest document start, or ending past the
-last query) are never scored. ``fused_pool_topk`` (the fused kernel's) takes the scores of a
-block's visible pools from a score kernel and ``torch.topk``.
+last query) are never scored. ``fused_pool_topk`` (the fused and latent kernels') takes the
+scores of a block's visible pools and their group maxima from a score kernel and the exact
+``threshold_topk.threshold_topk``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .threshold_topk import threshold_topk
 
 
 def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpool: int, topk: int):
@@ -101,14 +104,16 @@ def blocked_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tens
 
 def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor,
                     starts: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor,
-                    kpool: int, n_select: int, query_block: int, scorer) -> torch.Tensor:
+                    kpool: int, n_select: int, query_block: int, scorer,
+                    group: int) -> torch.Tensor:
     """``blocked_pool_topk``'s selection with the scores from ``scorer``, a kernel with the
     contract of megatron-core's TileLang indexer (``indexer_fwd_interface``; the fused kernel
     passes ours in Triton, ``index_scores.pool_scores``): q [n, heads, d] bf16, keys [P, d],
     weights [n, heads] fp32, each query's visible key range [ks, ke) as int32 -> fp32 logits
-    [n, P], -inf outside the range; the relu and the head sum happen on chip. Per block of
-    ``query_block`` queries the logits cover only the pools the block can see; the top-k is
-    ``torch.topk`` (ties in any order, unlike the stable torch path)."""
+    [n, P], -inf outside the range (the relu and the head sum happen on chip), and their maxima
+    over consecutive groups of ``group`` pools [n, ceil(P / group)]. Per block of ``query_block`` queries the logits cover
+    only the pools the block can see; the top-k is ``threshold_topk`` (exactly
+    ``torch.topk``'s: ties in any order, unlike the stable torch path)."""
     if query_block < 1 or n_select < 0:
         raise ValueError(f"query_block must be >= 1 and n_select >= 0, got {query_block}, {n_select}")
     ends = starts + kpool - 1
@@ -125,8 +130,9 @@ def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor
             continue
         ks = (first_pool[q0:q1] - lo).to(torch.int32)
         ke = (end_pool[q0:q1] - lo).clamp(min=0).to(torch.int32)
-        logits = scorer(q[q0:q1].contiguous(), pool_k[lo:hi].contiguous(),
-                        weights[q0:q1].float().contiguous(), ks.contiguous(), ke.contiguous())
-        score, ids = logits.topk(k, dim=-1, sorted=False)  # the attention needs no order
+        logits, group_max = scorer(q[q0:q1].contiguous(), pool_k[lo:hi].contiguous(),
+                                   weights[q0:q1].float().contiguous(), ks.contiguous(),
+                                   ke.contiguous())
+        score, ids = threshold_topk(logits, group_max, group, k)  # the attention needs no order
         result[q0:q1, :k] = (ids + lo).masked_fill(score == float("-inf"), -1)
     return result

@@ -13,17 +13,18 @@ from ..kda.calibration import GEMM_FLOP_PER_S
 __all__ = ["GEMM_FLOP_PER_S"]
 
 # --- DSA attention core ------------------------------------------------------------------------
-# bench/results/h200_dsa_kept_selection/dsa_rank_share_sequence.json (``best``): one rank's share
-# of the 1M recipe, 65,536 query rows x 64 heads, the last TP slice of zigzag CP rank 0 (query
-# positions 1,048,576 - 65,536 ... 1,048,575), over 262,144 pools of 4 keys, 32 indexer heads of
-# 128, top-2,048; mean tokens selected per query 2,049.5.
+# bench/results/h200_threshold_topk/dsa_latent_keep.json (``best``): one rank's share of the 1M
+# recipe, 65,536 query rows x 64 heads, the last TP slice of zigzag CP rank 0 (query positions
+# 1,048,576 - 65,536 ... 1,048,575), over 262,144 pools of 4 keys, 32 indexer heads of 128,
+# top-2,048; mean tokens selected per query 2,049.5.
 DSA_SHARE_QUERIES = 65536
 DSA_SHARE_VISIBLE_POOLS = (1048576 - 65536 / 2) / 4
 """Pools a query of that share sees on average: its position / 4."""
 
-DSA_INDEXER_S_PER_SCORE_DIM = 597.7241270000206e-3 / (DSA_SHARE_QUERIES * DSA_SHARE_VISIBLE_POOLS * 32 * 128)
-"""The indexer (pool scores, top-k, token indices) per query x visible pool x indexer head x
-head dim: 598 ms there (about 233 TFLOP/s counting the score GEMM's multiply-adds)."""
+DSA_INDEXER_S_PER_SCORE_DIM = 458.9021829999922e-3 / (DSA_SHARE_QUERIES * DSA_SHARE_VISIBLE_POOLS * 32 * 128)
+"""The indexer (pool scores, the floor's exact top-k, token indices) per query x visible pool x
+indexer head x head dim: 459 ms there (about 303 TFLOP/s counting the score GEMM's
+multiply-adds); the same for ``latent`` and ``fused``, which share it."""
 
 DSA_SELECTED_PER_TOPK = 2049.5 / 2048
 """Tokens selected per query against min(top-k, the query's prefix): the kernel's pools round
@@ -44,14 +45,15 @@ DSA_ATTENTION_S = {
 the kernel forward again."""
 
 DSA_KEPT_OUTPUT_S = {
-    # bench/results/h200_dsa_keep_output/dsa_latentkeepoutput.json (``best``): forward 79.3 ms,
-    # backward 391.8 ms (against 77.2 and 457.0 without, dsa_latent.json of the same call).
-    "latent": (79.30984199998647e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
-               391.84569200000396e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
-    # bench/results/h200_dsa_keep_output/dsa_fusedkeepoutput.json (``best``): forward 86.3 ms,
-    # backward 777.6 ms.
-    "fused": (86.29485199998044e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
-              777.560292000004e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    # bench/results/h200_threshold_topk/dsa_latent_keep.json (``best``): forward 80.0 ms,
+    # backward 302.7 ms (the weight gradients' GEMMs on bf16 operands, the latent gradient added
+    # in place; 391.8 ms before them, h200_dsa_keep_output/dsa_latentkeepoutput.json).
+    "latent": (80.02842499999474e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+               302.65447900001163e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    # bench/results/h200_threshold_topk/dsa_fused_keep.json (``best``, the same call): forward
+    # 85.4 ms, backward 724.4 ms.
+    "fused": (85.44811100000516e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+              724.3597639999848e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
 }
 """``DSA_ATTENTION_S`` under ``model.dsa.keep_attention_output``: the forward keeps its output
 and log-sum-exp, and the backward reads them instead of running the kernel forward again."""

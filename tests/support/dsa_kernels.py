@@ -1,5 +1,6 @@
 """A torch stand-in for the TileLang DSA kernels (sparse MLA and indexer scores) with their
-contract (widths, shapes, int32 indices, -1 = not selected): megatron-core's (576 channels in,
+contract (widths, shapes, int32 indices, -1 = not selected; the indexer's scores with their
+maxima over groups of 4 pools): megatron-core's (576 channels in,
 512 out) or ours (``latent_sparse_mla``: the latent's own width in and out), so the fused and
 latent paths' padding, absorption and blocking run on CPU. It computes in the inputs' dtype
 (fp32/fp64), so it checks layout, not rounding."""
@@ -14,6 +15,7 @@ from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     DSAKernels,
 )
 from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
+from skyrl_megatron_kda.dsa.threshold_topk import group_maxima
 
 
 def _sparse_mla(width: int, value_width: int):
@@ -39,16 +41,23 @@ def _sparse_mla(width: int, value_width: int):
         assert out.shape == grad_out.shape and out.shape[-1] == value_width
         return (out * grad_out).sum(-1)
 
-    def backward(q, kv, o, do, indices, lse, sm_scale=None, delta=None):
+    def backward(q, kv, o, do, indices, lse, sm_scale=None, delta=None, dkv=None):
         check(q, kv, indices)
         assert do.shape == (*q.shape[:2], value_width) and lse.shape == q.shape[:2]
-        q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
+        q, kv_ = q.detach().requires_grad_(), kv.detach().requires_grad_()
         with torch.enable_grad():
-            out = attend(q, kv, indices, sm_scale)
-            dq, dkv = torch.autograd.grad(out, (q, kv), do)
-        return dq, dkv
+            out = attend(q, kv_, indices, sm_scale)
+            dq, grad_kv = torch.autograd.grad(out, (q, kv_), do)
+        if dkv is None:
+            return dq, grad_kv
+        assert dkv.shape == kv.shape and dkv.dtype == torch.float32
+        return dq, dkv.add_(grad_kv)
 
     return forward, delta, backward
+
+
+STAND_IN_GROUP = 4
+"""Pools per maximum of the stand-in's indexer scores."""
 
 
 def _index_scores(q, keys, weights, ks, ke):
@@ -56,13 +65,16 @@ def _index_scores(q, keys, weights, ks, ke):
     scores = (torch.einsum("shd,pd->shp", q.float(), keys.float()).relu() * weights[..., None]).sum(1)
     cols = torch.arange(keys.shape[0])
     outside = (cols[None] < ks[:, None].long()) | (cols[None] >= ke[:, None].long())
-    return scores.masked_fill(outside, float("-inf"))
+    scores = scores.masked_fill(outside, float("-inf"))
+    return scores, group_maxima(scores, STAND_IN_GROUP)
 
 
-def torch_dsa_kernels(width: int = KERNEL_WIDTH, value_width: int = KERNEL_VALUE_WIDTH) -> DSAKernels:
+def torch_dsa_kernels(width: int = KERNEL_WIDTH, value_width: int = KERNEL_VALUE_WIDTH,
+                      backward_adds_dkv: bool = False) -> DSAKernels:
     """The stand-in: no dtype cast (fp32 or fp64 in, the same out); megatron-core's widths by
-    default, ``width = value_width =`` the latent's for ours."""
+    default, ``width = value_width =`` the latent's for ours (whose backward can add its latent
+    gradient into a given buffer: ``backward_adds_dkv``)."""
     forward, delta, backward = _sparse_mla(width, value_width)
     return DSAKernels(forward=forward, delta=delta, backward=backward,
-                      index_scores=_index_scores, dtype=None, width=width,
-                      value_width=value_width)
+                      index_scores=_index_scores, index_group=STAND_IN_GROUP, dtype=None,
+                      width=width, value_width=value_width, backward_adds_dkv=backward_adds_dkv)

@@ -12,7 +12,9 @@ from ..fused_sparse_mla import (
     fused_absorbed_sparse_mla,
     fused_dsa_kernels,
 )
+from ..index_scores import GROUP
 from ..pool_topk import fused_pool_topk
+from ..threshold_topk import CANDIDATES_PER_PICK
 from .absorbed import AbsorbedKernel, indexer_inputs_bytes
 from .base import DSAShape
 
@@ -25,6 +27,9 @@ class FusedKernel(AbsorbedKernel):
     """Where the ``fused_sparse_mla.DSAKernels`` come from (the CPU tests swap in a stand-in)."""
     width, value_width = KERNEL_WIDTH, KERNEL_VALUE_WIDTH
     """The sparse-MLA kernels' input and output channels (the latent is zero-padded to width)."""
+    backward_adds_dkv = False
+    """The backward adds into the layer's fp32 latent gradient (``DSAKernels.backward_adds_dkv``)
+    rather than returning its own [T, width] fp32 and bf16 copies."""
 
     def __init__(self, dsa):
         super().__init__(dsa)
@@ -39,7 +44,8 @@ class FusedKernel(AbsorbedKernel):
 
     def top_pools(self, q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select):
         return fused_pool_topk(q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select,
-                               q.shape[0], self.kernels.index_scores)
+                               q.shape[0], self.kernels.index_scores,
+                               self.kernels.index_group)
 
     def attend(self, query, latent, kv_up_weight, indices, scale, v_head_dim):
         return fused_absorbed_sparse_mla(query, latent, kv_up_weight, indices, scale, v_head_dim,
@@ -63,20 +69,23 @@ class FusedKernel(AbsorbedKernel):
 
         * ``indexer``: the indexer inputs (``absorbed.indexer_inputs_bytes``), one block's
           indexer queries [q, index_heads, index_head_dim], its fp32 head weights, the Triton
-          scores [q, P] fp32 and ``torch.topk``'s values and ids (fp32 + int64, index_topk /
-          kpool per query).
+          scores [q, P] fp32 and their group maxima [q, P / GROUP] fp32, ``threshold_topk``'s
+          two compacted buffers (groups, then scores: fp32 values + int32 ids, c =
+          CANDIDATES_PER_PICK x k per query, k = index_topk / kpool) and its top-k (fp32 values,
+          int64 ids, the int64 picked ids).
         * ``attention forward``: the latent in the kernels' width (``width``: 576, zero-padded,
           for megatron-core's; 512 for ours) [T, width] w; per call: the absorbed queries
           [f, n, width] w, the kernel's output and its masked copy [f, n, value_width] w each,
           the int32 indices copy and the kernel's copy padded to a multiple of 64.
-        * ``attention backward``: that latent, the fp32 latent gradient [T, R] and the kernel's
-          fp32 latent gradient [T, width] and its w copy; per call the absorbed queries, the
-          recomputed output (not under ``model.dsa.keep_attention_output``: the kept one is
-          read), the output gradient in latent space (einsum, padded and masked: two alive)
-          [f, n, value_width] w, dq [f, n, width] w, and the fp32 copies the weight gradients
-          take (q_nope and dq: [f, n, dn + R] x 4)."""
+        * ``attention backward``: that latent, the fp32 latent gradient [T, R] and (unless the
+          kernel adds into it, ``backward_adds_dkv``) the kernel's fp32 latent gradient [T,
+          width] and its w copy; per call the absorbed queries, the recomputed output (not
+          under ``model.dsa.keep_attention_output``: the kept one is read), the output gradient
+          in latent space (einsum, padded and masked: two alive) [f, n, value_width] w and dq
+          [f, n, width] w (the weight gradients' GEMMs read them as they are, with fp32
+          output)."""
         w, a = shape.act_bytes, shape.dsa
-        T, R, n, dn = shape.whole, a.kv_lora_rank, shape.heads, a.qk_nope_head_dim
+        T, R, n = shape.whole, a.kv_lora_rank, shape.heads
         K = a.index_topk + a.index_kpool - 1
         K64 = -(-K // 64) * 64
         q = min(a.indexer_query_block, shape.index_rows)
@@ -86,10 +95,12 @@ class FusedKernel(AbsorbedKernel):
         selected = a.index_topk // a.index_kpool
         width, value = cls.width, cls.value_width
         latent = T * width * w
-        indexer = (indexer_inputs_bytes(shape) + q * hi * (di * w + 4) + q * pools * 4
-                   + q * selected * (4 + 8))
+        candidates = CANDIDATES_PER_PICK * selected
+        indexer = (indexer_inputs_bytes(shape) + q * hi * (di * w + 4)
+                   + q * (pools + -(-pools // GROUP)) * 4 + 2 * q * candidates * (4 + 4)
+                   + q * selected * (4 + 8 + 8))
         forward = latent + f * n * (width + 2 * value) * w + f * (K + K64) * 4
         outputs = 2 if a.keep_attention_output else 3
-        backward = (latent + T * R * 4 + T * width * (4 + w)
-                    + f * n * ((2 * width + outputs * value) * w + 4 * (dn + R)))
+        kernel_dkv = 0 if cls.backward_adds_dkv else T * width * (4 + w)
+        backward = (latent + T * R * 4 + kernel_dkv + f * n * (2 * width + outputs * value) * w)
         return {"indexer": indexer, "attention forward": forward, "attention backward": backward}

@@ -12,4 +12,5 @@ class LatentKernel(FusedKernel):
     name = "latent"
     load_kernels = staticmethod(latent_dsa_kernels)
     width, value_width = LATENT_WIDTH, LATENT_WIDTH
+    backward_adds_dkv = True
 

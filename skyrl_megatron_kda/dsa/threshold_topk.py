@@ -1,0 +1,159 @@
+"""The indexer's exact top-k without a top-k over a whole row of scores.
+
+The fused indexer picks the k best of up to 262,144 pool scores per query; ``torch.topk`` over
+each whole row was a third of its time (3.1 ms per block of 1,024 queries on an H200). The score
+kernel already holds every score on chip once, so it also writes the maxima of consecutive
+groups of pools (``index_scores.pool_scores``). The k-th largest of those maxima is a floor for
+the k-th largest score: the k groups whose maxima reach it hold k distinct scores that do. So
+every score of the top-k is at or above the floor, and so is every score equal to the k-th one
+(the tie rule is then the final top-k's, as for a top-k over the whole row), and only groups
+whose maximum reaches the floor hold such scores. Two Triton kernels, one program per row, keep
+the scores at or above the floor in column order, up to ``capacity`` per row: the first lists
+the groups whose maxima reach it (``_compact_at_least`` over the maxima), the second reads only
+those groups (``_gather_at_least``); on random scores that is about k groups of 32 of the row's
+8,192. The top-k then runs over the kept scores. A row with more than ``capacity`` such groups
+or scores (its floor is -inf when fewer than k groups hold a visible pool; or ties crowd at the
+floor) gets ``torch.topk`` over its whole row: the same answer, at the old speed.
+
+On CPU tensors the compaction is the torch reference of the kernels (``compact_reference``),
+so the CPU suite checks the same selection, and the kernels themselves are checked against the
+reference under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CANDIDATES_PER_PICK = 8
+"""Room per row in the compacted buffer, in multiples of k: at k = 512 and maxima over groups
+of 32 pools, random scores leave about 1.1 k candidates (bench/pool_topk.py)."""
+COMPACT_BLOCK = 4096
+"""Scores per step of a whole row's compaction (the group maxima's)."""
+GATHER_BLOCK = 4096
+"""Scores per step of the compaction over the listed groups."""
+
+
+@triton.jit
+def _compact_at_least(scores_ptr, floor_ptr, values_ptr, ids_ptr, count_ptr, n_cols,
+                      CAP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    floor = tl.load(floor_ptr + row)
+    src = scores_ptr + row.to(tl.int64) * n_cols
+    dst = row.to(tl.int64) * CAP
+    count = 0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        s = tl.load(src + cols, mask=cols < n_cols, other=float("-inf"))
+        keep = ((s >= floor) & (cols < n_cols)).to(tl.int32)
+        slot = count + tl.cumsum(keep, axis=0) - 1
+        fits = (keep > 0) & (slot < CAP)
+        tl.store(values_ptr + dst + slot, s, mask=fits)
+        tl.store(ids_ptr + dst + slot, cols, mask=fits)
+        count += tl.sum(keep, axis=0)
+    tl.store(count_ptr + row, count)
+
+
+def group_maxima(scores: torch.Tensor, group: int) -> torch.Tensor:
+    """The maxima of rows [n, P] over consecutive groups of ``group`` columns -> [n, ceil(P /
+    group)] (what the score kernel writes beside its scores; the last group may be short)."""
+    n, width = scores.shape
+    padded = scores.new_full((n, -(-width // group) * group), float("-inf"))
+    padded[:, :width] = scores
+    return padded.view(n, -1, group).amax(dim=-1)
+
+
+@triton.jit
+def _gather_at_least(scores_ptr, floor_ptr, group_ids_ptr, n_groups_ptr, values_ptr, ids_ptr,
+                     count_ptr, n_cols, CAP: tl.constexpr, GROUP: tl.constexpr,
+                     GROUPS: tl.constexpr):
+    row = tl.program_id(0)
+    floor = tl.load(floor_ptr + row)
+    n_groups = tl.minimum(tl.load(n_groups_ptr + row), CAP)
+    src = scores_ptr + row.to(tl.int64) * n_cols
+    dst = row.to(tl.int64) * CAP
+    count = 0
+    for start in range(0, n_groups, GROUPS):
+        at = start + tl.arange(0, GROUPS)
+        group = tl.load(group_ids_ptr + dst + at, mask=at < n_groups, other=-1)
+        cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        real = (group[:, None] >= 0) & (cols < n_cols)
+        s = tl.load(src + cols, mask=real, other=float("-inf"))
+        keep = tl.reshape((real & (s >= floor)).to(tl.int32), (GROUPS * GROUP,))
+        slot = count + tl.cumsum(keep, axis=0) - 1
+        fits = (keep > 0) & (slot < CAP)
+        tl.store(values_ptr + dst + slot, tl.reshape(s, (GROUPS * GROUP,)), mask=fits)
+        tl.store(ids_ptr + dst + slot, tl.reshape(cols, (GROUPS * GROUP,)), mask=fits)
+        count += tl.sum(keep, axis=0)
+    tl.store(count_ptr + row, count)
+
+
+def compact_reference(scores: torch.Tensor, floor: torch.Tensor, capacity: int):
+    """Per row the scores >= ``floor`` in column order, the first ``capacity`` of them (values,
+    -inf after; int32 column ids, -1 after), and how many there are."""
+    keep = scores >= floor[:, None]
+    slot = keep.long().cumsum(1) - 1
+    row, col = (keep & (slot < capacity)).nonzero(as_tuple=True)
+    values = scores.new_full((scores.shape[0], capacity), float("-inf"))
+    ids = torch.full_like(values, -1, dtype=torch.int32)
+    values[row, slot[row, col]] = scores[row, col]
+    ids[row, slot[row, col]] = col.int()
+    return values, ids, keep.sum(1).int()
+
+
+def compact_kernel(scores: torch.Tensor, floor: torch.Tensor, capacity: int):
+    """``compact_reference`` as one Triton program per row over the whole row (fp32 scores)."""
+    n, width = scores.shape
+    values = scores.new_full((n, capacity), float("-inf"))
+    ids = torch.full_like(values, -1, dtype=torch.int32)
+    count = torch.empty(n, dtype=torch.int32, device=scores.device)
+    if n:
+        _compact_at_least[(n,)](scores.contiguous(), floor.float().contiguous(), values, ids,
+                                count, width, CAP=capacity, BLOCK=COMPACT_BLOCK, num_warps=8)
+    return values, ids, count
+
+
+def grouped_compact_kernel(scores: torch.Tensor, group_max: torch.Tensor, group: int,
+                           floor: torch.Tensor, capacity: int):
+    """``compact_reference`` for the rows whose groups of ``group`` columns with a maximum
+    (``group_max``) at or above the floor number at most ``capacity``; the others' count is that
+    number of groups (above ``capacity``, a lower bound of theirs), their scores partial."""
+    n, width = scores.shape
+    _, group_ids, n_groups = compact_kernel(group_max, floor, capacity)
+    values = scores.new_full((n, capacity), float("-inf"))
+    ids = torch.full_like(values, -1, dtype=torch.int32)
+    count = torch.empty(n, dtype=torch.int32, device=scores.device)
+    if n:
+        _gather_at_least[(n,)](scores.contiguous(), floor.float().contiguous(), group_ids,
+                               n_groups, values, ids, count, width, CAP=capacity, GROUP=group,
+                               GROUPS=max(1, GATHER_BLOCK // group), num_warps=8)
+    return values, ids, torch.where(n_groups > capacity, n_groups, count)
+
+
+def threshold_topk(scores: torch.Tensor, group_max: torch.Tensor, group: int, k: int,
+                   capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores.topk(k, dim=-1, sorted=False)``'s values and ids (int64) for fp32 scores [n, P]
+    whose maxima over consecutive groups of ``group`` columns are ``group_max`` [n, ceil(P /
+    group)]; ``capacity`` candidates per row (default ``CANDIDATES_PER_PICK * k``). NaN scores
+    are never picked."""
+    n, width = scores.shape
+    capacity = capacity or CANDIDATES_PER_PICK * k
+    if not 0 < k <= width:
+        raise ValueError(f"k must be in [1, {width}], got {k}")
+    if group_max.shape != (n, -(-width // group)):
+        raise ValueError(f"expected maxima [{n}, {-(-width // group)}] of groups of {group}, "
+                         f"got {list(group_max.shape)}")
+    if k > group_max.shape[1] or width <= capacity:  # no floor to take, or nothing to save
+        return scores.topk(k, dim=-1, sorted=False)
+    floor = group_max.topk(k, dim=-1).values[:, -1]
+    if scores.is_cuda:
+        values, ids, count = grouped_compact_kernel(scores, group_max, group, floor, capacity)
+    else:
+        values, ids, count = compact_reference(scores, floor, capacity)
+    best, slot = values.topk(k, dim=-1, sorted=False)
+    picked = ids.gather(1, slot).long()
+    crowded = (count > capacity).nonzero(as_tuple=True)[0]
+    if crowded.numel():  # (a host sync: rare rows, exact either way)
+        best[crowded], picked[crowded] = scores[crowded].topk(k, dim=-1, sorted=False)
+    return best, picked
