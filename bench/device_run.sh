@@ -14,8 +14,9 @@
 # Restored before the command, later ones overriding earlier ones: $TRITON_AUTOTUNE_ARCHIVE
 # (where set: an archive kept outside the checkout), every .tcache/*.tgz, then the older split
 # archive .tcache/triton.tgz.part*. After it, the autotuning results the run added (none of the
-# restored ones) come back as $OUT/triton-added.tgz: copy that into .tcache/ under a new name
-# (e.g. triton-added-<date>.tgz) for the next call.
+# restored ones) come back as $OUT/triton-added.tgz, also from a call stopped at the device's
+# limit (it is saved every minute while the command runs): copy that into .tcache/ under a new
+# name (e.g. triton-added-<date>.tgz) for the next call.
 # fla's conv autotunes per channel count, not per length: whatever runs a channel count first
 # picks its config for every length after it. Run the GPU tests (few thousand rows) after the
 # benchmarks, not before, or their choices serve the benchmarks' 128K-1M rows (docs/benchmarks.md).
@@ -34,15 +35,25 @@ fi
 # Only the autotuning results (fla's kernels autotune with Triton's cache_results): they are what
 # costs minutes and take kilobytes; compiling the chosen configs again takes seconds.
 autotuned() { find .triton -name '*.autotune.json' | sort; }
+# The results the run added so far as $OUT/triton-added.tgz, replaced whole (written aside first).
+save_added() {
+  autotuned | comm -13 .triton-restored - > .triton-added
+  [ -s .triton-added ] || return 0
+  tar czf "$OUT/.triton-added.partial" -T .triton-added && mv "$OUT/.triton-added.partial" "$OUT/triton-added.tgz"
+}
 autotuned > .triton-restored
 echo "Triton autotuning results before the run: $(wc -l < .triton-restored)"
+if [ -n "${OUT:-}" ]; then
+  # A call that reaches the device's limit is stopped without running the lines after the
+  # command, so what it has tuned is also saved every minute while it runs.
+  ( while sleep 60; do save_added; done ) &
+  saver=$!
+fi
 "$@"
 status=$?
 if [ -n "${OUT:-}" ]; then
-  autotuned | comm -13 .triton-restored - > .triton-added
-  if [ -s .triton-added ]; then
-    tar czf "$OUT/triton-added.tgz" -T .triton-added
-    echo "saved $(wc -l < .triton-added) new Triton autotuning results to \$OUT/triton-added.tgz"
-  fi
+  kill "$saver" 2>/dev/null
+  save_added
+  [ -s .triton-added ] && echo "saved $(wc -l < .triton-added) new Triton autotuning results to \$OUT/triton-added.tgz"
 fi
 exit $status
