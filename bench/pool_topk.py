@@ -4,7 +4,8 @@ top-k over a whole row: a Triton radix select per row (``radix_topk.row_topk_ids
 ``chunked_topk`` (the best chunks by their maxima, then the best columns of those; stable-sort
 ties) at three chunk sizes, a two-stage top-k (each chunk's own top-k, then the top-k of those)
 and the layer's ``threshold_topk.threshold_topk`` (a floor from group maxima that the score
-kernel writes, one compacting pass, a top-k over the few scores above it) at four group widths.
+kernel writes, a compaction of the groups that reach it and of their scores, a top-k over those)
+at four group widths.
 The first three lost to ``torch.topk`` on an H200 (bench/results/h200_pool_topk/).
 
 Shape: one block of 1,024 queries over the 262,144 pools of a 1M-token sequence (fp32 scores,

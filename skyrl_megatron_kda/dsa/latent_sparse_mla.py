@@ -46,6 +46,9 @@ FORWARD_KEY_BLOCK = 64
 """Selected keys per step of the forward kernel (the top-k width is padded to a multiple)."""
 BACKWARD_KEY_BLOCK = 32
 """Selected keys per step of the backward kernel."""
+BACKWARD_ADDS_DKV = True
+"""The backward takes ``dkv=``, an fp32 accumulator it adds the latent gradient to
+(``DSAKernels.backward_adds_dkv``; ``kernels/latent.py`` models the memory by it)."""
 HEAD_BLOCK = 64
 """Heads per thread block: the wider MMA tile; more heads run in groups of 64."""
 
@@ -307,4 +310,4 @@ def latent_dsa_kernels() -> DSAKernels:
 
     return DSAKernels(forward=forward, delta=row_dots, backward=backward,
                       index_scores=pool_scores, width=LATENT_WIDTH, value_width=LATENT_WIDTH,
-                      backward_adds_dkv=True)
+                      backward_adds_dkv=BACKWARD_ADDS_DKV)

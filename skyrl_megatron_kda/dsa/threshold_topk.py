@@ -45,6 +45,17 @@ def group_maxima(scores: torch.Tensor, group: int) -> torch.Tensor:
 
 
 @triton.jit
+def _append_kept(values_ptr, ids_ptr, dst, count, s, cols, keep, CAP: tl.constexpr):
+    """Store the kept scores (``keep`` 1) and their columns in the row's next slots, up to
+    ``CAP``; returns the row's new count (all kept, stored or not)."""
+    slot = count + tl.cumsum(keep, axis=0) - 1
+    fits = (keep > 0) & (slot < CAP)
+    tl.store(values_ptr + dst + slot, s, mask=fits)
+    tl.store(ids_ptr + dst + slot, cols, mask=fits)
+    return count + tl.sum(keep, axis=0)
+
+
+@triton.jit
 def _compact_at_least(scores_ptr, floor_ptr, values_ptr, ids_ptr, count_ptr, n_cols,
                       CAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -56,11 +67,7 @@ def _compact_at_least(scores_ptr, floor_ptr, values_ptr, ids_ptr, count_ptr, n_c
         cols = start + tl.arange(0, BLOCK)
         s = tl.load(src + cols, mask=cols < n_cols, other=float("-inf"))
         keep = ((s >= floor) & (cols < n_cols)).to(tl.int32)
-        slot = count + tl.cumsum(keep, axis=0) - 1
-        fits = (keep > 0) & (slot < CAP)
-        tl.store(values_ptr + dst + slot, s, mask=fits)
-        tl.store(ids_ptr + dst + slot, cols, mask=fits)
-        count += tl.sum(keep, axis=0)
+        count = _append_kept(values_ptr, ids_ptr, dst, count, s, cols, keep, CAP)
     tl.store(count_ptr + row, count)
 
 
@@ -81,11 +88,8 @@ def _gather_at_least(scores_ptr, floor_ptr, group_ids_ptr, n_groups_ptr, values_
         real = (group[:, None] >= 0) & (cols < n_cols)
         s = tl.load(src + cols, mask=real, other=float("-inf"))
         keep = tl.reshape((real & (s >= floor)).to(tl.int32), (GROUPS * GROUP,))
-        slot = count + tl.cumsum(keep, axis=0) - 1
-        fits = (keep > 0) & (slot < CAP)
-        tl.store(values_ptr + dst + slot, tl.reshape(s, (GROUPS * GROUP,)), mask=fits)
-        tl.store(ids_ptr + dst + slot, tl.reshape(cols, (GROUPS * GROUP,)), mask=fits)
-        count += tl.sum(keep, axis=0)
+        count = _append_kept(values_ptr, ids_ptr, dst, count, tl.reshape(s, (GROUPS * GROUP,)),
+                             tl.reshape(cols, (GROUPS * GROUP,)), keep, CAP)
     tl.store(count_ptr + row, count)
 
 

@@ -4,7 +4,7 @@ padding to 576 channels, every head of a query in one thread block."""
 
 from __future__ import annotations
 
-from ..latent_sparse_mla import LATENT_WIDTH, latent_dsa_kernels
+from ..latent_sparse_mla import BACKWARD_ADDS_DKV, LATENT_WIDTH, latent_dsa_kernels
 from .fused import FusedKernel
 
 
@@ -12,5 +12,5 @@ class LatentKernel(FusedKernel):
     name = "latent"
     load_kernels = staticmethod(latent_dsa_kernels)
     width, value_width = LATENT_WIDTH, LATENT_WIDTH
-    backward_adds_dkv = True
+    backward_adds_dkv = BACKWARD_ADDS_DKV
 
