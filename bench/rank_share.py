@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", action="append", default=[], metavar="PART=N",
                    help="rows fed to a part (mhc, mlp, dense, moe, attention, head)")
     p.add_argument("--layers", default=None, help="layer indices to time (default: one of each kind)")
+    p.add_argument("--no-parts", action="store_true",
+                   help="time the training steps only (a comparison of whole steps)")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo (a smoke run)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -314,6 +316,18 @@ def main(argv=None) -> dict:
         log(f"training {args.steps} timed steps after one warm-up")
         result["step"] = timed_steps(trainer, args.steps, clock)
         log(json.dumps(result["step"]))
+    if not args.no_parts:
+        time_parts(trainer, recipe, args, rows, clock, result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    trainer.close()
+    dist.destroy_process_group()
+    return result
+
+
+def time_parts(trainer, recipe, args, rows: dict, clock: Clock, result: dict) -> None:
+    """Each layer kind's parts, the embedding, the head and the offload copies, into ``result``."""
     row = trainer.loader.next_row()
     shard = trainer.shard(row)
     tokens, _, packed = trainer.model_inputs(shard)
@@ -332,12 +346,6 @@ def main(argv=None) -> dict:
     if args.steps > 0 and not rows:
         result["parts_sum_s"] = parts_sum(recipe, result)
     log(json.dumps({k: result[k] for k in ("embedding", "head", "offload")}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    trainer.close()
-    dist.destroy_process_group()
-    return result
 
 
 if __name__ == "__main__":

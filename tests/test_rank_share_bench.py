@@ -30,3 +30,16 @@ def test_rank_share_bench_runs_on_cpu(tmp_path):
             assert "model_s" in layer[part]
     assert result["head"]["s"] > 0 and result["embedding"]["s"] > 0
     assert 0 < result["parts_sum_s"]
+
+
+def test_rank_share_bench_steps_only(tmp_path):
+    """``--no-parts`` (the slice comparisons of whole steps) trains and times the steps, nothing else."""
+    out = tmp_path / "steps.json"
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parents[1]), "TORCHDYNAMO_DISABLE": "1"}
+    run = subprocess.run([sys.executable, str(BENCH), "--recipe", "glm53_flash_tiny", "--cpu",
+                          "--steps", "1", "--no-parts", "--json", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["step"]["step_s"] > 0
+    assert "layers" not in result and "head" not in result
