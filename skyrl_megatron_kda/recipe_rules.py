@@ -105,6 +105,17 @@ def check_dsa(dsa: DSAConfig) -> DSAConfig:
         raise ValueError(f"model.dsa.keep_attention_output=true needs model.dsa.kernel "
                          f"{' or '.join(keeping)}: the {name} kernel has no kernel output to keep "
                          "(set it false)")
+    if dsa.indexer_scores == "fp8" and name != AUTO and not dsa_kernels.get(name).scores_in_fp8:
+        fp8 = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.scores_in_fp8]
+        raise ValueError(f"model.dsa.indexer_scores=fp8 needs model.dsa.kernel "
+                         f"{' or '.join(fp8)}: the {name} kernel scores in its inputs' precision "
+                         "(set it bf16)")
+    if (dsa.deterministic_backward and name != AUTO
+            and not dsa_kernels.get(name).orders_latent_gradient):
+        ordering = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.orders_latent_gradient]
+        raise ValueError(f"model.dsa.deterministic_backward=true needs model.dsa.kernel "
+                         f"{' or '.join(ordering)}: the {name} kernel adds its latent gradient "
+                         "in no fixed order (set it false)")
     return dsa
 
 

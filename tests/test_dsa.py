@@ -83,9 +83,9 @@ def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="
     from tests.support.dsa_kernels import torch_dsa_kernels
 
     if not torch.cuda.is_available():
-        FusedKernel.load_kernels = staticmethod(torch_dsa_kernels)
+        FusedKernel.load_kernels = staticmethod(lambda **_: torch_dsa_kernels())
         rank = config.kv_lora_rank
-        LatentKernel.load_kernels = staticmethod(lambda: torch_dsa_kernels(rank, rank))
+        LatentKernel.load_kernels = staticmethod(lambda **_: torch_dsa_kernels(rank, rank))
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
     return build_module(dsa.glm_dsa_layer_spec(kpool, cp_layout, _kernel(kernel, tp_split)),
                         config=config, layer_number=4, pg_collection=pg)

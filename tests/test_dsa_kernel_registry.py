@@ -252,3 +252,66 @@ def test_auto_is_refused_where_it_picks_a_kernel_that_keeps_no_output():
                                          r"model.dsa.keep_attention_output=true needs"):
         load_recipe("glm53_flash_tiny", ["model.dsa.keep_attention_output=true"])
     assert load_recipe("glm53_flash_tiny", []).recipe.model.dsa.kernel == "torch"
+
+
+@pytest.mark.parametrize("kernel, refused", [("torch", True), ("unfused", True), ("fused", True),
+                                             ("latent", False)])
+def test_a_deterministic_backward_needs_a_kernel_that_orders_it(kernel, refused):
+    """model.dsa.deterministic_backward applies to the kernel whose backward can sum the latent
+    gradient in a fixed order (latent); elsewhere it is refused by name, not ignored."""
+    from skyrl_megatron_kda.recipe_rules import check_dsa
+
+    dsa = DSAConfig(kernel=kernel, deterministic_backward=True,
+                    tp_split="heads" if kernel == "unfused" else "sequence")
+    if refused:
+        with pytest.raises(ValueError, match=f"deterministic_backward=true needs model.dsa.kernel "
+                                             f"latent: the {kernel} kernel"):
+            check_dsa(dsa)
+    else:
+        assert check_dsa(dsa) is dsa
+
+
+def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeypatch):
+    """LatentKernel hands model.dsa.deterministic_backward to its kernel set (``ordered``), and
+    plan's backward working set grows by one ordered call's fp32 rows and their sort: at the 1M
+    recipe's share 1,024 queries x 2,080 slots x (512 x 4 + 44) bytes."""
+    from skyrl_megatron_kda.dsa.kernels.latent import LatentKernel
+    from skyrl_megatron_kda.memory.dsa import dsa_shape
+    from skyrl_megatron_kda.recipes import load_recipe
+
+    seen = []
+    monkeypatch.setattr(LatentKernel, "load_kernels", staticmethod(lambda **kw: seen.append(kw)))
+    for on in (False, True):
+        LatentKernel(DSAConfig(kernel="latent", deterministic_backward=on))
+    assert seen == [{"indexer_scores": "bf16", "ordered": False},
+                    {"indexer_scores": "bf16", "ordered": True}]
+
+    recipe = load_recipe("glm53_flash_1m", []).recipe
+    sets = {}
+    for on in (False, True):
+        dsa = recipe.model.dsa.model_copy(update={"kernel": "latent", "deterministic_backward": on})
+        shape = dsa_shape(recipe.model_copy(update={"model": recipe.model.model_copy(
+            update={"dsa": dsa})}))
+        sets[on] = LatentKernel.working_sets(shape)
+    assert sets[True]["attention backward"] - sets[False]["attention backward"] == (
+        1024 * 2080 * (512 * 4 + 44))
+    assert sets[True]["attention forward"] == sets[False]["attention forward"]
+
+
+@pytest.mark.parametrize("kernel, refused", [("torch", True), ("unfused", True), ("fused", False),
+                                             ("latent", False)])
+def test_fp8_indexer_scores_need_a_kernel_with_them(kernel, refused):
+    """model.dsa.indexer_scores=fp8 applies to the kernels with the Triton score kernel (fused,
+    latent), which are then built with it; elsewhere it is refused by name, not ignored."""
+    from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
+    from skyrl_megatron_kda.recipe_rules import check_dsa
+
+    dsa = DSAConfig(kernel=kernel, indexer_scores="fp8",
+                    tp_split="heads" if kernel == "unfused" else "sequence")
+    if refused:
+        with pytest.raises(ValueError, match=f"indexer_scores=fp8 needs model.dsa.kernel "
+                                             f"latent or fused: the {kernel} kernel"):
+            check_dsa(dsa)
+    else:
+        assert check_dsa(dsa) is dsa
+        assert FusedKernel.kernel_options(dsa)["indexer_scores"] == "fp8"

@@ -11,7 +11,12 @@ kernel."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +34,7 @@ from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
 from tests.support.dsa_kernels import torch_dsa_kernels
 
+REPO = Path(__file__).resolve().parents[1]
 TQ, TK, HEADS, DN, DV, RANK, TOPK = 37, 45, 3, 8, 6, 16, 12
 SCALE = 0.3
 
@@ -224,7 +230,9 @@ def test_fused_kernel_needs_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
-@pytest.mark.parametrize("load", [fused_dsa_kernels, latent_dsa_kernels], ids=["megatron", "latent"])
+@pytest.mark.parametrize("load", [fused_dsa_kernels, latent_dsa_kernels,
+                                  lambda: latent_dsa_kernels(ordered=True)],
+                         ids=["megatron", "latent", "latent_ordered"])
 @pytest.mark.parametrize("heads", [8, 64])  # 8: TP8's heads-split share (padded to 16 inside)
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_output"])
 def test_fused_dsa_kernels_match_torch(heads, load, keep):
@@ -334,3 +342,79 @@ def test_triton_pool_scores_equal_the_reference(n, pools):
     print(n, pools, err)
     assert err < 1e-3, err
     assert torch.equal(maxima, group_maxima(got, GROUP))  # the kernel's own scores' maxima
+
+
+def _fp8_case(gen, n, pools, heads=4, dim=32):
+    q = torch.randn(n, heads, dim, generator=gen).bfloat16()
+    keys = (torch.randn(pools, dim, generator=gen) * torch.rand(pools, 1, generator=gen) * 4).bfloat16()
+    w = torch.randn(n, heads, generator=gen)  # signed, as weights_proj's output
+    ks = torch.randint(0, pools // 4, (n,), generator=gen, dtype=torch.int32)
+    ke = (ks + torch.randint(1, pools, (n,), generator=gen, dtype=torch.int32)).clamp(max=pools)
+    return q, keys, w, ks, ke
+
+
+def _fp8_errors(q, keys, w, ks, ke, **tiles):
+    """fp8_pool_scores against the fp64 scores of its own dequantised inputs, of the exact bf16
+    inputs, and (control) of the dequantised inputs with each pool's scale moved one pool on."""
+    from skyrl_megatron_kda.dsa.index_scores import GROUP, fp8_pool_scores, fp8_rows
+    from skyrl_megatron_kda.dsa.threshold_topk import group_maxima
+
+    got, maxima = (t.cpu() for t in fp8_pool_scores(q, keys, w, ks, ke, **tiles))
+    assert torch.equal(maxima, group_maxima(got, tiles.get("group", GROUP)))
+    (q8, q_scale), (k8, k_scale) = (tuple(t.cpu() for t in fp8_rows(x)) for x in (q, keys))
+    reference = torch_dsa_kernels().index_scores
+    q_deq = q8.double() * q_scale[..., None]
+    scores = lambda k: reference(q_deq, k, w.float().cpu(), ks.cpu(), ke.cpu())[0]  # noqa: E731
+    ref = scores(k8.double() * k_scale[:, None])
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    rel = lambda other: float((got.double()[finite] - other[finite]).norm()  # noqa: E731
+                              / other[finite].norm())
+    exact = reference(q.cpu().double(), keys.cpu().double(), w.float().cpu(), ks.cpu(), ke.cpu())[0]
+    return {"dequantised": rel(ref), "bf16": rel(exact),
+            "scales_moved": rel(scores(k8.double() * k_scale.roll(1)[:, None]))}
+
+
+def test_fp8_pool_scores_equal_their_dequantised_inputs_interpreted():
+    """model.dsa.indexer_scores=fp8 under Triton's CPU interpreter: the kernel's scores with the
+    query heads' scales folded into the weights and the pools' applied after the relu equal the
+    fp64 scores of the dequantised FP8 inputs (1e-5), differ from the exact bf16 scores by
+    FP8's rounding (a few percent), and a pool scale applied to the wrong pool is caught."""
+    code = (
+        "import json, torch\n"
+        "from tests.test_fused_sparse_mla import _fp8_case, _fp8_errors\n"
+        "gen = torch.Generator().manual_seed(7)\n"
+        "print(json.dumps(_fp8_errors(*_fp8_case(gen, 70, 300), tiles=(32, 64, 4, 1))))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout.strip().splitlines()[-1]
+    got = json.loads(out)
+    assert got["dequantised"] < 1e-5 and 1e-3 < got["bf16"] < 0.1 < got["scales_moved"], got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
+def test_fp8_pool_scores_on_the_gpu():
+    """The FP8 score kernel at GLM's indexer widths (32 heads x 128) on wgmma FP8: equal to the
+    fp64 scores of its dequantised inputs (1e-5) and within FP8's rounding of the bf16 ones;
+    the maxima are its scores'. Then the selection it makes for 1,024 queries over 20,000 pools
+    (top 512) against the bf16 kernel's: the share of the same pools is printed and must be
+    most of them (> 0.8); random scores crowd near the k-th, real ones less."""
+    from skyrl_megatron_kda.dsa.index_scores import fp8_pool_scores, pool_scores
+
+    gen, dev = torch.Generator().manual_seed(8), torch.device("cuda")
+    case = [t.to(dev) for t in _fp8_case(gen, 300, 1000, heads=32, dim=128)]
+    errors = _fp8_errors(*case)
+    print(errors)
+    assert errors["dequantised"] < 1e-5 and errors["bf16"] < 0.1 < errors["scales_moved"], errors
+    q, keys, w, _, _ = (t.to(dev) for t in _fp8_case(gen, 1024, 20000, heads=32, dim=128))
+    ks = torch.zeros(1024, dtype=torch.int32, device=dev)
+    ke = torch.full_like(ks, 20000)
+    picks = [scorer(q, keys, w, ks, ke)[0].topk(512, dim=-1).indices
+             for scorer in (pool_scores, fp8_pool_scores)]
+    same = torch.zeros(1024, 20000, dtype=torch.int32, device=dev)
+    for p in picks:
+        same.scatter_add_(1, p, torch.ones_like(p, dtype=torch.int32))
+    agreement = float((same == 2).sum(-1).float().mean() / 512)
+    print({"same pools": agreement})
+    assert agreement > 0.8, agreement

@@ -75,7 +75,7 @@ def _kernel_errors(q, kv, idx, grad, kernel_idx=None, **config):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("config", [{}, {"num_stages": 2, "store_split": 4}])
+@pytest.mark.parametrize("config", [{}, {"num_stages": 2, "store_split": 4}, {"ordered": True}])
 @pytest.mark.parametrize("heads", [8, 64])
 def test_kernels_match_the_fp32_attention(heads, config):
     gen = torch.Generator(device="cuda").manual_seed(heads)
@@ -86,13 +86,35 @@ def test_kernels_match_the_fp32_attention(heads, config):
 
 @pytest.mark.gpu
 @cuda
-def test_a_shifted_index_is_caught():
+@pytest.mark.parametrize("ordered", [False, True], ids=["atomic", "ordered"])
+def test_a_shifted_index_is_caught(ordered):
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, kv, idx, grad = _case(64, gen, torch.device("cuda"))
     shifted = torch.where(idx > 0, idx - 1, idx)
-    errors = _kernel_errors(q, kv, idx, grad, kernel_idx=shifted)
+    errors = _kernel_errors(q, kv, idx, grad, kernel_idx=shifted, ordered=ordered)
     print(errors)
     assert min(errors.values()) > 10 * TOL, errors
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_ordered_backward_repeats_bitwise():
+    """model.dsa.deterministic_backward: 2,500 queries (three ordered calls, the last partial)
+    whose selections crowd onto 3,000 keys, so every key gathers many queries' rows: two runs
+    give the same dq and latent gradient bit for bit, and they equal the atomic backward's to
+    fp32 summation order (dkv 1e-5; dq is summed alike in both, 1e-6). The atomic backward's own repeatability is printed, not
+    asserted: its order is the scheduler's."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, kv, idx, grad = _case(64, gen, torch.device("cuda"), tq=2500, tk=3000, topk=512)
+    out, lse = latent_forward(q, kv, idx, SCALE)
+    delta = (out.float() * grad.float()).sum(-1)
+    runs = {mode: [latent_backward(q, kv, grad, idx, lse, delta, SCALE, ordered=mode == "ordered")
+                   for _ in range(2)] for mode in ("ordered", "atomic")}
+    (dq1, dkv1), (dq2, dkv2) = runs["ordered"]
+    assert torch.equal(dq1, dq2) and torch.equal(dkv1, dkv2)
+    (dq_a, dkv_a), (_, dkv_a2) = runs["atomic"]
+    print({"atomic runs equal": torch.equal(dkv_a, dkv_a2), "dkv": _rel(dkv1, dkv_a)})
+    assert _rel(dq1, dq_a) < 1e-6 and _rel(dkv1, dkv_a) < 1e-5
 
 
 _ROW_DOTS = """
@@ -123,6 +145,47 @@ def test_the_delta_kernel_refuses_other_shapes():
 
     with pytest.raises(ValueError, match="one shape"):
         row_dots(torch.ones(2, 3, 8), torch.ones(2, 3, 6))
+
+
+_ORDERED_SUMS = """
+import json
+import torch
+from skyrl_megatron_kda.dsa.ordered_row_sums import add_rows_in_index_order
+g = torch.Generator().manual_seed(0)
+rows = torch.randn(400, 160, generator=g)
+index = torch.randint(-1, 50, (400,), generator=g)
+index[:30] = 7  # a run of 30+ rows: several CHUNK steps, the last partial
+out = torch.randn(50, 160, generator=g)
+ref = out.double().index_add(0, index.clamp(min=0), rows.double() * (index >= 0)[:, None])
+def summed(idx):
+    got = out.clone()
+    add_rows_in_index_order(got, rows, idx)
+    return float((got - ref).abs().max())
+print(json.dumps({"err": summed(index),
+                  "shifted": summed(torch.where(index >= 0, (index + 1) % 50, index))}))
+"""
+
+
+def test_the_ordered_row_sums_equal_index_add_interpreted():
+    """model.dsa.deterministic_backward's scatter-add (``ordered_row_sums``, Triton) under
+    Triton's CPU interpreter: 400 rows onto 50 keys, 160 columns (two column programs, the
+    second partial), -1 rows skipped, one key with 30+ rows: equal to the fp64 ``index_add``
+    to fp32 rounding; control: every index shifted by one."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _ORDERED_SUMS], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip().splitlines()[-1]
+    got = json.loads(out)
+    assert got["err"] < 1e-5 < 1.0 < got["shifted"], got
+
+
+def test_the_ordered_row_sums_refuse_other_shapes():
+    from skyrl_megatron_kda.dsa.ordered_row_sums import add_rows_in_index_order
+
+    with pytest.raises(ValueError, match="fp32"):
+        add_rows_in_index_order(torch.zeros(4, 8), torch.zeros(3, 8, dtype=torch.float64),
+                                torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"index \[M\]"):
+        add_rows_in_index_order(torch.zeros(4, 8), torch.zeros(3, 8), torch.zeros(2))
 
 
 @pytest.mark.gpu

@@ -127,6 +127,19 @@ class DSAConfig(ConfigSection):
     and log-sum-exp [rows, heads] (fp32) from the forward for the backward instead of running
     the kernel forward again there: one sparse-attention forward less per DSA layer and step,
     for that memory from the layer's (recomputed) forward to its backward (plan counts it)."""
+    indexer_scores: Literal["bf16", "fp8"] = "bf16"
+    """fused and latent kernels: the precision of the indexer's q . k products. bf16 (the
+    reference's); fp8: e4m3 with a scale per query head and per pool, as DeepSeek-V3.2's
+    indexer (dsa/index_scores.py): the H200's FP8 tensor cores run twice the bf16 rate, and
+    pools that score within FP8's rounding of the k-th may be chosen differently
+    (docs/benchmarks.md measures speed and agreement). Refused with the other kernels."""
+    deterministic_backward: bool = False
+    """latent kernel: sum the sparse attention's latent gradient in a fixed order (the backward
+    writes each query's gradient rows, ``dsa/ordered_row_sums.py`` adds them key by key)
+    instead of with fp32 atomics, so the DSA layers' attention backward gives bitwise-equal
+    gradients on every run (replaying an RL step); for the time docs/benchmarks.md measures and
+    1,024 queries x top-k x 512 fp32 of backward memory (plan counts it). Refused with the
+    other kernels."""
     indexer_query_block: PositiveInt = 1024
     """Queries per step of the indexer (query projection, pool scores, top-k, indices); the
     fused kernel's step holds indexer_query_block x (visible pools) fp32 scores."""

@@ -40,7 +40,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import (
     tilelang_sparse_mla_fwd,
 )
 
-from .index_scores import GROUP, pool_scores
+from .index_scores import GROUP, INDEXER_SCORES, pool_scores
 from .sparse_mla import check_indices, split_kv_up_weight
 
 KERNEL_WIDTH = 576
@@ -66,7 +66,9 @@ class DSAKernels:
     backward's to read. ``backward_adds_dkv``: the backward also takes ``dkv=``, an fp32 [T, 1,
     width] accumulator that it adds its latent gradient to, so the calls of a layer share one
     buffer instead of each zeroing and adding a fresh one (ours; megatron-core's has no such
-    argument)."""
+    argument). ``zero_without_keys``: for a query with no selected key the forward already
+    gives output and log-sum-exp 0 and the backward dq 0 and no latent gradient, so the wrapper
+    skips its masking copies (ours; megatron-core's gives a log-sum-exp of -inf)."""
 
     forward: Callable
     delta: Callable
@@ -77,12 +79,14 @@ class DSAKernels:
     width: int = KERNEL_WIDTH
     value_width: int = KERNEL_VALUE_WIDTH
     backward_adds_dkv: bool = False
+    zero_without_keys: bool = False
 
 
-def fused_dsa_kernels() -> DSAKernels:
+def fused_dsa_kernels(indexer_scores: str = "bf16") -> DSAKernels:
     """megatron-core's TileLang sparse-MLA kernels and our Triton indexer scores
     (``index_scores.pool_scores``: megatron's TileLang indexer kernel computes the same scores
-    but was 9x slower on an H200, README.md); a clear error where they cannot run."""
+    but was 9x slower on an H200, README.md), on the products ``indexer_scores`` names
+    (``index_scores.INDEXER_SCORES``); a clear error where they cannot run."""
     if not torch.cuda.is_available():
         raise RuntimeError("model.dsa.kernel=fused needs CUDA (TileLang kernels); "
                            "use model.dsa.kernel=torch on CPU")
@@ -92,7 +96,7 @@ def fused_dsa_kernels() -> DSAKernels:
     return DSAKernels(forward=tilelang_sparse_mla_fwd.sparse_mla_fwd_interface,
                       delta=tilelang_sparse_mla_bwd.sparse_mla_delta,
                       backward=tilelang_sparse_mla_bwd.sparse_mla_bwd,
-                      index_scores=pool_scores)
+                      index_scores=INDEXER_SCORES[indexer_scores])
 
 
 def _padded(t: torch.Tensor, width: int, dtype: torch.dtype | None) -> torch.Tensor:
@@ -160,7 +164,8 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
             # dL/d(latent-space output), zero where the forward's output was forced to zero.
             g_latent = torch.einsum("qhv,hvr->qhr", g_out, w_uv.to(g_out.dtype))
             g_latent = _padded(g_latent, kernels.value_width, kernels.dtype)
-            g_latent = torch.where(_has_keys(idx)[:, None, None], g_latent, 0)
+            if not kernels.zero_without_keys:
+                g_latent = torch.where(_has_keys(idx)[:, None, None], g_latent, 0)
             delta = kernels.delta(out_latent, g_latent)
             into = {"dkv": grad_latent[:, None]} if adds_dkv else {}
             dq, dkv = kernels.backward(q, kv, None, g_latent, idx.to(torch.int32)[:, None].contiguous(),
@@ -201,6 +206,8 @@ def _attend(kernels: DSAKernels, q, kv, indices, scale):
     """One block through the forward kernel -> latent-space output [b, H, 512] (0 for a query
     with no key) and log-sum-exp."""
     out, lse = kernels.forward(q, kv, indices.to(torch.int32)[:, None].contiguous(), scale)
+    if kernels.zero_without_keys:
+        return out, lse
     # A query with no key: its log-sum-exp is -inf; 0 keeps the backward's exp(score - lse)
     # at 0 for its masked keys instead of NaN (megatron's SparseMLA does the same).
     has_keys = _has_keys(indices)

@@ -16,6 +16,15 @@ layer's step at 1M tokens. This kernel took 5.6 ms on the same block, equal to m
 7.7e-8 relative (docs/benchmarks.md). It has the same contract
 (``fused_sparse_mla.DSAKernels.index_scores``) and is tested against an fp32 torch reference on
 the GPU (tests/test_fused_sparse_mla.py).
+
+``fp8_pool_scores`` (``model.dsa.indexer_scores=fp8``) runs the same kernel on FP8 (e4m3)
+products, as DeepSeek-V3.2's lightning indexer does: each query head and each pool are scaled
+to FP8's range by their own absolute maximum, and since ``relu(a * b * x) = a * b * relu(x)`` for
+positive scales, the query heads' scales fold into the head weights and the pools' scales
+multiply each finished score, so the kernel's inner loop is unchanged. The H200's FP8 tensor
+cores run twice the bf16 rate; the scores carry FP8's rounding (3 mantissa bits per factor), so
+pools that score close to the k-th may be chosen differently (docs/benchmarks.md measures how
+often).
 """
 
 from __future__ import annotations
@@ -28,12 +37,14 @@ TILES = (64, 128, 8, 2)
 """Queries and pools per program, its warps and pipeline stages."""
 GROUP = 32
 """Pools per maximum written beside the scores (a divisor of every tile's pool count)."""
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
 
 
 @triton.jit
-def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, max_ptr, n_queries, n_pools,
-                 n_groups, HEADS: tl.constexpr, DIM: tl.constexpr, QT: tl.constexpr,
-                 PT: tl.constexpr, GROUP: tl.constexpr):
+def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, kscale_ptr, out_ptr, max_ptr, n_queries,
+                 n_pools, n_groups, HEADS: tl.constexpr, DIM: tl.constexpr, QT: tl.constexpr,
+                 PT: tl.constexpr, GROUP: tl.constexpr, KEY_SCALES: tl.constexpr):
     rows = tl.program_id(0) * QT + tl.arange(0, QT)
     cols = tl.program_id(1) * PT + tl.arange(0, PT)
     row_ok = rows < n_queries
@@ -52,6 +63,8 @@ def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, max_ptr, n_querie
             w = tl.load(w_ptr + rows * HEADS + h, mask=row_ok, other=0.0)
             s = tl.dot(q, tl.trans(k))
             acc += tl.maximum(s, 0.0) * w[:, None]
+        if KEY_SCALES:
+            acc *= tl.load(kscale_ptr + cols, mask=cols < n_pools, other=0.0)[None, :]
     visible = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
     acc = tl.where(visible, acc, float("-inf"))
     tl.store(out_ptr + rows[:, None].to(tl.int64) * n_pools + cols[None, :], acc,
@@ -64,12 +77,14 @@ def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, max_ptr, n_querie
 
 def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor,
                 ke: torch.Tensor, tiles: tuple[int, int, int, int] = TILES,
-                group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+                group: int = GROUP, key_scales: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, heads, d] and keys [P, d] (bf16 on CUDA), weights [n, heads] fp32, ks/ke [n] int32
     -> fp32 scores [n, P]: sum over heads of weights * relu(q . k), -inf outside [ks, ke); and
     fp32 maxima [n, ceil(P / group)] of the scores over consecutive groups of ``group`` pools.
     ``tiles``: (queries, pools, warps, pipeline stages) per program (``bench/index_scores.py``
-    times them); ``group`` divides the tile's pools."""
+    times them); ``group`` divides the tile's pools. ``key_scales`` [P] fp32: q and keys are
+    FP8 (e4m3) and each pool's score is multiplied by its scale (``fp8_pool_scores``)."""
     n, heads, dim = q.shape
     if keys.dim() != 2 or keys.shape[1] != dim or weights.shape != (n, heads):
         raise ValueError(f"expected q [n, h, d], keys [P, d], weights [n, h]; got "
@@ -79,14 +94,43 @@ def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: 
     query_tile, pool_tile, warps, stages = tiles
     if pool_tile % group:
         raise ValueError(f"the maxima's group ({group}) must divide the tile's pools ({pool_tile})")
-    q, keys = q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous()
+    if key_scales is None:
+        q, keys = q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous()
+    elif q.dtype != FP8 or keys.dtype != FP8 or key_scales.shape != keys.shape[:1]:
+        raise ValueError(f"key_scales [P] come with FP8 (e4m3) q and keys, got {q.dtype}, "
+                         f"{keys.dtype}, scales {list(key_scales.shape)}")
     out = torch.empty(n, keys.shape[0], dtype=torch.float32, device=q.device)
     maxima = torch.empty(n, -(-keys.shape[0] // group), dtype=torch.float32, device=q.device)
     if n == 0 or keys.shape[0] == 0:
         return out, maxima
     grid = (triton.cdiv(n, query_tile), triton.cdiv(keys.shape[0], pool_tile))
-    _pool_scores[grid](q, keys, weights.float().contiguous(), ks.contiguous(), ke.contiguous(),
-                       out, maxima, n, keys.shape[0], maxima.shape[1], HEADS=heads, DIM=dim,
-                       QT=query_tile, PT=pool_tile, GROUP=group, num_warps=warps,
+    scaled = key_scales is not None
+    _pool_scores[grid](q.contiguous(), keys.contiguous(), weights.float().contiguous(),
+                       ks.contiguous(), ke.contiguous(),
+                       key_scales.float().contiguous() if scaled else out, out, maxima, n,
+                       keys.shape[0], maxima.shape[1], HEADS=heads, DIM=dim, QT=query_tile,
+                       PT=pool_tile, GROUP=group, KEY_SCALES=scaled, num_warps=warps,
                        num_stages=stages)
     return out, maxima
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (x / scale as FP8 e4m3, scale [...] fp32): each row scaled by its absolute
+    maximum to FP8's largest value (an all-zero row keeps scale 1)."""
+    amax = x.abs().amax(-1).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x.float() / scale[..., None]).to(FP8), scale
+
+
+def fp8_pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                    ks: torch.Tensor, ke: torch.Tensor, tiles: tuple[int, int, int, int] = TILES,
+                    group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pool_scores`` on FP8 products (the module docstring): each query head's scale goes into
+    its weight, each pool's multiplies its score."""
+    q8, q_scale = fp8_rows(q)
+    keys8, key_scale = fp8_rows(keys)
+    return pool_scores(q8, keys8, weights.float() * q_scale, ks, ke, tiles, group, key_scale)
+
+
+INDEXER_SCORES = {"bf16": pool_scores, "fp8": fp8_pool_scores}
+"""``model.dsa.indexer_scores`` -> the score kernel of the fused and latent kernel sets."""

@@ -16,7 +16,11 @@ rows and each add their gradient. These kernels are written for GLM's shape inst
   recomputes it in backward for them and for the value projection's gradient, which needs the
   latent-space output);
 * the backward adds its latent gradient into a buffer it is given, so the layer's calls over
-  query blocks share one fp32 buffer.
+  query blocks share one fp32 buffer;
+* ``ordered`` (``model.dsa.deterministic_backward``): the backward writes each query's rows of
+  the latent gradient instead of adding them with atomics, and ``ordered_row_sums`` adds them
+  up key by key in a fixed order, ORDERED_QUERY_BLOCK queries at a time: bitwise-equal
+  gradients on every run, for the bytes of those rows.
 
 They fill ``fused_sparse_mla.DSAKernels`` (``latent_dsa_kernels``) with ``width`` 512, so the
 layer's wrapper (``FusedAbsorbedSparseMLA``: absorption, query blocks, masking) is the one the
@@ -36,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from .fused_sparse_mla import DSAKernels
-from .index_scores import pool_scores
+from .index_scores import INDEXER_SCORES
+from .ordered_row_sums import add_rows_in_index_order
 from .row_dots import row_dots
 
 LOG2E = math.log2(math.e)
@@ -51,6 +56,9 @@ BACKWARD_ADDS_DKV = True
 (``DSAKernels.backward_adds_dkv``; ``kernels/latent.py`` models the memory by it)."""
 HEAD_BLOCK = 64
 """Heads per thread block: the wider MMA tile; more heads run in groups of 64."""
+ORDERED_QUERY_BLOCK = 1024
+"""Queries per ordered backward call: its per-query latent gradient rows are ORDERED_QUERY_BLOCK
+x top-k x 512 fp32 (4.4 GB at GLM's top-k) until ``ordered_row_sums`` has added them."""
 
 
 def padded_heads(heads: int) -> int:
@@ -165,14 +173,18 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
 
 
 def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
-                     num_stages: int = 2, store_split: int = 4):
+                     num_stages: int = 2, store_split: int = 4, ordered: bool = False):
     """The backward for ``heads`` (as ``padded_heads`` gives), width ``dim``, top-k width
     ``topk`` (a multiple of BACKWARD_KEY_BLOCK): one thread block per (query, head group)
     rebuilds each key block's probabilities from the kept log-sum-exp, accumulates dq in
-    registers and adds the block's latent gradient ``dP^T Q + P^T dO`` to ``dKV`` (fp32
-    atomics, staged through shared memory in ``store_split`` parts)."""
+    registers and adds the block's latent gradient ``dP^T Q + P^T dO`` to ``dKV`` [Tk, dim]
+    (fp32 atomics, staged through shared memory in ``store_split`` parts); ``ordered`` (one head
+    group): writes it to the query's rows of ``dKV`` [S, topk, dim] instead, one row per
+    selected slot (zero where the slot is -1), for ``ordered_row_sums``."""
     tilelang, T = _tilelang()
     BH, BK = min(heads, HEAD_BLOCK), BACKWARD_KEY_BLOCK
+    if ordered and heads > BH:
+        raise ValueError(f"the ordered backward takes up to {HEAD_BLOCK} heads, got {heads}")
     threads = threads or _threads(BH)
     groups, steps = heads // BH, topk // BK
     part = BK // store_split
@@ -189,7 +201,7 @@ def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int
         Lse: T.Tensor([S, heads], f32),
         Delta: T.Tensor([S, heads], f32),
         dQ: T.Tensor([S, heads, dim], bf16),
-        dKV: T.Tensor([Tk, dim], f32),
+        dKV: T.Tensor([S, topk, dim] if ordered else [Tk, dim], f32),
     ):
         with T.Kernel(S * groups, threads=threads) as bx:
             s = bx // groups
@@ -233,14 +245,17 @@ def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int
                 T.gemm(ds_s, q_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
                        clear_accum=True)
                 T.gemm(p_s, do_s, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                for r in T.serial(store_split):
-                    for k, d in T.Parallel(BK, dim):
-                        if k >= r * part and k < (r + 1) * part:
-                            dkv_s[k - r * part, d] = acc_dkv[k, d]
-                    for k, d4 in T.Parallel(part, dim // 4):
-                        if Indices[s, kb * BK + r * part + k] >= 0:
-                            T.atomic_addx4(dKV[Indices[s, kb * BK + r * part + k], d4 * 4],
-                                           dkv_s[k, d4 * 4])
+                if ordered:
+                    T.copy(acc_dkv, dKV[s, kb * BK:(kb + 1) * BK, :])
+                else:
+                    for r in T.serial(store_split):
+                        for k, d in T.Parallel(BK, dim):
+                            if k >= r * part and k < (r + 1) * part:
+                                dkv_s[k - r * part, d] = acc_dkv[k, d]
+                        for k, d4 in T.Parallel(part, dim // 4):
+                            if Indices[s, kb * BK + r * part + k] >= 0:
+                                T.atomic_addx4(dKV[Indices[s, kb * BK + r * part + k], d4 * 4],
+                                               dkv_s[k, d4 * 4])
             T.copy(acc_dq, dQ[s, h0:h0 + BH, :])
 
     return sparse_latent_bwd
@@ -255,9 +270,12 @@ def forward_kernel(heads: int, dim: int, topk: int, scale: float, **config):
 
 
 @lru_cache(maxsize=None)
-def backward_kernel(heads: int, dim: int, topk: int, scale: float, **config):
+def backward_kernel(heads: int, dim: int, topk: int, scale: float, ordered: bool = False,
+                    **config):
+    """Compiled once per shape; ``ordered`` also returns its per-query latent gradient rows."""
     tilelang, _ = _tilelang()
-    return tilelang.compile(backward_program(heads, dim, topk, scale, **config), out_idx=[-2])
+    return tilelang.compile(backward_program(heads, dim, topk, scale, ordered=ordered, **config),
+                            out_idx=[-2, -1] if ordered else [-2])
 
 
 def latent_forward(q, kv, indices, scale, **config):
@@ -271,30 +289,41 @@ def latent_forward(q, kv, indices, scale, **config):
     return out[:, :H], lse[:, :H]
 
 
-def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, **config):
+def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, ordered=False,
+                    **config):
     """The backward kernel on the contract's tensors -> (dq, dkv fp32); ``dkv``: an fp32
     accumulator of kv's shape that the kernel adds the latent gradient to (and returns), so that
-    calls over query blocks share one buffer; ``config``: ``backward_program``'s tuning
-    keywords."""
+    calls over query blocks share one buffer; ``ordered``: add it in a fixed order (bitwise
+    reproducible; ORDERED_QUERY_BLOCK queries per kernel call, then ``ordered_row_sums``)
+    instead of with atomics; ``config``: ``backward_program``'s tuning keywords."""
     S, H, D = q.shape
     heads = padded_heads(H)
     idx = _pad_keys(indices.to(torch.int32), BACKWARD_KEY_BLOCK).contiguous()
-    kernel = backward_kernel(heads, D, idx.shape[1], float(scale), **config)
+    kernel = backward_kernel(heads, D, idx.shape[1], float(scale), ordered=ordered, **config)
     if dkv is None:
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     elif dkv.shape != kv.shape or dkv.dtype != torch.float32 or not dkv.is_contiguous():
         raise ValueError(f"dkv must be a contiguous fp32 {list(kv.shape)}, got "
                          f"{dkv.dtype} {list(dkv.shape)}")
-    dq = kernel(_pad_heads(q, heads).contiguous(), kv.contiguous(),
-                _pad_heads(grad_out, heads).contiguous(), idx,
-                _pad_heads(lse[..., None], heads)[..., 0].contiguous(),
-                _pad_heads(delta[..., None], heads)[..., 0].contiguous(), dkv)
-    return dq[:, :H], dkv
+    q, kv, grad_out = (_pad_heads(q, heads).contiguous(), kv.contiguous(),
+                       _pad_heads(grad_out, heads).contiguous())
+    lse, delta = (_pad_heads(t[..., None], heads)[..., 0].contiguous() for t in (lse, delta))
+    if not ordered:
+        return kernel(q, kv, grad_out, idx, lse, delta, dkv)[:, :H], dkv
+    dq = q.new_empty(S, H, D)
+    for b0 in range(0, S, ORDERED_QUERY_BLOCK):
+        b = slice(b0, b0 + ORDERED_QUERY_BLOCK)
+        dq_block, rows = kernel(q[b], kv, grad_out[b], idx[b], lse[b], delta[b])
+        add_rows_in_index_order(dkv, rows.view(-1, D), idx[b].view(-1))
+        dq[b] = dq_block[:, :H]
+    return dq, dkv
 
 
-def latent_dsa_kernels() -> DSAKernels:
+def latent_dsa_kernels(ordered: bool = False, indexer_scores: str = "bf16") -> DSAKernels:
     """Our sparse-MLA kernels and the Triton indexer scores in the ``DSAKernels`` contract
-    (``kv [T, 1, 512]``, ``indices [S, 1, K]``); a clear error where they cannot run."""
+    (``kv [T, 1, 512]``, ``indices [S, 1, K]``); ``ordered``: the backward's latent gradient
+    summed in a fixed order (``latent_backward``); ``indexer_scores``: the score products'
+    precision (``index_scores.INDEXER_SCORES``); a clear error where they cannot run."""
     if not torch.cuda.is_available():
         raise RuntimeError("model.dsa.kernel=latent needs CUDA (TileLang kernels); "
                            "use model.dsa.kernel=torch on CPU")
@@ -305,9 +334,9 @@ def latent_dsa_kernels() -> DSAKernels:
 
     def backward(q, kv, out, grad_out, indices, lse, sm_scale, delta, dkv=None):
         dq, dkv = latent_backward(q, kv[:, 0], grad_out, indices[:, 0], lse, delta, sm_scale,
-                                  None if dkv is None else dkv[:, 0])
+                                  None if dkv is None else dkv[:, 0], ordered=ordered)
         return dq, dkv[:, None]
 
     return DSAKernels(forward=forward, delta=row_dots, backward=backward,
-                      index_scores=pool_scores, width=LATENT_WIDTH, value_width=LATENT_WIDTH,
-                      backward_adds_dkv=BACKWARD_ADDS_DKV)
+                      index_scores=INDEXER_SCORES[indexer_scores], width=LATENT_WIDTH, value_width=LATENT_WIDTH,
+                      backward_adds_dkv=BACKWARD_ADDS_DKV, zero_without_keys=True)

@@ -78,6 +78,11 @@ class DSAKernel(ABC):
     keeps_output: ClassVar[bool] = False
     """Whether ``model.dsa.keep_attention_output`` applies: its backward can read the forward's
     kept kernel output and log-sum-exp instead of running the kernel forward again."""
+    scores_in_fp8: ClassVar[bool] = False
+    """Whether ``model.dsa.indexer_scores=fp8`` applies: its indexer has an FP8 score kernel."""
+    orders_latent_gradient: ClassVar[bool] = False
+    """Whether ``model.dsa.deterministic_backward`` applies: its backward can sum the latent
+    gradient in a fixed order instead of with atomics."""
 
     def __init__(self, dsa: DSAConfig):
         self.dsa = dsa

@@ -23,6 +23,7 @@ class FusedKernel(AbsorbedKernel):
     name = "fused"
     working_set_label = "one call's working set"
     keeps_output = True
+    scores_in_fp8 = True
     load_kernels = staticmethod(fused_dsa_kernels)
     """Where the ``fused_sparse_mla.DSAKernels`` come from (the CPU tests swap in a stand-in)."""
     width, value_width = KERNEL_WIDTH, KERNEL_VALUE_WIDTH
@@ -30,10 +31,18 @@ class FusedKernel(AbsorbedKernel):
     backward_adds_dkv = False
     """The backward adds into the layer's fp32 latent gradient (``DSAKernels.backward_adds_dkv``)
     rather than returning its own [T, width] fp32 and bf16 copies."""
+    masks_empty_queries = True
+    """The wrapper masks the output and its gradient of queries with no selected key
+    (``DSAKernels.zero_without_keys`` false): one more [f, n, value_width] copy each."""
 
     def __init__(self, dsa):
         super().__init__(dsa)
-        self.kernels = type(self).load_kernels()
+        self.kernels = type(self).load_kernels(**self.kernel_options(dsa))
+
+    @staticmethod
+    def kernel_options(dsa) -> dict:
+        """What ``load_kernels`` takes from the recipe's ``model.dsa``."""
+        return {"indexer_scores": dsa.indexer_scores}
 
     @classmethod
     def refusal(cls, device: str) -> str | None:
@@ -75,13 +84,15 @@ class FusedKernel(AbsorbedKernel):
           int64 ids, the int64 picked ids).
         * ``attention forward``: the latent in the kernels' width (``width``: 576, zero-padded,
           for megatron-core's; 512 for ours) [T, width] w; per call: the absorbed queries
-          [f, n, width] w, the kernel's output and its masked copy [f, n, value_width] w each,
+          [f, n, width] w, the kernel's output and (``masks_empty_queries``) its masked copy [f,
+          n, value_width] w each,
           the int32 indices copy and the kernel's copy padded to a multiple of 64.
         * ``attention backward``: that latent, the fp32 latent gradient [T, R] and (unless the
           kernel adds into it, ``backward_adds_dkv``) the kernel's fp32 latent gradient [T,
           width] and its w copy; per call the absorbed queries, the recomputed output (not
           under ``model.dsa.keep_attention_output``: the kept one is read), the output gradient
-          in latent space (einsum, padded and masked: two alive) [f, n, value_width] w and dq
+          in latent space (einsum, then padded and masked where ``masks_empty_queries``: two
+          alive) [f, n, value_width] w and dq
           [f, n, width] w (the weight gradients' GEMMs read them as they are, with fp32
           output)."""
         w, a = shape.act_bytes, shape.dsa
@@ -99,8 +110,9 @@ class FusedKernel(AbsorbedKernel):
         indexer = (indexer_inputs_bytes(shape) + q * hi * (di * w + 4)
                    + q * (pools + -(-pools // GROUP)) * 4 + 2 * q * candidates * (4 + 4)
                    + q * selected * (4 + 8 + 8))
-        forward = latent + f * n * (width + 2 * value) * w + f * (K + K64) * 4
-        outputs = 2 if a.keep_attention_output else 3
+        masked = 1 if cls.masks_empty_queries else 0
+        forward = latent + f * n * (width + (1 + masked) * value) * w + f * (K + K64) * 4
+        outputs = (1 if a.keep_attention_output else 2) + masked
         kernel_dkv = 0 if cls.backward_adds_dkv else T * width * (4 + w)
         backward = (latent + T * R * 4 + kernel_dkv + f * n * (2 * width + outputs * value) * w)
         return {"indexer": indexer, "attention forward": forward, "attention backward": backward}

@@ -1,10 +1,19 @@
 """``model.dsa.kernel=latent`` (GPU): the ``fused`` kernel's indexer and absorbed layout with our
 TileLang sparse-MLA kernels (``latent_sparse_mla``), built for GLM's 512-wide NoPE latent: no
-padding to 576 channels, every head of a query in one thread block."""
+padding to 576 channels, every head of a query in one thread block; and, under
+``model.dsa.deterministic_backward``, a backward that sums the latent gradient in a fixed
+order."""
 
 from __future__ import annotations
 
-from ..latent_sparse_mla import BACKWARD_ADDS_DKV, LATENT_WIDTH, latent_dsa_kernels
+from ..latent_sparse_mla import (
+    BACKWARD_ADDS_DKV,
+    BACKWARD_KEY_BLOCK,
+    LATENT_WIDTH,
+    ORDERED_QUERY_BLOCK,
+    latent_dsa_kernels,
+)
+from .base import DSAShape
 from .fused import FusedKernel
 
 
@@ -13,4 +22,25 @@ class LatentKernel(FusedKernel):
     load_kernels = staticmethod(latent_dsa_kernels)
     width, value_width = LATENT_WIDTH, LATENT_WIDTH
     backward_adds_dkv = BACKWARD_ADDS_DKV
+    orders_latent_gradient = True
+    masks_empty_queries = False  # the kernels give 0 themselves (zero_without_keys)
 
+    @staticmethod
+    def kernel_options(dsa) -> dict:
+        return {**FusedKernel.kernel_options(dsa), "ordered": dsa.deterministic_backward}
+
+    @classmethod
+    def working_sets(cls, shape: DSAShape) -> dict[str, int]:
+        """The fused kernel's (``FusedKernel.working_sets``); under
+        ``model.dsa.deterministic_backward`` the backward also holds one ordered call's latent
+        gradient rows [b, K32, R] fp32 (K32 the selection padded to the backward's key block,
+        b = ORDERED_QUERY_BLOCK queries or fewer where a call has fewer) and their sort: the pairs' int32 keys and int64 order, twice (the
+        sort's own buffers), the runs' int32 keys, int64 counts and int64 starts."""
+        sets = super().working_sets(shape)
+        if shape.dsa.deterministic_backward:
+            a = shape.dsa
+            K = a.index_topk + a.index_kpool - 1
+            queries = min(ORDERED_QUERY_BLOCK, a.fused_query_block, shape.rows)
+            pairs = queries * -(-K // BACKWARD_KEY_BLOCK) * BACKWARD_KEY_BLOCK
+            sets["attention backward"] += pairs * (a.kv_lora_rank * 4 + 2 * (4 + 8) + 4 + 8 + 8)
+        return sets
