@@ -23,8 +23,12 @@ kept selection: ``train.keep_dsa_selection``; ``step_ms_reselecting`` adds the s
 pass of a recompute that selects again). Not included: the MLA projections and the
 all-to-all / all-gathers (per rank: a few GEMMs over 65,536 rows and ~2 GiB over NVLink).
 
+``--indexer-scores fp8`` scores with FP8 products (``model.dsa.indexer_scores``; fused and latent)
+and ``--deterministic`` runs our backward with its latent gradient summed in a fixed order
+(``model.dsa.deterministic_backward``; latent).
+
 Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel fused|latent]
-                          [--keep-output] [--whole-row-topk]
+                          [--keep-output] [--whole-row-topk] [--indexer-scores fp8] [--deterministic]
 """
 
 from __future__ import annotations
@@ -176,6 +180,10 @@ def main():
     p.add_argument("--whole-row-topk", action="store_true",
                    help="the indexer's top-k as torch.topk over each whole row of scores (what "
                         "threshold_topk replaced), for a comparison in one call")
+    p.add_argument("--indexer-scores", choices=["bf16", "fp8"], default="bf16",
+                   help="model.dsa.indexer_scores (fused, latent)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="model.dsa.deterministic_backward (latent)")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--json", default="")
     a = p.parse_args()
@@ -184,15 +192,23 @@ def main():
                                                                                sorted=False)
     if a.keep_output and a.kernel == "torch":
         p.error("--keep-output needs --kernel fused or latent (the torch kernel keeps no output)")
+    if a.deterministic and a.kernel != "latent":
+        p.error("--deterministic needs --kernel latent")
+    if a.indexer_scores == "fp8" and a.kernel == "torch":
+        p.error("--indexer-scores fp8 needs --kernel fused or latent")
     dev = torch.device("cuda")
-    kernels = {"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}.get(a.kernel, lambda: None)()
+    options = {"indexer_scores": a.indexer_scores}
+    if a.deterministic:
+        options["ordered"] = True
+    kernels = ({"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}[a.kernel](**options)
+               if a.kernel != "torch" else None)
     x = make_inputs(a.keys, a.split, dev)
     if a.queries:
         for k in ("pos", "q_nope", "idx_q", "idx_w"):
             x[k] = x[k][:a.queries].detach().requires_grad_(k == "q_nope")
     rows = x["pos"].numel()
     log(f"{a.kernel} kernel, split {a.split}: {rows} queries x {x['heads']} heads over {a.keys} keys")
-    results = []
+    results, repeat_equal = [], None
     for it in range(a.iters + 1):  # the first pass compiles the TileLang kernels
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -212,6 +228,13 @@ def main():
                  inputs_gib=base / 2**30)
         log(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
         results.append(r)
+        # Do two timed iterations (same inputs) give bitwise-equal gradients?
+        grads = [x[t].grad for t in ("q_nope", "latent", "weight")]
+        if it == 1:
+            first_grads = [g.clone() for g in grads]
+        elif it == 2:
+            repeat_equal = all(torch.equal(a_, b_) for a_, b_ in zip(first_grads, grads))
+            del first_grads
         for t in ("q_nope", "latent", "weight"):
             x[t].grad = None
         del out, grad
@@ -220,11 +243,12 @@ def main():
     kept = float((idx >= 0).sum(-1).float().mean())
     best = min(results[1:], key=lambda r: r["step_ms_full_recompute"]) if a.iters else results[0]
     summary = dict(kernel=a.kernel, split=a.split, keep_output=a.keep_output,
-                   whole_row_topk=a.whole_row_topk, queries=rows,
+                   whole_row_topk=a.whole_row_topk, indexer_scores=a.indexer_scores,
+                   deterministic=a.deterministic, queries=rows,
                    heads=x["heads"], keys=a.keys,
                    query_block=a.query_block, indexer_block=a.indexer_block,
                    index_violations=violations, mean_selected=kept, best=best,
-                   last_indexer_block=split,
+                   last_indexer_block=split, gradients_repeat_bitwise=repeat_equal,
                    first_ms=results[0]["step_ms_full_recompute"])
     log("summary " + json.dumps(summary))
     if a.json:

@@ -396,7 +396,9 @@ def test_fp8_pool_scores_equal_their_dequantised_inputs_interpreted():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
 def test_fp8_pool_scores_on_the_gpu():
     """The FP8 score kernel at GLM's indexer widths (32 heads x 128) on wgmma FP8: equal to the
-    fp64 scores of its dequantised inputs (1e-5) and within FP8's rounding of the bf16 ones;
+    fp64 scores of its dequantised inputs to 1e-3 (Hopper's FP8 tensor cores accumulate each
+    product with fewer bits than fp32: 1.3e-4 measured, against 3.6e-2 from FP8's rounding of
+    the inputs) and within FP8's rounding of the bf16 ones;
     the maxima are its scores'. Then the selection it makes for 1,024 queries over 20,000 pools
     (top 512) against the bf16 kernel's: the share of the same pools is printed and must be
     most of them (> 0.8); random scores crowd near the k-th, real ones less."""
@@ -406,7 +408,7 @@ def test_fp8_pool_scores_on_the_gpu():
     case = [t.to(dev) for t in _fp8_case(gen, 300, 1000, heads=32, dim=128)]
     errors = _fp8_errors(*case)
     print(errors)
-    assert errors["dequantised"] < 1e-5 and errors["bf16"] < 0.1 < errors["scales_moved"], errors
+    assert errors["dequantised"] < 1e-3 and errors["bf16"] < 0.1 < errors["scales_moved"], errors
     q, keys, w, _, _ = (t.to(dev) for t in _fp8_case(gen, 1024, 20000, heads=32, dim=128))
     ks = torch.zeros(1024, dtype=torch.int32, device=dev)
     ke = torch.full_like(ks, 20000)

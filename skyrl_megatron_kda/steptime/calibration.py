@@ -58,6 +58,16 @@ DSA_KEPT_OUTPUT_S = {
 """``DSA_ATTENTION_S`` under ``model.dsa.keep_attention_output``: the forward keeps its output
 and log-sum-exp, and the backward reads them instead of running the kernel forward again."""
 
+# bench/results/h200_dsa_ordered_fp8/ (``best`` of each, one device call, the same share, output
+# kept, our kernels): dsa_latent.json (bf16 scores, the latent gradient added with atomics) and
+# dsa_latent_fp8_det.json (FP8 scores, the ordered latent gradient). Each setting moves one
+# stage: the indexer, or the attention backward.
+DSA_FP8_INDEXER_SHARE = 385.9601189999893 / 475.9405220000019
+"""The indexer's time under ``model.dsa.indexer_scores=fp8`` against bf16 (0.81)."""
+DSA_ORDERED_BACKWARD_SHARE = 787.5820029999971 / 301.2266100000005
+"""The sparse-MLA backward's time under ``model.dsa.deterministic_backward`` against the
+atomic one (2.61)."""
+
 # --- the head: output layer + loss -----------------------------------------------------------------
 # bench/results/h200_fused_loss/fused_loss.txt: forward+backward of the loss over 65,536 to
 # 524,288 rows x a 19,360-column vocabulary shard (154,880 / TP8), hidden 4,096. A line through

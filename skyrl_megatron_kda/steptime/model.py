@@ -200,7 +200,9 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     """The DSA attention core of the slowest rank per layer and step: the indexer (once under
     ``train.keep_dsa_selection`` with full recompute, else in every forward), the sparse
     attention forward in each forward pass and its backward (without the backward's kernel
-    forward under ``model.dsa.keep_attention_output``). The rank holds ``q`` query rows
+    forward under ``model.dsa.keep_attention_output``; the indexer and the backward scaled as
+    measured under ``model.dsa.indexer_scores=fp8`` and ``model.dsa.deterministic_backward``).
+    The rank holds ``q`` query rows
     (its SP rows with all heads: the sequence split) ending at the sequence's last token (the
     zigzag CP rank 0's last TP slice, which sees the most keys)."""
     m, p, a = recipe.model, recipe.parallel, recipe.model.dsa
@@ -212,9 +214,13 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     indexer_runs = 1 if (passes == 2 and recipe.train.keep_dsa_selection) else passes
     indexer = (q * visible_pools * a.index_num_heads * a.index_head_dim
                * cal.DSA_INDEXER_S_PER_SCORE_DIM * indexer_runs)
+    if a.indexer_scores == "fp8":
+        indexer *= cal.DSA_FP8_INDEXER_SHARE
     work = q * a.num_heads * selected
     rates = cal.DSA_KEPT_OUTPUT_S if a.keep_attention_output else cal.DSA_ATTENTION_S
     fwd, bwd = rates[dsa_rate_kernel(recipe)]
+    if a.deterministic_backward:
+        bwd *= cal.DSA_ORDERED_BACKWARD_SHARE
     return {"indexer": indexer, "attention_fwd": passes * work * fwd, "attention_bwd": work * bwd}
 
 
