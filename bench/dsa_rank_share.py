@@ -1,9 +1,10 @@
-"""One GLM-5.3-Flash DSA layer's attention core at a rank's share of the 1M recipe, on one GPU.
+"""One GLM-5.3-Flash DSA layer at a rank's share of the 1M recipe, on one GPU.
 
 The 1M recipe (TP8 x CP2 +SP) gives each rank, per DSA layer, either (``--split heads``) all
 524,288 query rows of its CP rank with its 8 heads, or (``--split sequence``, an all-to-all inside
 TP) its own 65,536 rows with all 64 heads; the keys are the whole 1,048,576-token sequence. This
-runs that rank's work with the model's own functions on random data of GLM's sizes:
+runs that rank's work with the model's own functions on random data of GLM's sizes, stage by
+stage (measured unless said otherwise):
 
 * indexer: pooled keys (``pools.pooled_keys``), per query block the indexer scores and
   top-k (``pool_topk.fused_pool_topk`` on our Triton scores, ``index_scores.py``, and the
@@ -12,22 +13,56 @@ runs that rank's work with the model's own functions on random data of GLM's siz
   ``torch.topk``, for their times) and the token indices (``pools.pool_token_indices``);
 * sparse attention: ``fused_sparse_mla.fused_absorbed_sparse_mla`` on megatron-core's TileLang
   kernels (``--kernel fused``) or ours (``latent``, ``latent_sparse_mla.py``), or
-  ``sparse_mla.absorbed_sparse_mla`` (torch), forward and backward.
+  ``sparse_mla.absorbed_sparse_mla`` (torch), forward and backward; the kv up projection and its
+  absorption are inside it;
+* projections: the layer's other linear layers at the rank's share, as
+  ``torch.nn.functional.linear`` in bf16 in the layer's order (``projection_gemms``): q down and
+  kv down (column parallel over the CP rank's all-gathered rows), q up (column parallel) and the
+  output projection (row parallel), forward and backward; and the frozen indexer's wq_b, wk,
+  kpool gate and head weights, forward only, on the rank's own rows (all the CP rank's rows
+  under ``heads``);
+* all-to-all, modelled (one GPU has no peers): under ``--split sequence`` the queries go in
+  before the core (each rank keeps 1/8 of its CP rank's rows x 8 heads x 256 and sends the rest)
+  and the output comes back after it, the same bytes; the backward sends their gradients the
+  other way. Each costs bytes / all-to-all bandwidth + latency of ``glm53_flash_1m``'s
+  ``cluster.intra_node`` link (as the step-time model prices it); ``--split heads`` has none.
 
 The rank is CP rank 0 of a zigzag layout (its rows: the first and the last quarter of the
 sequence); with ``--split sequence`` it is that CP rank's last TP slice, the rows nearest the end
 (the most visible pools: the slowest TP rank sets the step). One step under full recompute is the
-checkpointed forward, the recompute forward and the backward: indexer + 2 x attention forward +
-attention backward (the indexer has no backward, and the recompute attends with the forward's
-kept selection: ``train.keep_dsa_selection``; ``step_ms_reselecting`` adds the second indexer
-pass of a recompute that selects again). Not included: the MLA projections and the
-all-to-all / all-gathers (per rank: a few GEMMs over 65,536 rows and ~2 GiB over NVLink).
+checkpointed forward, the recompute forward and the backward. The attention core's step,
+``step_ms_full_recompute``, is indexer + 2 x attention forward + attention backward (the indexer
+has no backward, and the recompute attends with the forward's kept selection:
+``train.keep_dsa_selection``; ``step_ms_reselecting`` adds the second indexer pass of a recompute
+that selects again). The projections' step is 2 x their forward + their backward + the indexer's
+projections once (they belong to the one indexer pass); the all-to-all pair runs three times
+(two forwards, one backward). ``layer_step_ms`` adds the three. Not included: the collectives
+around the projections that every TP layer has (per rank and pass: the all-gather of the input's
+SP rows before the down projections, 3.5 GiB received; the down projections' widths gathered and
+scattered to the SP rows, small; the all-gather of q up's input rows, 1.3 GiB; the output
+projection's reduce-scatter, 3.5 GiB), the KV latent's all-gathers over TP and CP, and the norms
+between the projections.
+
+FLOPs, for TFLOP/s: a GEMM's forward 2 x M x N x K, its backward (input and weight gradients)
+twice that; the sparse attention, in the convention of megatron-core's 576-wide kernels
+(512-wide latent + 64 rope), used for both kernel sets so they compare:
+2 x heads x selected x (576 + 512) per query forward, 2 x heads x selected x (2 x 512 + 3 x 576)
+backward, with selected the mean number of keys a query attends (``mean_selected``); the indexer,
+its scores only: 2 x 32 x 128 per (query, visible pool), a query at position p seeing
+floor((p + 1) / 4) complete pools.
+
+``--kernel`` takes a comma list: each kernel set runs in turn on the same inputs, and a table
+gives each stage's ms and TFLOP/s per set and the ms ratio to the first. ``--json`` writes the
+summary of one set, or ``{"runs": [summary, ...]}`` for several; a summary's ``best`` is the
+iteration with the shortest ``layer_step_ms`` and ``tflop_s`` the TFLOP/s of its stages (keyed
+as its ms).
 
 ``--indexer-scores fp8`` scores with FP8 products (``model.dsa.indexer_scores``; fused and latent)
 and ``--deterministic`` runs our backward with its latent gradient summed in a fixed order
-(``model.dsa.deterministic_backward``; latent).
+(``model.dsa.deterministic_backward``; latent). Each summary says whether the two timed passes
+(the same inputs) gave bitwise-equal gradients (``gradients_repeat_bitwise``).
 
-Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel fused|latent]
+Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel latent,fused]
                           [--keep-output] [--whole-row-topk] [--indexer-scores fp8] [--deterministic]
 """
 
@@ -36,11 +71,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 
 import torch
-from megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_fwd import (
-    indexer_fwd_interface,
-)
+import torch.nn.functional as F
 
 from skyrl_megatron_kda.config import DSAConfig
 from skyrl_megatron_kda.distributed.cp_layout import rank_rows
@@ -61,10 +95,15 @@ from skyrl_megatron_kda.dsa.threshold_topk import (
     grouped_compact_kernel,
     threshold_topk,
 )
+from skyrl_megatron_kda.recipes import load_recipe
 
+RECIPE = "glm53_flash_1m"
 HEADS, TP, CP = 64, 8, 2
-LATENT, DN, DV = 512, 256, 256
+HIDDEN, Q_LORA, LATENT, DN, DV = 4096, 1536, 512, 256, 256
 IDX_HEADS, IDX_DIM, TOPK, KPOOL = 32, 128, 2048, 4
+MEGATRON_QK_WIDTH = 576  # megatron-core's sparse MLA kernels: the 512-wide latent + 64 rope
+BF16 = 2  # bytes
+PASSES = 3  # a step under full recompute: the checkpointed forward, the recompute, the backward
 _T0 = time.time()
 
 
@@ -120,6 +159,10 @@ def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tenso
 def indexer_split(x: dict, keys: int, block: int, kernels) -> dict:
     """Where the fused indexer's time goes, on the rank's last query block (the most visible
     pools): the TileLang score kernel against ``torch.topk`` on its [block, pools] scores."""
+    from megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_fwd import (
+        indexer_fwd_interface,  # needs CUDA and tilelang: imported here so the module loads on CPU
+    )
+
     dev = x["pos"].device
     starts = pool_starts(torch.tensor([0, keys], device=dev), KPOOL)
     pool_k = pooled_keys(x["idx_k"], x["gate"], x["ape"], starts, KPOOL)
@@ -157,23 +200,260 @@ def attention(x: dict, idx: torch.Tensor, kernel: str, block: int, kernels,
 
 
 def timed(fn):
-    torch.cuda.synchronize()
+    """``fn()`` and its wall time in ms, the GPU's queued work drained before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     t0 = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return out, (time.perf_counter() - t0) * 1e3
+
+
+@dataclass(frozen=True)
+class MLASizes:
+    """One DSA layer's widths (GLM-5.3-Flash's by default) and the TP degree it is split over."""
+
+    hidden: int = HIDDEN
+    q_lora: int = Q_LORA
+    kv_lora: int = LATENT
+    heads: int = HEADS
+    qk: int = DN
+    v: int = DV
+    idx_heads: int = IDX_HEADS
+    idx_dim: int = IDX_DIM
+    tp: int = TP
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One linear layer: ``rows`` x ``fan_in`` -> ``fan_out`` on the input named ``source`` (the
+    layers that read one tensor share it, from its first ``rows``); only trainable ones have a
+    backward."""
+
+    name: str
+    source: str
+    rows: int
+    fan_in: int
+    fan_out: int
+    trainable: bool = True
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.fan_in * self.fan_out
+
+
+def projection_gemms(cp_rows: int, own_rows: int, s: MLASizes = MLASizes()) -> list[Gemm]:
+    """The linear layers one rank runs for one DSA layer, in the layer's order: the column-parallel
+    down and up projections over its CP rank's ``cp_rows``, the frozen indexer's on the rows it
+    indexes (``own_rows``), and the row-parallel output projection."""
+    local_heads = s.heads // s.tp
+    return [
+        Gemm("q_down", "hidden", cp_rows, s.hidden, s.q_lora // s.tp),
+        Gemm("kv_down", "hidden", cp_rows, s.hidden, s.kv_lora // s.tp),
+        Gemm("q_up", "q_compressed", cp_rows, s.q_lora, local_heads * s.qk),
+        Gemm("indexer_wq_b", "q_compressed", own_rows, s.q_lora, s.idx_heads * s.idx_dim, False),
+        Gemm("indexer_wk", "hidden", own_rows, s.hidden, s.idx_dim, False),
+        Gemm("indexer_kpool_gate", "hidden", own_rows, s.hidden, s.idx_dim, False),
+        Gemm("indexer_weights", "hidden", own_rows, s.hidden, s.idx_heads, False),
+        Gemm("out", "attention_output", cp_rows, local_heads * s.v, s.hidden),
+    ]
+
+
+def time_projections(gemms: list[Gemm], dev) -> dict:
+    """Each GEMM's forward in turn (the frozen ones without autograd), then the trainable ones'
+    backward in one call, on random bf16 inputs (requiring grad) and weights of std fan_in**-0.5.
+    Everything it allocates is freed on return."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *shape, s=1.0: torch.randn(*shape, generator=g, device=dev,
+                                             dtype=torch.bfloat16).mul_(s)
+    widths = {m.source: m.fan_in for m in gemms}
+    rows = {src: max(m.rows for m in gemms if m.source == src) for src in widths}
+    sources = {src: rnd(rows[src], width).requires_grad_() for src, width in widths.items()}
+    weights = {m.name: rnd(m.fan_out, m.fan_in, s=m.fan_in ** -0.5).requires_grad_(m.trainable)
+               for m in gemms}
+    outs, t = [], dict(proj_fwd_ms=0.0, indexer_proj_ms=0.0)
+    for m in gemms:
+        x = sources[m.source]
+        # A slice in the graph would copy the whole input's gradient in backward: slice only
+        # what is read in part.
+        x = x if m.rows == x.shape[0] else x[:m.rows]
+        with torch.set_grad_enabled(m.trainable):
+            out, ms = timed(lambda: F.linear(x, weights[m.name]))
+        if m.trainable:
+            outs.append(out)
+        t["proj_fwd_ms" if m.trainable else "indexer_proj_ms"] += ms
+    grads = [torch.ones_like(o) for o in outs]
+    _, t["proj_bwd_ms"] = timed(lambda: torch.autograd.backward(outs, grads))
+    return t
+
+
+def a2a_bytes(cp_rows: int, width: int, s: MLASizes = MLASizes()) -> float:
+    """Bytes one rank sends in one all-to-all of the sequence split: its CP rank's rows with its
+    heads at ``width`` per head (the queries, or the output), less the 1/tp it keeps."""
+    return cp_rows * (s.heads // s.tp) * width * BF16 * (s.tp - 1) / s.tp
+
+
+def all_to_all_model(cp_rows: int, split: str, link, s: MLASizes = MLASizes()) -> dict:
+    """The sequence split's all-to-alls per step, modelled: the queries in and the output back in
+    each of the two forwards, their gradients the other way in the backward; each one
+    bytes / ``link.a2a_bandwidth_gib_s`` + ``link.latency_us``. The heads split has none."""
+    if split == "heads":
+        return dict(all_to_all_model_ms=0.0, all_to_all_gib=0.0)
+    pair = [a2a_bytes(cp_rows, width, s) for width in (s.qk, s.v)]
+    seconds = sum(b / (link.a2a_bandwidth_gib_s * 2**30) + link.latency_us * 1e-6 for b in pair)
+    return dict(all_to_all_model_ms=PASSES * seconds * 1e3,
+                all_to_all_gib=PASSES * sum(pair) / 2**30)
+
+
+def attention_flops(queries: int, heads: int, selected: float) -> tuple[float, float]:
+    """Forward and backward FLOPs of the sparse attention, counted as for megatron-core's 576-wide
+    kernels (QK over 576, PV over 512; backward: dV and dP over 512, dQ, dK and QK again over
+    576)."""
+    per_key = 2.0 * queries * heads * selected
+    return (per_key * (MEGATRON_QK_WIDTH + LATENT),
+            per_key * (2 * LATENT + 3 * MEGATRON_QK_WIDTH))
+
+
+def indexer_score_flops(pos: torch.Tensor) -> float:
+    """The indexer's score FLOPs: each query (at position ``pos`` of one document from 0) against
+    each complete pool it sees, over all index heads."""
+    pools = (pos.long() + 1) // KPOOL
+    return 2.0 * IDX_HEADS * IDX_DIM * float(pools.sum())
+
+
+def stage_flops(attn: tuple[float, float], indexer: float, gemms: list[Gemm]) -> dict:
+    """FLOPs per stage, keyed by the stage's time in an iteration's results."""
+    fwd, bwd = attn
+    trainable = sum(m.flops for m in gemms if m.trainable)
+    frozen = sum(m.flops for m in gemms if not m.trainable)
+    core = indexer + 2 * fwd + bwd
+    projections = 2 * trainable + 2 * trainable + frozen  # two forwards, a backward, the indexer's
+    return dict(indexer_ms=indexer, attn_fwd_ms=fwd, attn_bwd_ms=bwd, step_ms_full_recompute=core,
+                proj_fwd_ms=trainable, proj_bwd_ms=2 * trainable, indexer_proj_ms=frozen,
+                projections_step_ms=projections, layer_step_ms=core + projections)
+
+
+STAGES = (  # printed name, key of its time
+    ("indexer", "indexer_ms"),
+    ("attention forward", "attn_fwd_ms"),
+    ("attention backward", "attn_bwd_ms"),
+    ("core step, full recompute", "step_ms_full_recompute"),
+    ("projections forward", "proj_fwd_ms"),
+    ("projections backward", "proj_bwd_ms"),
+    ("indexer projections", "indexer_proj_ms"),
+    ("projections step", "projections_step_ms"),
+    ("all-to-all step (modelled)", "all_to_all_model_ms"),
+    ("layer step", "layer_step_ms"),
+)
+
+
+def layer_step(core: dict, proj: dict, a2a: dict) -> dict:
+    """The projections' and the layer's step under full recompute, from one iteration's times:
+    the projections' forward twice, their backward and the indexer's projections once (the one
+    indexer pass), the modelled all-to-alls and the attention core's step."""
+    projections = 2 * proj["proj_fwd_ms"] + proj["proj_bwd_ms"] + proj["indexer_proj_ms"]
+    return dict(projections_step_ms=projections, layer_step_ms=projections
+                + a2a["all_to_all_model_ms"] + core["step_ms_full_recompute"])
+
+
+def run_kernel(x: dict, a, kernel: str, gemms: list[Gemm], a2a: dict) -> dict:
+    """``a.iters`` timed iterations (after one that compiles) of the layer's step on one kernel
+    set; its summary, with the best iteration's times and TFLOP/s."""
+    options = {"indexer_scores": a.indexer_scores}
+    if a.deterministic:
+        options["ordered"] = True
+    kernels = ({"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}[kernel](**options)
+               if kernel != "torch" else None)
+    rows = x["pos"].numel()
+    log(f"{kernel} kernel, split {a.split}: {rows} queries x {x['heads']} heads over {a.keys} keys")
+    results, first_grads, repeat_equal = [], None, None
+    for it in range(a.iters + 1):  # the first pass compiles the TileLang kernels
+        core, idx, grads = core_step(x, a, kernel, kernels)
+        # Do two timed passes (the same inputs) give bitwise-equal gradients?
+        if it == 1:
+            first_grads = grads
+        elif it == 2:
+            repeat_equal = all(torch.equal(g1, g2) for g1, g2 in zip(first_grads, grads))
+            first_grads = None
+        del grads
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        proj = time_projections(gemms, x["pos"].device)
+        r = dict(iter=it, **core, **proj, **a2a, **layer_step(core, proj, a2a),
+                 projections_peak_gib=(torch.cuda.max_memory_allocated() - base) / 2**30)
+        log(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
+        results.append(r)
+    split = indexer_split(x, a.keys, a.indexer_block, kernels) if kernels else {}
+    violations = index_violations(idx.long(), x["pos"], torch.zeros_like(x["pos"]))
+    kept = float((idx >= 0).sum(-1).float().mean())
+    best = min(results[1:], key=lambda r: r["layer_step_ms"]) if a.iters else results[0]
+    flops = stage_flops(attention_flops(rows, x["heads"], kept), indexer_score_flops(x["pos"]),
+                        gemms)
+    return dict(kernel=kernel, split=a.split, keep_output=a.keep_output,
+                whole_row_topk=a.whole_row_topk, indexer_scores=a.indexer_scores,
+                deterministic=a.deterministic, gradients_repeat_bitwise=repeat_equal,
+                queries=rows,
+                heads=x["heads"], keys=a.keys,
+                query_block=a.query_block, indexer_block=a.indexer_block,
+                index_violations=violations, mean_selected=kept, best=best,
+                tflop_s={k: f / (best[k] * 1e9) for k, f in flops.items()},
+                last_indexer_block=split,
+                first_ms=results[0]["step_ms_full_recompute"])
+
+
+def core_step(x: dict, a, kernel: str, kernels) -> tuple[dict, torch.Tensor, list]:
+    """One step of the attention core: its times, the selection and the inputs' gradients (taken
+    off the inputs; the output is freed before it returns)."""
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        idx, t_index = timed(lambda: indexer(x, a.keys, kernel, a.indexer_block, kernels))
+    out, t_fwd = timed(lambda: attention(x, idx, kernel, a.query_block, kernels, a.keep_output))
+    grad = torch.ones_like(out)
+    _, t_bwd = timed(lambda: out.backward(grad))
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    grads = [x[t].grad for t in ("q_nope", "latent", "weight")]
+    for t in ("q_nope", "latent", "weight"):
+        x[t].grad = None
+    # Under full recompute the forward runs twice; the indexer once (train.keep_dsa_selection
+    # keeps its selection for the recompute) or twice (false).
+    step = t_index + 2 * t_fwd + t_bwd
+    return dict(indexer_ms=t_index, attn_fwd_ms=t_fwd, attn_bwd_ms=t_bwd,
+                step_ms_full_recompute=step, step_ms_reselecting=step + t_index,
+                peak_gib_above_inputs=peak, inputs_gib=base / 2**30), idx, grads
+
+
+def stage_table(summaries: list[dict]) -> str:
+    """Each stage's best ms and TFLOP/s per kernel set, and its ms over the first set's."""
+    first = summaries[0]
+    head = f"{'stage':<28}" + "".join(f"{s['kernel'] + ' ms':>14}{'TFLOP/s':>9}" for s in summaries)
+    head += "".join(f"{s['kernel'] + '/' + first['kernel']:>16}" for s in summaries[1:])
+    lines = [head]
+    for name, key in STAGES:
+        line = f"{name:<28}"
+        for s in summaries:
+            tflops = s["tflop_s"].get(key)
+            line += f"{s['best'][key]:>14.1f}" + (f"{tflops:>9.1f}" if tflops else f"{'-':>9}")
+        for s in summaries[1:]:
+            base = first["best"][key]
+            line += f"{s['best'][key] / base:>16.3f}" if base else f"{'-':>16}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--keys", type=int, default=1 << 20)
     p.add_argument("--split", choices=["heads", "sequence"], default="sequence")
-    p.add_argument("--kernel", choices=["fused", "latent", "torch"], default="fused")
+    p.add_argument("--kernel", default="fused",
+                   help="fused, latent or torch, or a comma list of them to run in turn")
     defaults = DSAConfig()
     p.add_argument("--query-block", type=int, default=defaults.fused_query_block,
                    help="attention queries per call (torch: per block)")
     p.add_argument("--indexer-block", type=int, default=defaults.indexer_query_block)
-    p.add_argument("--queries", type=int, default=0, help="only the first N rows (0: all)")
+    p.add_argument("--queries", type=int, default=0,
+                   help="only the first N rows (0: all); the projections and all-to-alls "
+                        "shrink alike")
     p.add_argument("--keep-output", action="store_true",
                    help="model.dsa.keep_attention_output: the backward reads the forward's kept "
                         "kernel output instead of running the kernel forward again (fused, latent)")
@@ -187,73 +467,34 @@ def main():
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--json", default="")
     a = p.parse_args()
+    names = a.kernel.split(",")
+    if unknown := set(names) - {"fused", "latent", "torch"}:
+        p.error(f"--kernel {a.kernel}: {sorted(unknown)} not among fused, latent, torch")
     if a.whole_row_topk:
         pool_topk.threshold_topk = lambda scores, maxima, group, k: scores.topk(k, dim=-1,
                                                                                sorted=False)
-    if a.keep_output and a.kernel == "torch":
+    if a.keep_output and "torch" in names:
         p.error("--keep-output needs --kernel fused or latent (the torch kernel keeps no output)")
-    if a.deterministic and a.kernel != "latent":
+    if a.deterministic and set(names) != {"latent"}:
         p.error("--deterministic needs --kernel latent")
-    if a.indexer_scores == "fp8" and a.kernel == "torch":
+    if a.indexer_scores == "fp8" and "torch" in names:
         p.error("--indexer-scores fp8 needs --kernel fused or latent")
     dev = torch.device("cuda")
-    options = {"indexer_scores": a.indexer_scores}
-    if a.deterministic:
-        options["ordered"] = True
-    kernels = ({"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}[a.kernel](**options)
-               if a.kernel != "torch" else None)
     x = make_inputs(a.keys, a.split, dev)
     if a.queries:
         for k in ("pos", "q_nope", "idx_q", "idx_w"):
             x[k] = x[k][:a.queries].detach().requires_grad_(k == "q_nope")
     rows = x["pos"].numel()
-    log(f"{a.kernel} kernel, split {a.split}: {rows} queries x {x['heads']} heads over {a.keys} keys")
-    results, repeat_equal = [], None
-    for it in range(a.iters + 1):  # the first pass compiles the TileLang kernels
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.no_grad():
-            idx, t_index = timed(lambda: indexer(x, a.keys, a.kernel, a.indexer_block, kernels))
-        out, t_fwd = timed(lambda: attention(x, idx, a.kernel, a.query_block, kernels,
-                                             a.keep_output))
-        grad = torch.ones_like(out)
-        _, t_bwd = timed(lambda: out.backward(grad))
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        # Under full recompute the forward runs twice; the indexer once (train.keep_dsa_selection
-        # keeps its selection for the recompute) or twice (false).
-        step = t_index + 2 * t_fwd + t_bwd
-        r = dict(iter=it, indexer_ms=t_index, attn_fwd_ms=t_fwd, attn_bwd_ms=t_bwd,
-                 step_ms_full_recompute=step, step_ms_reselecting=step + t_index,
-                 peak_gib_above_inputs=peak,
-                 inputs_gib=base / 2**30)
-        log(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
-        results.append(r)
-        # Do two timed iterations (same inputs) give bitwise-equal gradients?
-        grads = [x[t].grad for t in ("q_nope", "latent", "weight")]
-        if it == 1:
-            first_grads = [g.clone() for g in grads]
-        elif it == 2:
-            repeat_equal = all(torch.equal(a_, b_) for a_, b_ in zip(first_grads, grads))
-            del first_grads
-        for t in ("q_nope", "latent", "weight"):
-            x[t].grad = None
-        del out, grad
-    split = indexer_split(x, a.keys, a.indexer_block, kernels) if kernels else {}
-    violations = index_violations(idx.long(), x["pos"], torch.zeros_like(x["pos"]))
-    kept = float((idx >= 0).sum(-1).float().mean())
-    best = min(results[1:], key=lambda r: r["step_ms_full_recompute"]) if a.iters else results[0]
-    summary = dict(kernel=a.kernel, split=a.split, keep_output=a.keep_output,
-                   whole_row_topk=a.whole_row_topk, indexer_scores=a.indexer_scores,
-                   deterministic=a.deterministic, queries=rows,
-                   heads=x["heads"], keys=a.keys,
-                   query_block=a.query_block, indexer_block=a.indexer_block,
-                   index_violations=violations, mean_selected=kept, best=best,
-                   last_indexer_block=split, gradients_repeat_bitwise=repeat_equal,
-                   first_ms=results[0]["step_ms_full_recompute"])
-    log("summary " + json.dumps(summary))
+    cp_rows = rows * TP if a.split == "sequence" else rows
+    gemms = projection_gemms(cp_rows, rows)
+    a2a = all_to_all_model(cp_rows, a.split, load_recipe(RECIPE, []).recipe.cluster.intra_node)
+    summaries = [run_kernel(x, a, name, gemms, a2a) for name in names]
+    for summary in summaries:
+        log("summary " + json.dumps(summary))
+    print(stage_table(summaries), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump(summaries[0] if len(summaries) == 1 else {"runs": summaries}, f, indent=1)
 
 
 if __name__ == "__main__":

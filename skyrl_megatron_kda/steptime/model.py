@@ -234,8 +234,9 @@ def dsa_rate_kernel(recipe: Recipe) -> str:
 def dsa_part(recipe: Recipe) -> Part:
     """The DSA layers: the attention core (``dsa_core_s``), the MLA projections (the rank's
     projection weights over its CP rank's rows: forward in each pass, backward 2x), and the
-    sequence split's collectives: q in and the output back by all-to-all inside TP, the KV
-    latent gathered over TP and CP."""
+    collectives: q in and the output back by all-to-all inside TP (the sequence split), the KV
+    latent gathered over TP and CP, and under SP the input rows gathered over TP before the
+    projections and the output reduce-scattered after them (as every TP layer)."""
     m, p, a = recipe.model, recipe.parallel, recipe.model.dsa
     n = m.layer_types().count("dsa")
     if n == 0:
@@ -259,7 +260,10 @@ def dsa_part(recipe: Recipe) -> Part:
         comm += (passes + 1) * _seconds(rows.cp * latent * (p.tp - 1) / p.tp, tp_link)
     if p.cp > 1:
         comm += (passes + 1) * _seconds(rows.whole * latent * (p.cp - 1) / p.cp, cp_link)
-    return Part("DSA attention", n, n * compute, n * comm, "all-to-alls inside TP; KV latent gathered over TP and CP")
+    if p.tp > 1 and p.sequence_parallel:  # the SP gather before the projections, the reduce-scatter after
+        comm += (passes + 1) * 2 * _seconds(rows.cp * m.hidden_size * e * (p.tp - 1) / p.tp, tp_link)
+    return Part("DSA attention", n, n * compute, n * comm,
+                "all-to-alls inside TP; KV latent gathered over TP and CP; SP gather + reduce-scatter in TP")
 
 
 def moe_pairs(recipe: Recipe) -> float:

@@ -1,0 +1,121 @@
+"""``bench/dsa_rank_share.py``'s arithmetic on CPU: the module loads without CUDA or tilelang, its
+projection GEMMs are the layer's at the 1M share, and its FLOP, byte and step counts agree with
+counts made here by hand; the projection stage runs on tiny shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from skyrl_megatron_kda.recipes import load_recipe
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "dsa_rank_share.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("dsa_rank_share", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+# Distinct widths, so a GEMM that reads the wrong one shows.
+TINY = dict(hidden=8, q_lora=6, kv_lora=4, heads=4, qk=3, v=5, idx_heads=2, idx_dim=3, tp=2)
+
+
+def test_sizes_are_the_recipes(bench):
+    recipe = load_recipe("glm53_flash_1m", []).recipe
+    m, d, p = recipe.model, recipe.model.dsa, recipe.parallel
+    assert bench.MLASizes() == bench.MLASizes(
+        hidden=m.hidden_size, q_lora=d.q_lora_rank, kv_lora=d.kv_lora_rank, heads=d.num_heads,
+        qk=d.qk_nope_head_dim + d.qk_rope_head_dim, v=d.v_head_dim, idx_heads=d.index_num_heads,
+        idx_dim=d.index_head_dim, tp=p.tp)
+
+
+def test_projection_gemms_at_the_share(bench):
+    """The sequence split's rank: its CP rank's 524,288 rows, its own 65,536 for the indexer."""
+    shapes = [(g.name, g.rows, g.fan_in, g.fan_out, g.trainable)
+              for g in bench.projection_gemms(524288, 65536)]
+    assert shapes == [
+        ("q_down", 524288, 4096, 192, True),
+        ("kv_down", 524288, 4096, 64, True),
+        ("q_up", 524288, 1536, 2048, True),
+        ("indexer_wq_b", 65536, 1536, 4096, False),
+        ("indexer_wk", 65536, 4096, 128, False),
+        ("indexer_kpool_gate", 65536, 4096, 128, False),
+        ("indexer_weights", 65536, 4096, 32, False),
+        ("out", 524288, 2048, 4096, True),
+    ]
+
+
+def test_projection_flops_by_hand(bench):
+    gemms = bench.projection_gemms(10, 5, bench.MLASizes(**TINY))
+    # 2 x rows x in x out: q down 10x8x3, kv down 10x8x2, q up 10x6x(2 heads x 3), out 10x(2 x 5)x8
+    trainable = 2 * (10 * 8 * 3 + 10 * 8 * 2 + 10 * 6 * 6 + 10 * 10 * 8)
+    # wq_b 5x6x(2 x 3), wk 5x8x3, kpool gate 5x8x3, head weights 5x8x2
+    frozen = 2 * (5 * 6 * 6 + 5 * 8 * 3 + 5 * 8 * 3 + 5 * 8 * 2)
+    assert (trainable, frozen) == (3120, 1000)
+    flops = bench.stage_flops((7.0, 11.0), 13.0, gemms)
+    assert flops["proj_fwd_ms"] == trainable
+    assert flops["proj_bwd_ms"] == 2 * trainable
+    assert flops["indexer_proj_ms"] == frozen
+    assert flops["projections_step_ms"] == 4 * trainable + frozen
+    assert flops["step_ms_full_recompute"] == 13 + 2 * 7 + 11
+    assert flops["layer_step_ms"] == 13 + 2 * 7 + 11 + 4 * trainable + frozen
+
+
+def test_projection_stage_runs_on_cpu(bench):
+    gemms = bench.projection_gemms(10, 5, bench.MLASizes(**TINY))
+    times = bench.time_projections(gemms, torch.device("cpu"))
+    assert set(times) == {"proj_fwd_ms", "proj_bwd_ms", "indexer_proj_ms"}
+    assert all(t > 0 for t in times.values()), times
+
+
+def test_all_to_all_bytes_and_model(bench):
+    # 7/8 of 524,288 rows x 8 heads x 256 x 2 bytes (2 GiB) leave the rank: 1.75 GiB.
+    assert bench.a2a_bytes(524288, 256) == 1.75 * 2**30
+    # At 1.75 GiB/s and 1 ms each, six all-to-alls (queries and output; 2 forwards, 1 backward).
+    link = SimpleNamespace(a2a_bandwidth_gib_s=1.75, latency_us=1000.0)
+    model = bench.all_to_all_model(524288, "sequence", link)
+    assert model["all_to_all_model_ms"] == pytest.approx(6 * 1001.0)
+    assert model["all_to_all_gib"] == pytest.approx(6 * 1.75)
+    assert bench.all_to_all_model(524288, "heads", link) == dict(all_to_all_model_ms=0.0,
+                                                                 all_to_all_gib=0.0)
+    nvlink = load_recipe("glm53_flash_1m", []).recipe.cluster.intra_node
+    assert bench.all_to_all_model(524288, "sequence", nvlink)["all_to_all_model_ms"] == (
+        pytest.approx(6 * (1.75 / nvlink.a2a_bandwidth_gib_s + nvlink.latency_us * 1e-6) * 1e3))
+
+
+def test_attention_and_indexer_flops(bench):
+    # 3 queries x 2 heads x 10 keys: 2 x 60 x (576 + 512) forward, 2 x 60 x (1024 + 1728) backward
+    assert bench.attention_flops(3, 2, 10.0) == (120 * 1088, 120 * 2752)
+    # Positions 2, 3, 10, 11 see 0, 1, 2 and 3 complete pools of 4: 6 (query, pool) pairs.
+    pos = torch.tensor([2, 3, 10, 11])
+    assert bench.indexer_score_flops(pos) == 6 * 2 * 32 * 128
+
+
+def test_layer_step_sums_the_stages(bench):
+    core = dict(step_ms_full_recompute=100.0)
+    proj = dict(proj_fwd_ms=2.0, proj_bwd_ms=3.0, indexer_proj_ms=1.0)
+    step = bench.layer_step(core, proj, dict(all_to_all_model_ms=5.0))
+    assert step == dict(projections_step_ms=8.0, layer_step_ms=113.0)
+
+
+def test_stage_table_compares_kernel_sets(bench):
+    keys = [key for _, key in bench.STAGES]
+    runs = [dict(kernel=k, best={key: ms for key in keys},
+                 tflop_s={key: 2.0 for key in keys if key != "all_to_all_model_ms"})
+            for k, ms in (("latent", 100.0), ("fused", 150.0))]
+    lines = bench.stage_table(runs).splitlines()
+    assert len(lines) == 1 + len(bench.STAGES) and "fused/latent" in lines[0]
+    assert lines[1].split()[-5:] == ["100.0", "2.0", "150.0", "2.0", "1.500"]
+    a2a = next(line for line in lines if line.startswith("all-to-all"))
+    assert a2a.split()[-5:] == ["100.0", "-", "150.0", "-", "1.500"]
