@@ -90,9 +90,22 @@ def _check_exchange(recipe: MeshRecipe) -> None:
                          + "; ".join(f"{n}: {why}" for n, why in refusals.items()))
 
 
+KERNEL_SETTINGS = (
+    ("model.dsa.keep_attention_output=true", lambda dsa: dsa.keep_attention_output,
+     "keeps_output", "has no kernel output to keep (set it false)"),
+    ("model.dsa.indexer_scores=fp8", lambda dsa: dsa.indexer_scores == "fp8",
+     "scores_in_fp8", "scores in its inputs' precision (set it bf16)"),
+    ("model.dsa.deterministic_backward=true", lambda dsa: dsa.deterministic_backward,
+     "orders_latent_gradient", "adds its latent gradient in no fixed order (set it false)"),
+)
+"""The ``model.dsa`` settings only some kernels offer: (the setting as a recipe writes it,
+whether ``model.dsa`` uses it, the ``DSAKernel`` flag that offers it, why a kernel without it
+refuses)."""
+
+
 def check_dsa(dsa: DSAConfig) -> DSAConfig:
-    """``dsa`` if its kernel is registered (or ``auto``) and can run its ``tp_split``, else the
-    ``ValueError`` naming the setting."""
+    """``dsa`` if its kernel is registered (or ``auto``) and can run its ``tp_split`` and the
+    ``KERNEL_SETTINGS`` it uses, else the ``ValueError`` naming the setting."""
     name = dsa_kernels.REGISTRY.check(dsa.kernel)
     if dsa.tp_split == "sequence" and name != AUTO and not dsa_kernels.get(name).splits_rows:
         splitting = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.splits_rows]
@@ -100,22 +113,11 @@ def check_dsa(dsa: DSAConfig) -> DSAConfig:
         raise ValueError(f"model.dsa.tp_split=sequence needs model.dsa.kernel "
                          f"{names}: the {name} kernel attends with "
                          "whole-sequence keys per head")
-    if dsa.keep_attention_output and name != AUTO and not dsa_kernels.get(name).keeps_output:
-        keeping = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.keeps_output]
-        raise ValueError(f"model.dsa.keep_attention_output=true needs model.dsa.kernel "
-                         f"{' or '.join(keeping)}: the {name} kernel has no kernel output to keep "
-                         "(set it false)")
-    if dsa.indexer_scores == "fp8" and name != AUTO and not dsa_kernels.get(name).scores_in_fp8:
-        fp8 = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.scores_in_fp8]
-        raise ValueError(f"model.dsa.indexer_scores=fp8 needs model.dsa.kernel "
-                         f"{' or '.join(fp8)}: the {name} kernel scores in its inputs' precision "
-                         "(set it bf16)")
-    if (dsa.deterministic_backward and name != AUTO
-            and not dsa_kernels.get(name).orders_latent_gradient):
-        ordering = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.orders_latent_gradient]
-        raise ValueError(f"model.dsa.deterministic_backward=true needs model.dsa.kernel "
-                         f"{' or '.join(ordering)}: the {name} kernel adds its latent gradient "
-                         "in no fixed order (set it false)")
+    for setting, used, capability, why_not in KERNEL_SETTINGS:
+        if used(dsa) and name != AUTO and not getattr(dsa_kernels.get(name), capability):
+            able = [n for n, cls in dsa_kernels.REGISTRY.items() if getattr(cls, capability)]
+            raise ValueError(f"{setting} needs model.dsa.kernel {' or '.join(able)}: the {name} "
+                             f"kernel {why_not}")
     return dsa
 
 

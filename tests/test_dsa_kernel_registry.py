@@ -225,21 +225,36 @@ def test_gpu_layer_matches_the_torch_layer(gpu_kernel, torch_selection):
     assert result["same_tokens"] > 0.97, result
 
 
-@pytest.mark.parametrize("kernel, refused", [("torch", True), ("unfused", True), ("fused", False),
-                                             ("latent", False)])
-def test_keeping_the_attention_output_needs_a_kernel_with_one(kernel, refused):
-    """model.dsa.keep_attention_output applies to the kernels whose backward can read a kept
-    output (fused, latent); elsewhere it is refused by name, not ignored."""
+SETTINGS_OF_SOME_KERNELS = {
+    # setting: (its value, the kernels that offer it)
+    "keep_attention_output": (True, ("latent", "fused")),
+    "indexer_scores": ("fp8", ("latent", "fused")),
+    "deterministic_backward": (True, ("latent",)),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS_OF_SOME_KERNELS))
+@pytest.mark.parametrize("kernel", ["torch", "unfused", "fused", "latent"])
+def test_a_setting_of_some_kernels_is_refused_by_the_others(setting, kernel):
+    """model.dsa.keep_attention_output (a backward that can read a kept output),
+    indexer_scores=fp8 (an FP8 score kernel) and deterministic_backward (a latent gradient summed
+    in a fixed order) apply to the kernels that offer them, which are built with them; elsewhere
+    each is refused by name, not ignored."""
+    from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
     from skyrl_megatron_kda.recipe_rules import check_dsa
 
-    dsa = DSAConfig(kernel=kernel, keep_attention_output=True,
+    value, offering = SETTINGS_OF_SOME_KERNELS[setting]
+    dsa = DSAConfig(kernel=kernel, **{setting: value},
                     tp_split="heads" if kernel == "unfused" else "sequence")
-    if refused:
-        with pytest.raises(ValueError, match=f"keep_attention_output=true needs model.dsa.kernel "
-                                             f"latent or fused: the {kernel} kernel"):
+    if kernel not in offering:
+        written = str(value).lower()
+        with pytest.raises(ValueError, match=f"{setting}={written} needs model.dsa.kernel "
+                                             f"{' or '.join(offering)}: the {kernel} kernel"):
             check_dsa(dsa)
     else:
         assert check_dsa(dsa) is dsa
+        if setting == "indexer_scores":
+            assert FusedKernel.kernel_options(dsa)["indexer_scores"] == "fp8"
 
 
 def test_auto_is_refused_where_it_picks_a_kernel_that_keeps_no_output():
@@ -252,23 +267,6 @@ def test_auto_is_refused_where_it_picks_a_kernel_that_keeps_no_output():
                                          r"model.dsa.keep_attention_output=true needs"):
         load_recipe("glm53_flash_tiny", ["model.dsa.keep_attention_output=true"])
     assert load_recipe("glm53_flash_tiny", []).recipe.model.dsa.kernel == "torch"
-
-
-@pytest.mark.parametrize("kernel, refused", [("torch", True), ("unfused", True), ("fused", True),
-                                             ("latent", False)])
-def test_a_deterministic_backward_needs_a_kernel_that_orders_it(kernel, refused):
-    """model.dsa.deterministic_backward applies to the kernel whose backward can sum the latent
-    gradient in a fixed order (latent); elsewhere it is refused by name, not ignored."""
-    from skyrl_megatron_kda.recipe_rules import check_dsa
-
-    dsa = DSAConfig(kernel=kernel, deterministic_backward=True,
-                    tp_split="heads" if kernel == "unfused" else "sequence")
-    if refused:
-        with pytest.raises(ValueError, match=f"deterministic_backward=true needs model.dsa.kernel "
-                                             f"latent: the {kernel} kernel"):
-            check_dsa(dsa)
-    else:
-        assert check_dsa(dsa) is dsa
 
 
 def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeypatch):
@@ -296,22 +294,3 @@ def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeyp
     assert sets[True]["attention backward"] - sets[False]["attention backward"] == (
         1024 * 2080 * (512 * 4 + 44))
     assert sets[True]["attention forward"] == sets[False]["attention forward"]
-
-
-@pytest.mark.parametrize("kernel, refused", [("torch", True), ("unfused", True), ("fused", False),
-                                             ("latent", False)])
-def test_fp8_indexer_scores_need_a_kernel_with_them(kernel, refused):
-    """model.dsa.indexer_scores=fp8 applies to the kernels with the Triton score kernel (fused,
-    latent), which are then built with it; elsewhere it is refused by name, not ignored."""
-    from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
-    from skyrl_megatron_kda.recipe_rules import check_dsa
-
-    dsa = DSAConfig(kernel=kernel, indexer_scores="fp8",
-                    tp_split="heads" if kernel == "unfused" else "sequence")
-    if refused:
-        with pytest.raises(ValueError, match=f"indexer_scores=fp8 needs model.dsa.kernel "
-                                             f"latent or fused: the {kernel} kernel"):
-            check_dsa(dsa)
-    else:
-        assert check_dsa(dsa) is dsa
-        assert FusedKernel.kernel_options(dsa)["indexer_scores"] == "fp8"

@@ -104,7 +104,7 @@ def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: 
     if n == 0 or keys.shape[0] == 0:
         return out, maxima
     grid = (triton.cdiv(n, query_tile), triton.cdiv(keys.shape[0], pool_tile))
-    scaled = key_scales is not None
+    scaled = key_scales is not None  # unscaled: the kernel never reads its scale pointer
     _pool_scores[grid](q.contiguous(), keys.contiguous(), weights.float().contiguous(),
                        ks.contiguous(), ke.contiguous(),
                        key_scales.float().contiguous() if scaled else out, out, maxima, n,

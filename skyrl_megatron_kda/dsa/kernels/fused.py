@@ -39,8 +39,8 @@ class FusedKernel(AbsorbedKernel):
         super().__init__(dsa)
         self.kernels = type(self).load_kernels(**self.kernel_options(dsa))
 
-    @staticmethod
-    def kernel_options(dsa) -> dict:
+    @classmethod
+    def kernel_options(cls, dsa) -> dict:
         """What ``load_kernels`` takes from the recipe's ``model.dsa``."""
         return {"indexer_scores": dsa.indexer_scores}
 

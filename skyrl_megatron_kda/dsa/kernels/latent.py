@@ -25,9 +25,9 @@ class LatentKernel(FusedKernel):
     orders_latent_gradient = True
     masks_empty_queries = False  # the kernels give 0 themselves (zero_without_keys)
 
-    @staticmethod
-    def kernel_options(dsa) -> dict:
-        return {**FusedKernel.kernel_options(dsa), "ordered": dsa.deterministic_backward}
+    @classmethod
+    def kernel_options(cls, dsa) -> dict:
+        return {**super().kernel_options(dsa), "ordered": dsa.deterministic_backward}
 
     @classmethod
     def working_sets(cls, shape: DSAShape) -> dict[str, int]:
