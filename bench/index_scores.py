@@ -20,9 +20,10 @@ import json
 
 import torch
 
-from skyrl_megatron_kda.dsa.index_scores import INDEXER_SCORES, TILES, pool_scores
+from skyrl_megatron_kda.dsa.index_scores import FP8_TILES, INDEXER_SCORES, TILES, pool_scores
 
 HEADS, DIM, POOLS, TOPK_POOLS = 32, 128, 262144, 512
+DEFAULTS = {"bf16": TILES, "fp8": FP8_TILES}
 
 
 def timed(fn, repeats: int = 3) -> tuple[torch.Tensor, float]:
@@ -56,8 +57,7 @@ def main() -> None:
     rows = []
     for precision in a.precision.split(","):
         scorer = INDEXER_SCORES[precision]
-        # 4 warps and 64-pool tiles ran at 0.3-0.5x of the default on an H200 (bench/results).
-        for tiles in itertools.product((64, 128), (128, 256), (8,), (2, 3)):
+        for tiles in itertools.product((2, 4, 8), (64, 128), (4, 8), (3,)):
             try:
                 scorer(q, keys, w, ks, ke, tiles)  # compiles
                 (out, _), ms = timed(lambda: scorer(q, keys, w, ks, ke, tiles))
@@ -71,7 +71,7 @@ def main() -> None:
                              rel_vs_bf16_default=float((out - ref).norm() / ref.norm()),
                              same_picks_as_bf16=float((ref_picks.gather(-1, same) == picks)
                                                       .float().mean()),
-                             default=tiles == TILES))
+                             default=tiles == DEFAULTS[precision]))
             print(json.dumps(rows[-1]), flush=True)
     per = {}
     for precision in a.precision.split(","):

@@ -375,16 +375,21 @@ def _fp8_errors(q, keys, w, ks, ke, **tiles):
             "scales_moved": rel(scores(k8.double() * k_scale.roll(1)[:, None]))}
 
 
-def test_fp8_pool_scores_equal_their_dequantised_inputs_interpreted():
-    """model.dsa.indexer_scores=fp8 under Triton's CPU interpreter: the kernel's scores with the
-    query heads' scales folded into the weights and the pools' applied after the relu equal the
+@pytest.mark.parametrize("heads, tiles", [(4, (32, 64, 4, 1)), (3, (4, 64, 4, 2))])
+def test_fp8_pool_scores_equal_their_dequantised_inputs_interpreted(heads, tiles):
+    """model.dsa.indexer_scores=fp8 under Triton's CPU interpreter (which runs FP8 products but
+    not bf16 ones: the bf16 kernel is checked on the GPU): the kernel's scores with the query
+    heads' scales folded into the weights and the pools' applied after the relu equal the
     fp64 scores of the dequantised FP8 inputs (1e-5), differ from the exact bf16 scores by
-    FP8's rounding (a few percent), and a pool scale applied to the wrong pool is caught."""
+    FP8's rounding (a few percent), and a pool scale applied to the wrong pool is caught. Also
+    with 3 heads (padded to 4 columns per query), 4 queries per program (70 queries: a partial
+    last program) and partial visible ranges."""
     code = (
         "import json, torch\n"
         "from tests.test_fused_sparse_mla import _fp8_case, _fp8_errors\n"
         "gen = torch.Generator().manual_seed(7)\n"
-        "print(json.dumps(_fp8_errors(*_fp8_case(gen, 70, 300), tiles=(32, 64, 4, 1))))\n")
+        f"print(json.dumps(_fp8_errors(*_fp8_case(gen, 70, 300, heads={heads}), "
+        f"tiles={tiles})))\n")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, cwd=REPO).stdout.strip().splitlines()[-1]

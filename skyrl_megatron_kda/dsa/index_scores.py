@@ -2,20 +2,25 @@
 
 For queries q [n, heads, d] with head weights w [n, heads] and pooled keys k [P, d], the score of
 pool p for query i is ``sum_h w[i, h] * relu(q[i, h] . k[p])``; pools outside the query's visible
-range [ks[i], ke[i]) score -inf. A kernel program takes a tile of queries x pools, loops over the
-heads with one bf16 tensor-core product each, and accumulates the weighted relu in fp32 on chip,
-so the [queries x heads x pools] products are never written; tiles that no query of the tile can
-see only write -inf. Each program also writes the maxima of its rows over groups of ``GROUP``
-pools (``threshold_topk`` takes its exact top-k's floor from them, so the scores are not read
-again for it).
+range [ks[i], ke[i]) score -inf. A kernel program holds a few queries' heads (QT x heads rows of
+q) in shared memory and walks the pools their ranges cover, PT at a time (loads pipelined): one
+tensor-core product [PT pools x d] @ [d x QT * heads] per step puts the heads along the
+product's columns, so the relu, the weight and the sum over a query's heads stay in the
+registers of the threads that hold those columns (a few shuffles, no shared memory), and the
+[queries x heads x pools] products are never written. Pools outside the walk only get -inf
+written. Each program also writes the maxima of its rows over groups of ``GROUP`` pools
+(``threshold_topk`` takes its exact top-k's floor from them, so the scores are not read again
+for it). An earlier layout (64 queries x 128 pools per program, one product per head with the
+head sum across rows) re-read every query head for each pool tile and ran 1.13x (bf16) and
+1.19x (FP8) slower on an H200 (bench/results/h200_index_scores).
 
 megatron-core 0.19.2 has the same computation as a TileLang kernel (``indexer_fwd_interface``);
 on one H200 it took 51.0 ms per 1,024 queries over 262,144 pools (about 43 TFLOP/s: its programs
 cover 4 queries each and write their scores one by one), which made the indexer 87% of a DSA
-layer's step at 1M tokens. This kernel took 5.6 ms on the same block, equal to megatron's to
-7.7e-8 relative (docs/benchmarks.md). It has the same contract
+layer's step at 1M tokens. Our first layout took 5.6 ms on the same block, equal to megatron's
+to 7.7e-8 relative (docs/benchmarks.md); this one 4.7 ms. It has the same contract
 (``fused_sparse_mla.DSAKernels.index_scores``) and is tested against an fp32 torch reference on
-the GPU (tests/test_fused_sparse_mla.py).
+the GPU, its FP8 form also under Triton's CPU interpreter (tests/test_fused_sparse_mla.py).
 
 ``fp8_pool_scores`` (``model.dsa.indexer_scores=fp8``) runs the same kernel on FP8 (e4m3)
 products, as DeepSeek-V3.2's lightning indexer does: each query head and each pool are scaled
@@ -33,8 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-TILES = (64, 128, 8, 2)
-"""Queries and pools per program, its warps and pipeline stages."""
+TILES = (4, 64, 4, 3)
+"""Queries per program, pools per step of its loop, its warps and pipeline stages (bf16): the
+fastest of ``bench/index_scores.py``'s sweep on an H200 (bench/results/h200_index_scores)."""
+FP8_TILES = (4, 128, 4, 3)
+"""The same for FP8 products (twice the pools per step for the same bytes)."""
 GROUP = 32
 """Pools per maximum written beside the scores (a divisor of every tile's pool count)."""
 FP8 = torch.float8_e4m3fn
@@ -42,37 +50,60 @@ FP8_MAX = torch.finfo(FP8).max
 
 
 @triton.jit
-def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, kscale_ptr, out_ptr, max_ptr, n_queries,
-                 n_pools, n_groups, HEADS: tl.constexpr, DIM: tl.constexpr, QT: tl.constexpr,
-                 PT: tl.constexpr, GROUP: tl.constexpr, KEY_SCALES: tl.constexpr):
-    rows = tl.program_id(0) * QT + tl.arange(0, QT)
-    cols = tl.program_id(1) * PT + tl.arange(0, PT)
+def _store_scores(out_ptr, max_ptr, rows, row_ok, p0, scores, n_pools, n_groups,
+                  PT: tl.constexpr, QT: tl.constexpr, GROUP: tl.constexpr):
+    """Write the scores of pools p0 .. p0 + PT for the queries ``rows`` ([PT, QT]) to out [n, P]
+    and their maxima over groups of GROUP pools."""
+    pools = p0 + tl.arange(0, PT)
+    pool_ok = pools < n_pools
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * n_pools + pools[:, None], scores,
+             mask=row_ok[None, :] & pool_ok[:, None])
+    groups = p0 // GROUP + tl.arange(0, PT // GROUP)
+    group_max = tl.max(tl.reshape(scores, (PT // GROUP, GROUP, QT)), axis=1)
+    tl.store(max_ptr + rows[None, :].to(tl.int64) * n_groups + groups[:, None], group_max,
+             mask=row_ok[None, :] & (groups < n_groups)[:, None])
+
+
+@triton.jit
+def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, kscale_ptr, out_ptr, max_ptr,
+                       n_queries, n_pools, n_groups, HEADS: tl.constexpr, HP: tl.constexpr,
+                       DIM: tl.constexpr, QT: tl.constexpr, PT: tl.constexpr,
+                       STAGES: tl.constexpr, GROUP: tl.constexpr, KEY_SCALES: tl.constexpr):
+    first = tl.program_id(0) * QT
+    rows = first + tl.arange(0, QT)
     row_ok = rows < n_queries
     ks = tl.load(ks_ptr + rows, mask=row_ok, other=2147483647)
     ke = tl.load(ke_ptr + rows, mask=row_ok, other=0)
-    acc = tl.zeros((QT, PT), dtype=tl.float32)
-    first_col = tl.program_id(1) * PT
-    # Skip the products when no query of the tile sees any pool of it (causal tiles).
-    if (first_col < tl.max(ke, axis=0)) & (first_col + PT > tl.min(ks, axis=0)):
-        dims = tl.arange(0, DIM)
-        k = tl.load(k_ptr + cols[:, None] * DIM + dims[None, :], mask=(cols < n_pools)[:, None],
-                    other=0.0)
-        for h in tl.static_range(HEADS):
-            q = tl.load(q_ptr + (rows[:, None] * HEADS + h) * DIM + dims[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptr + rows * HEADS + h, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k))
-            acc += tl.maximum(s, 0.0) * w[:, None]
+    # The program's queries' heads are the product's columns (HP: heads padded to a power of
+    # two), so summing a query's heads adds columns each thread holds: no shared memory.
+    col = tl.arange(0, QT * HP)
+    query, head = first + col // HP, col % HP
+    col_ok = (query < n_queries) & (head < HEADS)
+    pair = query.to(tl.int64) * HEADS + head
+    dims = tl.arange(0, DIM)
+    q = tl.load(q_ptr + pair[:, None] * DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+    w = tl.load(w_ptr + pair, mask=col_ok, other=0.0)
+    lo = tl.min(ks, axis=0) // PT * PT
+    hi = tl.cdiv(tl.max(ke, axis=0), PT) * PT
+    lo = tl.minimum(lo, hi)
+    hidden = tl.full((PT, QT), float("-inf"), tl.float32)
+    for p0 in range(0, lo, PT):
+        _store_scores(out_ptr, max_ptr, rows, row_ok, p0, hidden, n_pools,
+                      n_groups, PT, QT, GROUP)
+    for p0 in tl.range(lo, hi, PT, num_stages=STAGES):
+        pools = p0 + tl.arange(0, PT)
+        k = tl.load(k_ptr + pools[:, None].to(tl.int64) * DIM + dims[None, :],
+                    mask=(pools < n_pools)[:, None], other=0.0)
+        s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+        scores = tl.sum(tl.reshape(s, (PT, QT, HP)), axis=2)
         if KEY_SCALES:
-            acc *= tl.load(kscale_ptr + cols, mask=cols < n_pools, other=0.0)[None, :]
-    visible = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
-    acc = tl.where(visible, acc, float("-inf"))
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * n_pools + cols[None, :], acc,
-             mask=row_ok[:, None] & (cols < n_pools)[None, :])
-    groups = tl.program_id(1) * (PT // GROUP) + tl.arange(0, PT // GROUP)
-    group_max = tl.max(tl.reshape(acc, (QT, PT // GROUP, GROUP)), axis=2)
-    tl.store(max_ptr + rows[:, None].to(tl.int64) * n_groups + groups[None, :], group_max,
-             mask=row_ok[:, None] & (groups < n_groups)[None, :])
+            scores *= tl.load(kscale_ptr + pools, mask=pools < n_pools, other=0.0)[:, None]
+        visible = (pools[:, None] >= ks[None, :]) & (pools[:, None] < ke[None, :])
+        _store_scores(out_ptr, max_ptr, rows, row_ok, p0,
+                      tl.where(visible, scores, float("-inf")), n_pools, n_groups, PT, QT, GROUP)
+    for p0 in range(hi, n_pools, PT):
+        _store_scores(out_ptr, max_ptr, rows, row_ok, p0, hidden, n_pools,
+                      n_groups, PT, QT, GROUP)
 
 
 def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor,
@@ -103,14 +134,13 @@ def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: 
     maxima = torch.empty(n, -(-keys.shape[0] // group), dtype=torch.float32, device=q.device)
     if n == 0 or keys.shape[0] == 0:
         return out, maxima
-    grid = (triton.cdiv(n, query_tile), triton.cdiv(keys.shape[0], pool_tile))
     scaled = key_scales is not None  # unscaled: the kernel never reads its scale pointer
-    _pool_scores[grid](q.contiguous(), keys.contiguous(), weights.float().contiguous(),
-                       ks.contiguous(), ke.contiguous(),
-                       key_scales.float().contiguous() if scaled else out, out, maxima, n,
-                       keys.shape[0], maxima.shape[1], HEADS=heads, DIM=dim, QT=query_tile,
-                       PT=pool_tile, GROUP=group, KEY_SCALES=scaled, num_warps=warps,
-                       num_stages=stages)
+    _pool_scores[(triton.cdiv(n, query_tile),)](
+        q.contiguous(), keys.contiguous(), weights.float().contiguous(), ks.contiguous(),
+        ke.contiguous(), key_scales.float().contiguous() if scaled else out, out, maxima, n,
+        keys.shape[0], maxima.shape[1], HEADS=heads, HP=triton.next_power_of_2(heads), DIM=dim,
+        QT=query_tile, PT=pool_tile, STAGES=stages, GROUP=group, KEY_SCALES=scaled,
+        num_warps=warps)
     return out, maxima
 
 
@@ -123,8 +153,9 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
-                    ks: torch.Tensor, ke: torch.Tensor, tiles: tuple[int, int, int, int] = TILES,
-                    group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+                    ks: torch.Tensor, ke: torch.Tensor,
+                    tiles: tuple[int, int, int, int] = FP8_TILES, group: int = GROUP
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pool_scores`` on FP8 products (the module docstring): each query head's scale goes into
     its weight, each pool's multiplies its score."""
     q8, q_scale = fp8_rows(q)

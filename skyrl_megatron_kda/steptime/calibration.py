@@ -21,10 +21,11 @@ DSA_SHARE_QUERIES = 65536
 DSA_SHARE_VISIBLE_POOLS = (1048576 - 65536 / 2) / 4
 """Pools a query of that share sees on average: its position / 4."""
 
-DSA_INDEXER_S_PER_SCORE_DIM = 458.9021829999922e-3 / (DSA_SHARE_QUERIES * DSA_SHARE_VISIBLE_POOLS * 32 * 128)
+DSA_INDEXER_S_PER_SCORE_DIM = 394.4500519999963e-3 / (DSA_SHARE_QUERIES * DSA_SHARE_VISIBLE_POOLS * 32 * 128)
 """The indexer (pool scores, the floor's exact top-k, token indices) per query x visible pool x
-indexer head x head dim: 459 ms there (about 303 TFLOP/s counting the score GEMM's
-multiply-adds); the same for ``latent`` and ``fused``, which share it."""
+indexer head x head dim: 394 ms at that share in bench/results/h200_index_scores/
+dsa_layer_latent_fused.json (the ``latent`` run's ``best``; about 353 TFLOP/s counting the score
+GEMM's multiply-adds); the same for ``latent`` and ``fused``, which share it."""
 
 DSA_SELECTED_PER_TOPK = 2049.5 / 2048
 """Tokens selected per query against min(top-k, the query's prefix): the kernel's pools round
@@ -45,25 +46,24 @@ DSA_ATTENTION_S = {
 the kernel forward again."""
 
 DSA_KEPT_OUTPUT_S = {
-    # bench/results/h200_threshold_topk/dsa_latent_keep.json (``best``): forward 80.0 ms,
-    # backward 302.7 ms (the weight gradients' GEMMs on bf16 operands, the latent gradient added
-    # in place; 391.8 ms before them, h200_dsa_keep_output/dsa_latentkeepoutput.json).
-    "latent": (80.02842499999474e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
-               302.65447900001163e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
-    # bench/results/h200_threshold_topk/dsa_fused_keep.json (``best``, the same call): forward
-    # 85.4 ms, backward 724.4 ms.
-    "fused": (85.44811100000516e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
-              724.3597639999848e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    # bench/results/h200_index_scores/dsa_layer_latent_fused.json (each run's ``best``, one call):
+    # ``latent`` forward 73.8 ms, backward 300.1 ms; ``fused`` 84.9 and 724.3 ms.
+    "latent": (73.8329119999861e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+               300.10797400001366e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    "fused": (84.92471200000296e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+              724.3288930000062e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
 }
 """``DSA_ATTENTION_S`` under ``model.dsa.keep_attention_output``: the forward keeps its output
 and log-sum-exp, and the backward reads them instead of running the kernel forward again."""
 
+# bench/results/h200_index_scores/ (``best`` of each, the same share, output kept, our kernels,
+# two consecutive calls on one machine): dsa_layer_latent_fused.json's ``latent`` run (bf16
+# scores) and dsa_layer_latent_fp8.json (FP8 scores).
+DSA_FP8_INDEXER_SHARE = 362.2280840000087 / 394.4500519999963
+"""The indexer's time under ``model.dsa.indexer_scores=fp8`` against bf16 (0.92)."""
 # bench/results/h200_dsa_ordered_fp8/ (``best`` of each, one device call, the same share, output
-# kept, our kernels): dsa_latent.json (bf16 scores, the latent gradient added with atomics) and
-# dsa_latent_fp8_det.json (FP8 scores, the ordered latent gradient). Each setting moves one
-# stage: the indexer, or the attention backward.
-DSA_FP8_INDEXER_SHARE = 385.9601189999893 / 475.9405220000019
-"""The indexer's time under ``model.dsa.indexer_scores=fp8`` against bf16 (0.81)."""
+# kept, our kernels): dsa_latent.json (the latent gradient added with atomics) and
+# dsa_latent_fp8_det.json (the ordered latent gradient; FP8 scores, which move only the indexer).
 DSA_ORDERED_BACKWARD_SHARE = 787.5820029999971 / 301.2266100000005
 """The sparse-MLA backward's time under ``model.dsa.deterministic_backward`` against the
 atomic one (2.61)."""
