@@ -61,9 +61,13 @@ as its ms).
 and ``--deterministic`` runs our backward with its latent gradient summed in a fixed order
 (``model.dsa.deterministic_backward``; latent). Each summary says whether the two timed passes
 (the same inputs) gave bitwise-equal gradients (``gradients_repeat_bitwise``).
+``--attention-forward tilelang,flashmla`` runs the latent set once per forward kernel
+(``model.dsa.attention_forward``; flashmla needs vLLM's FlashMLA build), labelled
+``latent+flashmla``.
 
 Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel latent,fused]
                           [--keep-output] [--whole-row-topk] [--indexer-scores fp8] [--deterministic]
+                          [--attention-forward tilelang,flashmla]
 """
 
 from __future__ import annotations
@@ -356,12 +360,15 @@ def layer_step(core: dict, proj: dict, a2a: dict) -> dict:
                 + a2a["all_to_all_model_ms"] + core["step_ms_full_recompute"])
 
 
-def run_kernel(x: dict, a, kernel: str, gemms: list[Gemm], a2a: dict) -> dict:
+def run_kernel(x: dict, a, kernel: str, forward: str, gemms: list[Gemm], a2a: dict) -> dict:
     """``a.iters`` timed iterations (after one that compiles) of the layer's step on one kernel
-    set; its summary, with the best iteration's times and TFLOP/s."""
+    set (``forward``: the latent set's forward kernel); its summary, with the best iteration's
+    times and TFLOP/s."""
     options = {"indexer_scores": a.indexer_scores}
     if a.deterministic:
         options["ordered"] = True
+    if kernel == "latent":
+        options["attention_forward"] = forward
     kernels = ({"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}[kernel](**options)
                if kernel != "torch" else None)
     rows = x["pos"].numel()
@@ -389,7 +396,9 @@ def run_kernel(x: dict, a, kernel: str, gemms: list[Gemm], a2a: dict) -> dict:
     best = min(results[1:], key=lambda r: r["layer_step_ms"]) if a.iters else results[0]
     flops = stage_flops(attention_flops(rows, x["heads"], kept), indexer_score_flops(x["pos"]),
                         gemms)
-    return dict(kernel=kernel, split=a.split, keep_output=a.keep_output,
+    return dict(kernel=kernel, attention_forward=forward,
+                label=kernel if forward == "tilelang" else f"{kernel}+{forward}",
+                split=a.split, keep_output=a.keep_output,
                 whole_row_topk=a.whole_row_topk, indexer_scores=a.indexer_scores,
                 deterministic=a.deterministic, gradients_repeat_bitwise=repeat_equal,
                 queries=rows,
@@ -426,17 +435,17 @@ def core_step(x: dict, a, kernel: str, kernels) -> tuple[dict, torch.Tensor, lis
 def stage_table(summaries: list[dict]) -> str:
     """Each stage's best ms and TFLOP/s per kernel set, and its ms over the first set's."""
     first = summaries[0]
-    head = f"{'stage':<28}" + "".join(f"{s['kernel'] + ' ms':>14}{'TFLOP/s':>9}" for s in summaries)
-    head += "".join(f"{s['kernel'] + '/' + first['kernel']:>16}" for s in summaries[1:])
+    head = f"{'stage':<28}" + "".join(f"{s['label'] + ' ms':>18}{'TFLOP/s':>9}" for s in summaries)
+    head += "".join(f"{s['label'] + '/' + first['label']:>24}" for s in summaries[1:])
     lines = [head]
     for name, key in STAGES:
         line = f"{name:<28}"
         for s in summaries:
             tflops = s["tflop_s"].get(key)
-            line += f"{s['best'][key]:>14.1f}" + (f"{tflops:>9.1f}" if tflops else f"{'-':>9}")
+            line += f"{s['best'][key]:>18.1f}" + (f"{tflops:>9.1f}" if tflops else f"{'-':>9}")
         for s in summaries[1:]:
             base = first["best"][key]
-            line += f"{s['best'][key] / base:>16.3f}" if base else f"{'-':>16}"
+            line += f"{s['best'][key] / base:>24.3f}" if base else f"{'-':>24}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -464,10 +473,19 @@ def main():
                    help="model.dsa.indexer_scores (fused, latent)")
     p.add_argument("--deterministic", action="store_true",
                    help="model.dsa.deterministic_backward (latent)")
+    p.add_argument("--attention-forward", default="tilelang",
+                   help="model.dsa.attention_forward for the latent set: tilelang, flashmla, or "
+                        "a comma list of them to run in turn")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--json", default="")
     a = p.parse_args()
     names = a.kernel.split(",")
+    forwards = a.attention_forward.split(",")
+    if unknown := set(forwards) - {"tilelang", "flashmla"}:
+        p.error(f"--attention-forward {a.attention_forward}: {sorted(unknown)} not among "
+                "tilelang, flashmla")
+    if "flashmla" in forwards and "latent" not in names:
+        p.error("--attention-forward flashmla needs --kernel latent")
     if unknown := set(names) - {"fused", "latent", "torch"}:
         p.error(f"--kernel {a.kernel}: {sorted(unknown)} not among fused, latent, torch")
     if a.whole_row_topk:
@@ -488,7 +506,8 @@ def main():
     cp_rows = rows * TP if a.split == "sequence" else rows
     gemms = projection_gemms(cp_rows, rows)
     a2a = all_to_all_model(cp_rows, a.split, load_recipe(RECIPE, []).recipe.cluster.intra_node)
-    summaries = [run_kernel(x, a, name, gemms, a2a) for name in names]
+    summaries = [run_kernel(x, a, name, forward, gemms, a2a) for name in names
+                 for forward in (forwards if name == "latent" else ["tilelang"])]
     for summary in summaries:
         log("summary " + json.dumps(summary))
     print(stage_table(summaries), flush=True)

@@ -16,7 +16,10 @@ Frobenius error); on a small shape with -1 holes, a query with no key, 8 heads (
 and 64 heads, both against the fp32 torch attention (``sparse_mla.sparse_latent_attention``);
 and whether two backward calls give bitwise equal dkv (fp32 atomics: expected not).
 
-Usage (CUDA + tilelang):  python3 bench/latent_sparse_mla.py [--queries 65536] [--json out.json]
+``--flashmla`` adds FlashMLA's sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
+build) with our backward on its log-sum-exp.
+
+Usage (CUDA + tilelang):  python3 bench/latent_sparse_mla.py [--queries 65536] [--flashmla] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import (
 )
 
 from skyrl_megatron_kda.dsa import latent_sparse_mla as latent
+from skyrl_megatron_kda.dsa.flashmla_forward import flashmla_forward
 from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
 
 HEADS, R, WIDTH, KPOOL, TOPK = 64, 512, 576, 4, 2048
@@ -108,6 +112,18 @@ class Ours:
         return lse
 
 
+class FlashMLAForward(Ours):
+    """FlashMLA's sparse forward (``model.dsa.attention_forward=flashmla``), our backward on its
+    log-sum-exp."""
+
+    def __init__(self, q, kv, idx):
+        super().__init__(q, kv, idx)
+        self.name = "FlashMLA forward (vLLM's build), our backward"
+
+    def forward(self):
+        return flashmla_forward(self.q, self.kv, self.idx, SCALE)
+
+
 def small_checks(dev) -> dict:
     """Ours against the fp32 torch attention with -1 holes and a query with no key."""
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -143,6 +159,8 @@ def main():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--backward-configs", default='[{}, {"num_stages": 1, "store_split": 4}, {"num_stages": 2, "store_split": 4}]',
                    help="JSON list of backward_program keyword sets to time")
+    p.add_argument("--flashmla", action="store_true",
+                   help="also FlashMLA's forward (needs vLLM's FlashMLA build)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -160,7 +178,8 @@ def main():
     bwd_tflop = 2 * HEADS * TOPK * (2 * R + 3 * WIDTH) * a.queries / 1e12
     runs, reference = [], None
     configs = json.loads(a.backward_configs)
-    for impl in [Megatron(q, kv, idx)] + [Ours(q, kv, idx, **c) for c in configs]:
+    impls = [Megatron(q, kv, idx)] + [Ours(q, kv, idx, **c) for c in configs]
+    for impl in impls + ([FlashMLAForward(q, kv, idx)] if a.flashmla else []):
         out, lse = impl.forward()                                   # compiles
         fwd_ms = timed(impl.forward, 0, a.iters)[0]
         dq, dkv = impl.backward(out, lse, grad)                     # compiles

@@ -97,6 +97,8 @@ KERNEL_SETTINGS = (
      "scores_in_fp8", "scores in its inputs' precision (set it bf16)"),
     ("model.dsa.deterministic_backward=true", lambda dsa: dsa.deterministic_backward,
      "orders_latent_gradient", "adds its latent gradient in no fixed order (set it false)"),
+    ("model.dsa.attention_forward=flashmla", lambda dsa: dsa.attention_forward == "flashmla",
+     "forwards_on_flashmla", "runs its own forward kernel (set it tilelang)"),
 )
 """The ``model.dsa`` settings only some kernels offer: (the setting as a recipe writes it,
 whether ``model.dsa`` uses it, the ``DSAKernel`` flag that offers it, why a kernel without it

@@ -230,6 +230,7 @@ SETTINGS_OF_SOME_KERNELS = {
     "keep_attention_output": (True, ("latent", "fused")),
     "indexer_scores": ("fp8", ("latent", "fused")),
     "deterministic_backward": (True, ("latent",)),
+    "attention_forward": ("flashmla", ("latent",)),
 }
 
 
@@ -237,9 +238,10 @@ SETTINGS_OF_SOME_KERNELS = {
 @pytest.mark.parametrize("kernel", ["torch", "unfused", "fused", "latent"])
 def test_a_setting_of_some_kernels_is_refused_by_the_others(setting, kernel):
     """model.dsa.keep_attention_output (a backward that can read a kept output),
-    indexer_scores=fp8 (an FP8 score kernel) and deterministic_backward (a latent gradient summed
-    in a fixed order) apply to the kernels that offer them, which are built with them; elsewhere
-    each is refused by name, not ignored."""
+    indexer_scores=fp8 (an FP8 score kernel), deterministic_backward (a latent gradient summed
+    in a fixed order) and attention_forward=flashmla (FlashMLA's forward) apply to the kernels
+    that offer them, which are built with them; elsewhere each is refused by name, not
+    ignored."""
     from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
     from skyrl_megatron_kda.recipe_rules import check_dsa
 
@@ -281,8 +283,8 @@ def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeyp
     monkeypatch.setattr(LatentKernel, "load_kernels", staticmethod(lambda **kw: seen.append(kw)))
     for on in (False, True):
         LatentKernel(DSAConfig(kernel="latent", deterministic_backward=on))
-    assert seen == [{"indexer_scores": "bf16", "ordered": False},
-                    {"indexer_scores": "bf16", "ordered": True}]
+    assert seen == [{"indexer_scores": "bf16", "ordered": on, "attention_forward": "tilelang"}
+                    for on in (False, True)]
 
     recipe = load_recipe("glm53_flash_1m", []).recipe
     sets = {}
@@ -294,3 +296,30 @@ def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeyp
     assert sets[True]["attention backward"] - sets[False]["attention backward"] == (
         1024 * 2080 * (512 * 4 + 44))
     assert sets[True]["attention forward"] == sets[False]["attention forward"]
+
+
+def test_the_latent_kernel_loads_flashmla_and_plans_its_forward(monkeypatch):
+    """model.dsa.attention_forward=flashmla reaches the latent kernel set, and plan's forward
+    working set grows by what FlashMLA's contract adds per call at the 1M recipe's share: the
+    indices padded to 2,176 instead of 2,112 (int32) with one length per query, the rows' maxima
+    and the log-sum-exp's copy (8,192 queries x 64 heads fp32 each); nothing else moves."""
+    from skyrl_megatron_kda.dsa.kernels.latent import LatentKernel
+    from skyrl_megatron_kda.memory.dsa import dsa_shape
+    from skyrl_megatron_kda.recipes import load_recipe
+
+    seen = []
+    monkeypatch.setattr(LatentKernel, "load_kernels", staticmethod(lambda **kw: seen.append(kw)))
+    LatentKernel(DSAConfig(kernel="latent", attention_forward="flashmla"))
+    assert seen[0]["attention_forward"] == "flashmla"
+
+    recipe = load_recipe("glm53_flash_1m", []).recipe
+    sets = {}
+    for forward in ("tilelang", "flashmla"):
+        dsa = recipe.model.dsa.model_copy(update={"kernel": "latent", "attention_forward": forward})
+        shape = dsa_shape(recipe.model_copy(update={"model": recipe.model.model_copy(
+            update={"dsa": dsa})}))
+        sets[forward] = LatentKernel.working_sets(shape)
+    assert sets["flashmla"]["attention forward"] - sets["tilelang"]["attention forward"] == (
+        8192 * (2176 - 2112 + 1) * 4 + 2 * 8192 * 64 * 4)
+    for name in ("indexer", "attention backward"):
+        assert sets["flashmla"][name] == sets["tilelang"][name]

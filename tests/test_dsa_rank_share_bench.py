@@ -111,11 +111,13 @@ def test_layer_step_sums_the_stages(bench):
 
 def test_stage_table_compares_kernel_sets(bench):
     keys = [key for _, key in bench.STAGES]
-    runs = [dict(kernel=k, best={key: ms for key in keys},
+    runs = [dict(label=k, best={key: ms for key in keys},
                  tflop_s={key: 2.0 for key in keys if key != "all_to_all_model_ms"})
-            for k, ms in (("latent", 100.0), ("fused", 150.0))]
+            for k, ms in (("latent", 100.0), ("fused", 150.0), ("latent+flashmla", 80.0))]
     lines = bench.stage_table(runs).splitlines()
     assert len(lines) == 1 + len(bench.STAGES) and "fused/latent" in lines[0]
-    assert lines[1].split()[-5:] == ["100.0", "2.0", "150.0", "2.0", "1.500"]
+    assert "latent+flashmla/latent" in lines[0]
+    assert lines[1].split()[-8:] == ["100.0", "2.0", "150.0", "2.0", "80.0", "2.0", "1.500",
+                                     "0.800"]
     a2a = next(line for line in lines if line.startswith("all-to-all"))
-    assert a2a.split()[-5:] == ["100.0", "-", "150.0", "-", "1.500"]
+    assert a2a.split()[-8:] == ["100.0", "-", "150.0", "-", "80.0", "-", "1.500", "0.800"]

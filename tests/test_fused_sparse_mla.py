@@ -33,6 +33,7 @@ from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
 from tests.support.dsa_kernels import torch_dsa_kernels
+from tests.support.flashmla import needs_flashmla
 
 REPO = Path(__file__).resolve().parents[1]
 TQ, TK, HEADS, DN, DV, RANK, TOPK = 37, 45, 3, 8, 6, 16, 12
@@ -230,9 +231,10 @@ def test_fused_kernel_needs_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
-@pytest.mark.parametrize("load", [fused_dsa_kernels, latent_dsa_kernels,
-                                  lambda: latent_dsa_kernels(ordered=True)],
-                         ids=["megatron", "latent", "latent_ordered"])
+@pytest.mark.parametrize("load", [
+    fused_dsa_kernels, latent_dsa_kernels, lambda: latent_dsa_kernels(ordered=True),
+    pytest.param(lambda: latent_dsa_kernels(attention_forward="flashmla"), marks=needs_flashmla)],
+    ids=["megatron", "latent", "latent_ordered", "latent_flashmla"])
 @pytest.mark.parametrize("heads", [8, 64])  # 8: TP8's heads-split share (padded to 16 inside)
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_output"])
 def test_fused_dsa_kernels_match_torch(heads, load, keep):

@@ -26,6 +26,7 @@ from skyrl_megatron_kda.dsa.latent_sparse_mla import (
     padded_heads,
 )
 from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
+from tests.support.flashmla import needs_flashmla
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
 SCALE = 256 ** -0.5
@@ -115,6 +116,102 @@ def test_the_ordered_backward_repeats_bitwise():
     (dq_a, dkv_a), (_, dkv_a2) = runs["atomic"]
     print({"atomic runs equal": torch.equal(dkv_a, dkv_a2), "dkv": _rel(dkv1, dkv_a)})
     assert _rel(dq1, dq_a) < 1e-6 and _rel(dkv1, dkv_a) < 1e-5
+
+
+def _flashmla_stand_in(calls: list):
+    """FlashMLA's sparse prefill contract in fp32 torch, with the rules the kernel enforces
+    (heads per call, a top-k width of a multiple of 128, kv [T, 1, D], indices [S, 1, K], d_v
+    512): the output, the rows' maxima and the natural log-sum-exp, +inf for a query with no
+    key; ``calls`` gets each call's heads."""
+    def op(q, kv, idx, scale, d_v, sink, lengths, out):
+        assert q.shape[1] in (8, 16, 32, 64, 128) and idx.shape[-1] % 128 == 0, (q.shape, idx.shape)
+        assert kv.shape[1] == idx.shape[1] == 1 and d_v == 512 and sink is None and out is None
+        calls.append(q.shape[1])
+        sel = idx[:, 0].long()
+        live = torch.arange(sel.shape[1])[None] < lengths[:, None].long()
+        valid = (sel >= 0) & (sel < kv.shape[0]) & live
+        keys = kv[:, 0].float()[sel.clamp(min=0)]
+        logits = torch.einsum("shd,skd->shk", q.float(), keys) * scale
+        logits = logits.masked_fill(~valid[:, None], float("-inf"))
+        lse = torch.logsumexp(logits, -1)
+        lse = torch.where(valid.any(-1)[:, None], lse, float("inf"))
+        p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
+        return torch.einsum("shk,skd->shd", p, keys).to(q.dtype), logits.amax(-1), lse
+    return op
+
+
+@pytest.mark.parametrize("heads, calls", [(3, [8]), (64, [64]), (192, [128, 128])])
+def test_flashmla_forward_adapts_the_contract(heads, calls):
+    """model.dsa.attention_forward=flashmla on a torch stand-in of FlashMLA's kernel: heads
+    padded to the counts it runs (more than 128 in groups of 128), the top-k width padded to a
+    multiple of 128 and cut back by the lengths, and +inf log-sum-exps (a query with no key)
+    made 0, so it equals the fp32 attention (1e-5) and the natural log-sum-exp our backward
+    takes; control: every index shifted by one is far off."""
+    from skyrl_megatron_kda.dsa.flashmla_forward import flashmla_forward
+
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(40, heads, 512, generator=gen) * 0.05
+    kv = torch.randn(100, 512, generator=gen)
+    idx = torch.randint(0, 100, (40, 130), generator=gen)
+    idx = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.2, -1).to(torch.int32)
+    idx[7] = -1
+    seen = []
+    out, lse = flashmla_forward(q, kv, idx, SCALE, op=_flashmla_stand_in(seen))
+    assert seen == calls
+    ref = sparse_latent_attention(q, kv, idx, SCALE)
+    logits = torch.einsum("shd,skd->shk", q, kv[idx.long().clamp(min=0)]) * SCALE
+    ref_lse = torch.logsumexp(logits.masked_fill((idx < 0)[:, None], float("-inf")), -1)
+    assert out.shape == ref.shape and lse.shape == (40, heads)
+    assert _rel(out, ref) < 1e-5
+    keyed = torch.arange(40) != 7
+    assert _rel(lse[keyed], ref_lse[keyed]) < 1e-6
+    assert not out[7].any() and not lse[7].any()
+    shifted = torch.where(idx >= 0, (idx + 1) % 100, idx)
+    assert _rel(flashmla_forward(q, kv, shifted, SCALE, op=_flashmla_stand_in([]))[0], ref) > 0.1
+
+
+def test_flashmla_needs_vllm(monkeypatch):
+    """Without vLLM's FlashMLA build the setting fails in one line naming the fix."""
+    import importlib.util
+
+    from skyrl_megatron_kda.dsa import flashmla_forward as fm
+
+    fm.sparse_prefill.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"needs vLLM's FlashMLA build .*pip install vllm.*"
+                                           r"attention_forward=tilelang"):
+        fm.sparse_prefill()
+    fm.sparse_prefill.cache_clear()
+
+
+@pytest.mark.gpu
+@needs_flashmla
+@pytest.mark.parametrize("heads", [8, 64])
+def test_flashmla_forward_with_our_backward_matches_the_fp32_attention(heads):
+    """FlashMLA's forward (bf16) against the fp32 torch attention with -1 holes, a query with no
+    key and one whose selection is only its 3-token tail; our backward on its log-sum-exp gives
+    dq and the latent gradient within the bound; control: every index shifted by one."""
+    from skyrl_megatron_kda.dsa.flashmla_forward import flashmla_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(heads + 1)
+    q, kv, idx, grad = _case(heads, gen, torch.device("cuda"))
+    idx[9] = -1
+    idx[9, -3:] = torch.arange(1997, 2000, device="cuda", dtype=torch.int32) - (300 - 1 - 9)
+    qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
+    ref = sparse_latent_attention(qr, kvr, idx, SCALE)
+    ref.backward(grad.float())
+    out, lse = flashmla_forward(q, kv, idx, SCALE)
+    ours_out, ours_lse = latent_forward(q, kv, idx, SCALE)
+    delta = (out.float() * grad.float()).sum(-1)
+    dq, dkv = latent_backward(q, kv, grad, idx, lse, delta, SCALE)
+    errors = {"out": _rel(out, ref), "dq": _rel(dq, qr.grad), "dkv": _rel(dkv, kvr.grad),
+              "lse_vs_ours": _rel(lse, ours_lse), "tail_row": _rel(out[9], ref[9])}
+    shifted = torch.where(idx > 0, idx - 1, idx)
+    errors["shifted"] = _rel(flashmla_forward(q, kv, shifted, SCALE)[0], ref)
+    print(heads, errors)
+    assert max(errors["out"], errors["dq"], errors["dkv"], errors["tail_row"]) < TOL, errors
+    assert errors["lse_vs_ours"] < 1e-5 and errors["shifted"] > 10 * TOL, errors
+    assert not out[7].any() and not lse[7].any() and torch.isfinite(lse).all()
 
 
 _ROW_DOTS = """

@@ -87,6 +87,9 @@ def test_stored_run_constants_derive_again():
                    for name in ("latent", "latent_fp8_det"))
     assert (plain["indexer_scores"], plain["deterministic"]) == ("bf16", False)
     assert (both["indexer_scores"], both["deterministic"]) == ("fp8", True)
+    runs = json.loads((RESULTS / "h200_flashmla_forward" / "dsa_layer_flashmla.json").read_text())
+    forward = {r["attention_forward"]: r["best"]["attn_fwd_ms"] for r in runs["runs"]}
+    assert cal.DSA_FLASHMLA_FORWARD_SHARE == pytest.approx(forward["flashmla"] / forward["tilelang"])
     assert cal.DSA_ORDERED_BACKWARD_SHARE == pytest.approx(
         both["best"]["attn_bwd_ms"] / plain["best"]["attn_bwd_ms"])
 
@@ -349,14 +352,18 @@ def test_the_docs_tables_are_the_models():
                               f"{got.compute_s:.1f}", f"{got.comm_s:.1f}"], cells
 
 
-def test_fp8_scores_and_the_ordered_backward_move_their_own_stage():
+def test_each_dsa_kernel_setting_moves_its_own_stage():
     """model.dsa.indexer_scores=fp8 scales the DSA core's indexer and nothing else;
-    model.dsa.deterministic_backward its attention backward and nothing else, by the measured
-    ratios."""
+    model.dsa.deterministic_backward its attention backward and attention_forward=flashmla its
+    attention forward, each nothing else, by the measured ratios."""
     base = stm.dsa_core_s(load_recipe("glm53_flash_1m", []).recipe)
     fp8 = stm.dsa_core_s(load_recipe("glm53_flash_1m", ["model.dsa.indexer_scores=fp8"]).recipe)
     ordered = stm.dsa_core_s(load_recipe("glm53_flash_1m",
                                          ["model.dsa.deterministic_backward=true"]).recipe)
+    flashmla = stm.dsa_core_s(load_recipe("glm53_flash_1m",
+                                          ["model.dsa.attention_forward=flashmla"]).recipe)
+    assert flashmla["attention_fwd"] == pytest.approx(
+        base["attention_fwd"] * cal.DSA_FLASHMLA_FORWARD_SHARE)
     assert fp8["indexer"] == pytest.approx(base["indexer"] * cal.DSA_FP8_INDEXER_SHARE)
     assert ordered["attention_bwd"] == pytest.approx(
         base["attention_bwd"] * cal.DSA_ORDERED_BACKWARD_SHARE)
@@ -365,3 +372,5 @@ def test_fp8_scores_and_the_ordered_backward_move_their_own_stage():
             assert fp8[name] == base[name], name
         if name != "attention_bwd":
             assert ordered[name] == base[name], name
+        if name != "attention_fwd":
+            assert flashmla[name] == base[name], name

@@ -140,6 +140,12 @@ class DSAConfig(ConfigSection):
     gradients on every run (replaying an RL step); for the time docs/benchmarks.md measures and
     1,024 queries x top-k x 512 fp32 of backward memory (plan counts it). Refused with the
     other kernels."""
+    attention_forward: Literal["tilelang", "flashmla"] = "tilelang"
+    """latent kernel: which kernel runs the sparse attention's forward. tilelang: ours;
+    flashmla: FlashMLA's sparse prefill kernel from vLLM's install (dsa/flashmla_forward.py):
+    at the 1M share on an H200 the layer's forward in 0.75x the time, equal within bf16
+    rounding (docs/benchmarks.md); needs vllm. The backward is ours either way. Refused with
+    the other kernels."""
     indexer_query_block: PositiveInt = 1024
     """Queries per step of the indexer (query projection, pool scores, top-k, indices); the
     fused kernel's step holds indexer_query_block x (visible pools) fp32 scores."""

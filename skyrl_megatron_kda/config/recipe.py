@@ -33,6 +33,7 @@ MODEL_LEVERS = frozenset({
     "model.dsa.fused_query_block", "model.dsa.indexer_query_block",
     "model.dsa.indexer_pool_block", "model.dsa.keep_attention_output",
     "model.dsa.deterministic_backward", "model.dsa.indexer_scores",
+    "model.dsa.attention_forward",
     # mHC's map projection in row chunks (a memory lever: fp32 summation order only).
     "model.hyper_connections.map_chunk_rows",
     # The KDA layer's CP exchange and its choice, kernel and chunking.

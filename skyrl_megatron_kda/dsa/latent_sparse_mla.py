@@ -39,6 +39,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from .flashmla_forward import flashmla_forward, sparse_prefill
 from .fused_sparse_mla import DSAKernels
 from .index_scores import INDEXER_SCORES
 from .ordered_row_sums import add_rows_in_index_order
@@ -321,18 +322,23 @@ def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, order
     return dq, dkv
 
 
-def latent_dsa_kernels(ordered: bool = False, indexer_scores: str = "bf16") -> DSAKernels:
+def latent_dsa_kernels(ordered: bool = False, indexer_scores: str = "bf16",
+                       attention_forward: str = "tilelang") -> DSAKernels:
     """Our sparse-MLA kernels and the Triton indexer scores in the ``DSAKernels`` contract
     (``kv [T, 1, 512]``, ``indices [S, 1, K]``); ``ordered``: the backward's latent gradient
     summed in a fixed order (``latent_backward``); ``indexer_scores``: the score products'
-    precision (``index_scores.INDEXER_SCORES``); a clear error where they cannot run."""
+    precision (``index_scores.INDEXER_SCORES``); ``attention_forward``: ``tilelang`` (ours) or
+    ``flashmla`` (``flashmla_forward``); a clear error where they cannot run."""
     if not torch.cuda.is_available():
         raise RuntimeError("model.dsa.kernel=latent needs CUDA (TileLang kernels); "
                            "use model.dsa.kernel=torch on CPU")
     _tilelang()
+    attend = {"tilelang": latent_forward, "flashmla": flashmla_forward}[attention_forward]
+    if attention_forward == "flashmla":
+        sparse_prefill()  # its one-line error now, not at the first layer
 
     def forward(q, kv, indices, sm_scale):
-        return latent_forward(q, kv[:, 0], indices[:, 0], sm_scale)
+        return attend(q, kv[:, 0], indices[:, 0], sm_scale)
 
     def backward(q, kv, out, grad_out, indices, lse, sm_scale, delta, dkv=None):
         dq, dkv = latent_backward(q, kv[:, 0], grad_out, indices[:, 0], lse, delta, sm_scale,

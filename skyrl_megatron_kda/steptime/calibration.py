@@ -67,6 +67,11 @@ DSA_FP8_INDEXER_SHARE = 362.2280840000087 / 394.4500519999963
 DSA_ORDERED_BACKWARD_SHARE = 787.5820029999971 / 301.2266100000005
 """The sparse-MLA backward's time under ``model.dsa.deterministic_backward`` against the
 atomic one (2.61)."""
+# bench/results/h200_flashmla_forward/dsa_layer_flashmla.json (each run's ``best``, one call, the
+# same share, output kept): ``latent`` with our forward and with FlashMLA's.
+DSA_FLASHMLA_FORWARD_SHARE = 55.569789999992736 / 73.83523699999728
+"""The sparse-MLA forward's time under ``model.dsa.attention_forward=flashmla`` against ours
+(0.75; the layer's forward: the kernel and the absorption around it)."""
 
 # --- the head: output layer + loss -----------------------------------------------------------------
 # bench/results/h200_fused_loss/fused_loss.txt: forward+backward of the loss over 65,536 to

@@ -200,8 +200,9 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     """The DSA attention core of the slowest rank per layer and step: the indexer (once under
     ``train.keep_dsa_selection`` with full recompute, else in every forward), the sparse
     attention forward in each forward pass and its backward (without the backward's kernel
-    forward under ``model.dsa.keep_attention_output``; the indexer and the backward scaled as
-    measured under ``model.dsa.indexer_scores=fp8`` and ``model.dsa.deterministic_backward``).
+    forward under ``model.dsa.keep_attention_output``; the indexer, the backward and the forward
+    scaled as measured under ``model.dsa.indexer_scores=fp8``,
+    ``model.dsa.deterministic_backward`` and ``model.dsa.attention_forward=flashmla``).
     The rank holds ``q`` query rows
     (its SP rows with all heads: the sequence split) ending at the sequence's last token (the
     zigzag CP rank 0's last TP slice, which sees the most keys)."""
@@ -221,6 +222,8 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     fwd, bwd = rates[dsa_rate_kernel(recipe)]
     if a.deterministic_backward:
         bwd *= cal.DSA_ORDERED_BACKWARD_SHARE
+    if a.attention_forward == "flashmla":
+        fwd *= cal.DSA_FLASHMLA_FORWARD_SHARE
     return {"indexer": indexer, "attention_fwd": passes * work * fwd, "attention_bwd": work * bwd}
 
 

@@ -83,6 +83,9 @@ class DSAKernel(ABC):
     orders_latent_gradient: ClassVar[bool] = False
     """Whether ``model.dsa.deterministic_backward`` applies: its backward can sum the latent
     gradient in a fixed order instead of with atomics."""
+    forwards_on_flashmla: ClassVar[bool] = False
+    """Whether ``model.dsa.attention_forward=flashmla`` applies: its forward can run on
+    FlashMLA's sparse prefill kernel (``dsa/flashmla_forward.py``)."""
 
     def __init__(self, dsa: DSAConfig):
         self.dsa = dsa

@@ -2,7 +2,7 @@
 TileLang sparse-MLA kernels (``latent_sparse_mla``), built for GLM's 512-wide NoPE latent: no
 padding to 576 channels, every head of a query in one thread block; and, under
 ``model.dsa.deterministic_backward``, a backward that sums the latent gradient in a fixed
-order."""
+order; under ``model.dsa.attention_forward=flashmla``, FlashMLA's sparse forward."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..latent_sparse_mla import (
     ORDERED_QUERY_BLOCK,
     latent_dsa_kernels,
 )
+from ..flashmla_forward import KEY_BLOCK as FLASHMLA_KEY_BLOCK
 from .base import DSAShape
 from .fused import FusedKernel
 
@@ -23,11 +24,13 @@ class LatentKernel(FusedKernel):
     width, value_width = LATENT_WIDTH, LATENT_WIDTH
     backward_adds_dkv = BACKWARD_ADDS_DKV
     orders_latent_gradient = True
+    forwards_on_flashmla = True
     masks_empty_queries = False  # the kernels give 0 themselves (zero_without_keys)
 
     @classmethod
     def kernel_options(cls, dsa) -> dict:
-        return {**super().kernel_options(dsa), "ordered": dsa.deterministic_backward}
+        return {**super().kernel_options(dsa), "ordered": dsa.deterministic_backward,
+                "attention_forward": dsa.attention_forward}
 
     @classmethod
     def working_sets(cls, shape: DSAShape) -> dict[str, int]:
@@ -35,8 +38,17 @@ class LatentKernel(FusedKernel):
         ``model.dsa.deterministic_backward`` the backward also holds one ordered call's latent
         gradient rows [b, K32, R] fp32 (K32 the selection padded to the backward's key block,
         b = ORDERED_QUERY_BLOCK queries or fewer where a call has fewer) and their sort: the pairs' int32 keys and int64 order, twice (the
-        sort's own buffers), the runs' int32 keys, int64 counts and int64 starts."""
+        sort's own buffers), the runs' int32 keys, int64 counts and int64 starts. Under
+        ``model.dsa.attention_forward=flashmla`` each forward call's indices are padded to a
+        multiple of 128 instead of 64, with an int32 length per query, and FlashMLA also returns
+        the rows' maxima [f, n] fp32 beside a copy of the log-sum-exp with +inf made 0."""
         sets = super().working_sets(shape)
+        if shape.dsa.attention_forward == "flashmla":
+            a = shape.dsa
+            K = a.index_topk + a.index_kpool - 1
+            f = min(a.fused_query_block, shape.rows)
+            padding = -(-K // FLASHMLA_KEY_BLOCK) * FLASHMLA_KEY_BLOCK - -(-K // 64) * 64
+            sets["attention forward"] += f * (padding + 1) * 4 + 2 * f * shape.heads * 4
         if shape.dsa.deterministic_backward:
             a = shape.dsa
             K = a.index_topk + a.index_kpool - 1
