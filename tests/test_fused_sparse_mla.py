@@ -427,3 +427,15 @@ def test_fp8_pool_scores_on_the_gpu():
     agreement = float((same == 2).sum(-1).float().mean() / 512)
     print({"same pools": agreement})
     assert agreement > 0.8, agreement
+
+
+def test_pool_scores_refuse_a_tile_the_product_cannot_take():
+    """Queries per program that are not a power of two, or too few columns (queries x heads
+    below 16), are refused in one line before any kernel is compiled."""
+    from skyrl_megatron_kda.dsa.index_scores import pool_scores
+
+    q, keys = torch.zeros(8, 2, 16), torch.zeros(40, 16)
+    w, ks, ke = torch.zeros(8, 2), torch.zeros(8, dtype=torch.int32), torch.ones(8, dtype=torch.int32)
+    for tiles in ((3, 64, 4, 2), (4, 64, 4, 2)):
+        with pytest.raises(ValueError, match="queries per program must be a power of two"):
+            pool_scores(q, keys, w, ks, ke, tiles)

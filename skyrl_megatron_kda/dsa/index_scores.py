@@ -65,10 +65,10 @@ def _store_scores(out_ptr, max_ptr, rows, row_ok, p0, scores, n_pools, n_groups,
 
 
 @triton.jit
-def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, kscale_ptr, out_ptr, max_ptr,
-                       n_queries, n_pools, n_groups, HEADS: tl.constexpr, HP: tl.constexpr,
-                       DIM: tl.constexpr, QT: tl.constexpr, PT: tl.constexpr,
-                       STAGES: tl.constexpr, GROUP: tl.constexpr, KEY_SCALES: tl.constexpr):
+def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, kscale_ptr, out_ptr, max_ptr, n_queries,
+                 n_pools, n_groups, HEADS: tl.constexpr, HP: tl.constexpr, DIM: tl.constexpr,
+                 QT: tl.constexpr, PT: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr,
+                 KEY_SCALES: tl.constexpr):
     first = tl.program_id(0) * QT
     rows = first + tl.arange(0, QT)
     row_ok = rows < n_queries
@@ -88,8 +88,7 @@ def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, kscale_ptr, out_ptr, max_p
     lo = tl.minimum(lo, hi)
     hidden = tl.full((PT, QT), float("-inf"), tl.float32)
     for p0 in range(0, lo, PT):
-        _store_scores(out_ptr, max_ptr, rows, row_ok, p0, hidden, n_pools,
-                      n_groups, PT, QT, GROUP)
+        _store_scores(out_ptr, max_ptr, rows, row_ok, p0, hidden, n_pools, n_groups, PT, QT, GROUP)
     for p0 in tl.range(lo, hi, PT, num_stages=STAGES):
         pools = p0 + tl.arange(0, PT)
         k = tl.load(k_ptr + pools[:, None].to(tl.int64) * DIM + dims[None, :],
@@ -102,8 +101,7 @@ def _pool_scores(q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, kscale_ptr, out_ptr, max_p
         _store_scores(out_ptr, max_ptr, rows, row_ok, p0,
                       tl.where(visible, scores, float("-inf")), n_pools, n_groups, PT, QT, GROUP)
     for p0 in range(hi, n_pools, PT):
-        _store_scores(out_ptr, max_ptr, rows, row_ok, p0, hidden, n_pools,
-                      n_groups, PT, QT, GROUP)
+        _store_scores(out_ptr, max_ptr, rows, row_ok, p0, hidden, n_pools, n_groups, PT, QT, GROUP)
 
 
 def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor,
@@ -113,9 +111,11 @@ def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: 
     """q [n, heads, d] and keys [P, d] (bf16 on CUDA), weights [n, heads] fp32, ks/ke [n] int32
     -> fp32 scores [n, P]: sum over heads of weights * relu(q . k), -inf outside [ks, ke); and
     fp32 maxima [n, ceil(P / group)] of the scores over consecutive groups of ``group`` pools.
-    ``tiles``: (queries, pools, warps, pipeline stages) per program (``bench/index_scores.py``
-    times them); ``group`` divides the tile's pools. ``key_scales`` [P] fp32: q and keys are
-    FP8 (e4m3) and each pool's score is multiplied by its scale (``fp8_pool_scores``)."""
+    ``tiles``: queries per program (a power of two; times the heads rounded up to a power of
+    two, at least 16: the product's columns), pools per step, warps and pipeline stages
+    (``bench/index_scores.py`` times them); ``group`` divides the pools per step.
+    ``key_scales`` [P] fp32: q and keys are FP8 (e4m3) and each pool's score is multiplied by
+    its scale (``fp8_pool_scores``)."""
     n, heads, dim = q.shape
     if keys.dim() != 2 or keys.shape[1] != dim or weights.shape != (n, heads):
         raise ValueError(f"expected q [n, h, d], keys [P, d], weights [n, h]; got "
@@ -123,6 +123,10 @@ def pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, ks: 
     if dim < 16 or dim & (dim - 1):
         raise ValueError(f"the index head width must be a power of two >= 16, got {dim}")
     query_tile, pool_tile, warps, stages = tiles
+    columns = query_tile * triton.next_power_of_2(heads)
+    if query_tile & (query_tile - 1) or columns < 16:
+        raise ValueError(f"queries per program must be a power of two with queries x heads "
+                         f"(rounded up to a power of two) >= 16, got {query_tile} x {heads}")
     if pool_tile % group:
         raise ValueError(f"the maxima's group ({group}) must divide the tile's pools ({pool_tile})")
     if key_scales is None:
