@@ -170,8 +170,10 @@ def test_flashmla_forward_adapts_the_contract(heads, calls):
     assert _rel(flashmla_forward(q, kv, shifted, SCALE, op=_flashmla_stand_in([]))[0], ref) > 0.1
 
 
-def test_flashmla_needs_vllm(monkeypatch):
-    """Without vLLM's FlashMLA build the setting fails in one line naming the fix."""
+def test_flashmla_needs_vllm(monkeypatch, tmp_path):
+    """Without vLLM's FlashMLA build, or with one that does not load here, the setting fails in
+    one line naming the fix."""
+    import importlib.machinery
     import importlib.util
 
     from skyrl_megatron_kda.dsa import flashmla_forward as fm
@@ -180,6 +182,13 @@ def test_flashmla_needs_vllm(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"needs vLLM's FlashMLA build .*pip install vllm.*"
                                            r"attention_forward=tilelang"):
+        fm.sparse_prefill()
+    (tmp_path / fm.LIBRARY).write_bytes(b"not a shared library")
+    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(RuntimeError, match=r"could not load .*_flashmla_C.*; use "
+                                           r"model.dsa.attention_forward=tilelang"):
         fm.sparse_prefill()
     fm.sparse_prefill.cache_clear()
 

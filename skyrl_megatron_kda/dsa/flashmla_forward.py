@@ -48,7 +48,12 @@ def sparse_prefill():
         raise RuntimeError("model.dsa.attention_forward=flashmla needs vLLM's FlashMLA build "
                            f"(vllm/{LIBRARY}; pip install vllm), or use "
                            "model.dsa.attention_forward=tilelang")
-    torch.ops.load_library(str(library))
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:  # built for another CUDA or torch, or no driver here
+        raise RuntimeError(f"model.dsa.attention_forward=flashmla could not load {library}: "
+                           f"{str(e).splitlines()[0]}; use model.dsa.attention_forward=tilelang"
+                           ) from e
     return torch.ops._flashmla_C.sparse_prefill_fwd
 
 
