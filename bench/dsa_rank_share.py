@@ -489,8 +489,9 @@ def main():
     if unknown := set(names) - {"fused", "latent", "torch"}:
         p.error(f"--kernel {a.kernel}: {sorted(unknown)} not among fused, latent, torch")
     if a.whole_row_topk:
-        pool_topk.threshold_topk = lambda scores, maxima, group, k: scores.topk(k, dim=-1,
-                                                                               sorted=False)
+        pool_topk.floor_topk = lambda scores, maxima, group, k: (
+            *scores.topk(k, dim=-1, sorted=False),
+            torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device))
     if a.keep_output and "torch" in names:
         p.error("--keep-output needs --kernel fused or latent (the torch kernel keeps no output)")
     if a.deterministic and set(names) != {"latent"}:

@@ -319,6 +319,43 @@ def test_fused_indexer_selects_the_blocked_pools(block):
     assert not torch.equal(late.sort(-1).values, ref.sort(-1).values)
 
 
+@pytest.mark.parametrize("block", [7, 4000])
+def test_crowded_rows_are_redone_after_the_blocks(block, monkeypatch):
+    """With room for one candidate per pick, most rows have more candidates than fit
+    (``floor_topk`` flags them); ``fused_pool_topk`` redoes those after its last block with a
+    whole-row top-k and still equals ``blocked_pool_topk``. Control: without the redo (flags
+    dropped) the selection differs."""
+    from skyrl_megatron_kda.dsa import pool_topk, threshold_topk
+    from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
+
+    monkeypatch.setattr(threshold_topk, "CANDIDATES_PER_PICK", 1)
+    gen = torch.Generator().manual_seed(6)
+    cu = torch.tensor([0, 400])
+    starts = pool_starts(cu, 4)
+    pos = torch.arange(0, 400)
+    first = document_starts(cu, pos)
+    q, w = torch.randn(400, 4, 8, generator=gen), torch.rand(400, 4, generator=gen)
+    keys = torch.randn(starts.numel(), 8, generator=gen)
+    ref = pool_topk.blocked_pool_topk(q, w, keys, starts, pos, first, 4, 5, query_block=9,
+                                      pool_block=3)
+    scores, group = torch_dsa_kernels().index_scores, torch_dsa_kernels().index_group
+    flagged = []
+    floor_topk = pool_topk.floor_topk
+
+    def counting(*args):
+        best, ids, crowded = floor_topk(*args)
+        flagged.append(int(crowded.sum()))
+        return best, ids, crowded
+
+    monkeypatch.setattr(pool_topk, "floor_topk", counting)
+    got = pool_topk.fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores, group)
+    assert sum(flagged) > 100
+    assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
+    monkeypatch.setattr(pool_topk, "floor_topk",
+                        lambda *a: (lambda b, i, c: (b, i, torch.zeros_like(c)))(*floor_topk(*a)))
+    skipped = pool_topk.fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores, group)
+    assert not torch.equal(skipped.sort(-1).values, ref.sort(-1).values)
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
 @pytest.mark.parametrize("n, pools", [(1, 5), (100, 300), (257, 1000)])  # partial tiles

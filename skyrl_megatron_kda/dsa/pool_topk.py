@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .threshold_topk import threshold_topk
+from .threshold_topk import floor_topk
 
 
 def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpool: int, topk: int):
@@ -111,9 +111,11 @@ def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor
     passes ours in Triton, ``index_scores.pool_scores``): q [n, heads, d] bf16, keys [P, d],
     weights [n, heads] fp32, each query's visible key range [ks, ke) as int32 -> fp32 logits
     [n, P], -inf outside the range (the relu and the head sum happen on chip), and their maxima
-    over consecutive groups of ``group`` pools [n, ceil(P / group)]. Per block of ``query_block`` queries the logits cover
-    only the pools the block can see; the top-k is ``threshold_topk`` (exactly
-    ``torch.topk``'s: ties in any order, unlike the stable torch path)."""
+    over consecutive groups of ``group`` pools [n, ceil(P / group)]. Per block of
+    ``query_block`` queries the logits cover only the pools the block can see; the top-k is
+    ``threshold_topk``'s (exactly ``torch.topk``'s: ties in any order, unlike the stable torch
+    path), its rare crowded rows scored again after the last block for a whole-row top-k, so
+    the blocks run without waiting for the host."""
     if query_block < 1 or n_select < 0:
         raise ValueError(f"query_block must be >= 1 and n_select >= 0, got {query_block}, {n_select}")
     ends = starts + kpool - 1
@@ -122,17 +124,44 @@ def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor
     first_pool = torch.searchsorted(starts, doc_start)
     end_pool = torch.searchsorted(ends, q_pos, right=True)
     result = torch.full((q.shape[0], n_select), -1, dtype=torch.long, device=q.device)
-    for q0 in range(0, q.shape[0], query_block):
-        q1 = min(q0 + query_block, q.shape[0])
-        lo, hi = int(first_pool[q0:q1].min()), int(end_pool[q0:q1].max())
+    # Every block's pool range in one transfer and the rare rows with too many candidates
+    # redone after the loop: no host sync inside it, so the GPU never waits for the host.
+    ranges = _block_ranges(first_pool, end_pool, query_block)
+    crowded = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+
+    def select(rows: slice | torch.Tensor, lo: int, hi: int, whole_rows: bool):
         k = min(n_select, hi - lo)
         if k <= 0:
-            continue
-        ks = (first_pool[q0:q1] - lo).to(torch.int32)
-        ke = (end_pool[q0:q1] - lo).clamp(min=0).to(torch.int32)
-        logits, group_max = scorer(q[q0:q1].contiguous(), pool_k[lo:hi].contiguous(),
-                                   weights[q0:q1].float().contiguous(), ks.contiguous(),
+            return None
+        ks = (first_pool[rows] - lo).to(torch.int32)
+        ke = (end_pool[rows] - lo).clamp(min=0).to(torch.int32)
+        logits, group_max = scorer(q[rows].contiguous(), pool_k[lo:hi].contiguous(),
+                                   weights[rows].float().contiguous(), ks.contiguous(),
                                    ke.contiguous())
-        score, ids = threshold_topk(logits, group_max, group, k)  # the attention needs no order
-        result[q0:q1, :k] = (ids + lo).masked_fill(score == float("-inf"), -1)
+        if whole_rows:
+            score, ids = logits.topk(k, dim=-1, sorted=False)
+            many = None
+        else:  # the attention needs no order
+            score, ids, many = floor_topk(logits, group_max, group, k)
+        result[rows] = -1
+        result[rows, :k] = (ids + lo).masked_fill(score == float("-inf"), -1)
+        return many
+
+    for (lo, hi), q0 in zip(ranges, range(0, q.shape[0], query_block)):
+        rows = slice(q0, min(q0 + query_block, q.shape[0]))
+        many = select(rows, lo, hi, whole_rows=False)
+        if many is not None:
+            crowded[rows] = many
+    redo = crowded.nonzero(as_tuple=True)[0]  # the call's one host sync after the ranges'
+    for r0 in range(0, redo.numel(), query_block):
+        rows = redo[r0:r0 + query_block]
+        select(rows, int(first_pool[rows].min()), int(end_pool[rows].max()), whole_rows=True)
     return result
+
+
+def _block_ranges(first_pool: torch.Tensor, end_pool: torch.Tensor, block: int) -> list:
+    """Per block of ``block`` queries, [lowest first pool, highest end pool) as host ints."""
+    pad = -first_pool.numel() % block
+    lo = torch.cat([first_pool, first_pool.new_full((pad,), torch.iinfo(first_pool.dtype).max)])
+    hi = torch.cat([end_pool, end_pool.new_zeros(pad)])
+    return torch.stack([lo.view(-1, block).amin(1), hi.view(-1, block).amax(1)], 1).tolist()

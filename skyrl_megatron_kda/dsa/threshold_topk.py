@@ -14,6 +14,9 @@ those groups (``_gather_at_least``); on random scores that is about k groups of 
 8,192. The top-k then runs over the kept scores. A row with more than ``capacity`` such groups
 or scores (its floor is -inf when fewer than k groups hold a visible pool; or ties crowd at the
 floor) gets ``torch.topk`` over its whole row: the same answer, at the old speed.
+``floor_topk`` leaves those rows to its caller (flagged) instead of finding them with a host
+sync: the fused indexer (``pool_topk.fused_pool_topk``) redoes them after its last block, so
+its blocks queue on the GPU without waiting for the host.
 
 On CPU tensors the compaction is the torch reference of the kernels (``compact_reference``),
 so the CPU suite checks the same selection, and the kernels themselves are checked against the
@@ -141,6 +144,18 @@ def threshold_topk(scores: torch.Tensor, group_max: torch.Tensor, group: int, k:
     whose maxima over consecutive groups of ``group`` columns are ``group_max`` [n, ceil(P /
     group)]; ``capacity`` candidates per row (default ``CANDIDATES_PER_PICK * k``). NaN scores
     are never picked."""
+    best, picked, crowded = floor_topk(scores, group_max, group, k, capacity)
+    crowded = crowded.nonzero(as_tuple=True)[0]
+    if crowded.numel():  # (a host sync: rare rows, exact either way)
+        best[crowded], picked[crowded] = scores[crowded].topk(k, dim=-1, sorted=False)
+    return best, picked
+
+
+def floor_topk(scores: torch.Tensor, group_max: torch.Tensor, group: int, k: int,
+               capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``threshold_topk`` without the host sync: its values and ids, exact except in the rows
+    flagged in the bool [n] it also returns (more than ``capacity`` candidates), which the
+    caller takes a whole-row top-k for (as ``threshold_topk`` does at once)."""
     n, width = scores.shape
     capacity = capacity or CANDIDATES_PER_PICK * k
     if not 0 < k <= width:
@@ -149,15 +164,12 @@ def threshold_topk(scores: torch.Tensor, group_max: torch.Tensor, group: int, k:
         raise ValueError(f"expected maxima [{n}, {-(-width // group)}] of groups of {group}, "
                          f"got {list(group_max.shape)}")
     if k > group_max.shape[1] or width <= capacity:  # no floor to take, or nothing to save
-        return scores.topk(k, dim=-1, sorted=False)
+        best, picked = scores.topk(k, dim=-1, sorted=False)
+        return best, picked, torch.zeros(n, dtype=torch.bool, device=scores.device)
     floor = group_max.topk(k, dim=-1).values[:, -1]
     if scores.is_cuda:
         values, ids, count = grouped_compact_kernel(scores, group_max, group, floor, capacity)
     else:
         values, ids, count = compact_reference(scores, floor, capacity)
     best, slot = values.topk(k, dim=-1, sorted=False)
-    picked = ids.gather(1, slot).long()
-    crowded = (count > capacity).nonzero(as_tuple=True)[0]
-    if crowded.numel():  # (a host sync: rare rows, exact either way)
-        best[crowded], picked[crowded] = scores[crowded].topk(k, dim=-1, sorted=False)
-    return best, picked
+    return best, ids.gather(1, slot).long(), count > capacity
