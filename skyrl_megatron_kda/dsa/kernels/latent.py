@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..latent_sparse_mla import (
     BACKWARD_ADDS_DKV,
     BACKWARD_KEY_BLOCK,
+    FORWARD_KEY_BLOCK,
     LATENT_WIDTH,
     ORDERED_QUERY_BLOCK,
     latent_dsa_kernels,
@@ -43,16 +44,15 @@ class LatentKernel(FusedKernel):
         multiple of 128 instead of 64, with an int32 length per query, and FlashMLA also returns
         the rows' maxima [f, n] fp32 beside a copy of the log-sum-exp with +inf made 0."""
         sets = super().working_sets(shape)
-        if shape.dsa.attention_forward == "flashmla":
-            a = shape.dsa
-            K = a.index_topk + a.index_kpool - 1
+        a = shape.dsa
+        K = a.index_topk + a.index_kpool - 1
+        padded = lambda block: -(-K // block) * block  # noqa: E731 - the selection's padded width
+        if a.attention_forward == "flashmla":
             f = min(a.fused_query_block, shape.rows)
-            padding = -(-K // FLASHMLA_KEY_BLOCK) * FLASHMLA_KEY_BLOCK - -(-K // 64) * 64
+            padding = padded(FLASHMLA_KEY_BLOCK) - padded(FORWARD_KEY_BLOCK)
             sets["attention forward"] += f * (padding + 1) * 4 + 2 * f * shape.heads * 4
-        if shape.dsa.deterministic_backward:
-            a = shape.dsa
-            K = a.index_topk + a.index_kpool - 1
+        if a.deterministic_backward:
             queries = min(ORDERED_QUERY_BLOCK, a.fused_query_block, shape.rows)
-            pairs = queries * -(-K // BACKWARD_KEY_BLOCK) * BACKWARD_KEY_BLOCK
+            pairs = queries * padded(BACKWARD_KEY_BLOCK)
             sets["attention backward"] += pairs * (a.kv_lora_rank * 4 + 2 * (4 + 8) + 4 + 8 + 8)
         return sets
