@@ -7,10 +7,11 @@ runs that rank's work with the model's own functions on random data of GLM's siz
 stage (measured unless said otherwise):
 
 * indexer: pooled keys (``pools.pooled_keys``), per query block the indexer scores and
-  top-k (``pool_topk.fused_pool_topk`` on our Triton scores, ``index_scores.py``, and the
+  top-k (``pool_topk.fused_block_topk`` on our Triton scores, ``index_scores.py``, and the
   floor's exact top-k, ``threshold_topk.py``; or the torch ``blocked_pool_topk``; the last
   block is also scored by megatron-core's TileLang indexer kernel and its top-k taken by
-  ``torch.topk``, for their times) and the token indices (``pools.pool_token_indices``);
+  ``torch.topk``, for their times) and the token indices (``pools.pool_token_indices``), the
+  blocks queued without host syncs as in the layer (``pool_topk.DeferredRows``);
 * sparse attention: ``fused_sparse_mla.fused_absorbed_sparse_mla`` on megatron-core's TileLang
   kernels (``--kernel fused``) or ours (``latent``, ``latent_sparse_mla.py``), or
   ``sparse_mla.absorbed_sparse_mla`` (torch), forward and backward; the kv up projection and its
@@ -76,6 +77,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -88,11 +90,15 @@ from skyrl_megatron_kda.dsa.pools import (
     document_starts,
     index_violations,
     pool_starts,
-    pool_token_indices,
     pooled_keys,
 )
 from skyrl_megatron_kda.dsa import pool_topk
-from skyrl_megatron_kda.dsa.pool_topk import blocked_pool_topk, fused_pool_topk
+from skyrl_megatron_kda.dsa.pool_topk import (
+    DeferredRows,
+    PoolCandidates,
+    blocked_pool_topk,
+    fused_block_topk,
+)
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
 from skyrl_megatron_kda.dsa.threshold_topk import (
     CANDIDATES_PER_PICK,
@@ -142,21 +148,28 @@ def make_inputs(keys: int, split: str, dev) -> dict:
 
 
 def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tensor:
+    """The layer's indexer loop (``AbsorbedKernel.indices``) on the share's inputs."""
     dev = x["pos"].device
     cu = torch.tensor([0, keys], device=dev)
     starts = pool_starts(cu, KPOOL)
     pool_k = pooled_keys(x["idx_k"], x["gate"], x["ape"], starts, KPOOL)
-    first = document_starts(cu, x["pos"])
-    out = torch.empty(x["pos"].numel(), TOPK + KPOOL - 1, dtype=torch.int32, device=dev)
-    for q0 in range(0, x["pos"].numel(), block):
-        q1 = min(q0 + block, x["pos"].numel())
-        args = (x["idx_q"][q0:q1], x["idx_w"][q0:q1], pool_k, starts, x["pos"][q0:q1],
-                first[q0:q1], KPOOL, TOPK // KPOOL)
+    candidates = PoolCandidates(starts, x["pos"], document_starts(cu, x["pos"]), KPOOL)
+    n, n_select = x["pos"].numel(), TOPK // KPOOL
+    out = torch.empty(n, TOPK + KPOOL - 1, dtype=torch.int32, device=dev)
+    later = DeferredRows()
+    for q0 in range(0, n, block):
+        rows = slice(q0, min(q0 + block, n))
+        q, w = x["idx_q"][rows], x["idx_w"][rows]
+        pools = torch.empty(q.shape[0], n_select, dtype=torch.long, device=dev)
         if kernel != "torch":
-            pools = fused_pool_topk(*args, block, kernels.index_scores, kernels.index_group)
+            fused_block_topk(q, w, pool_k, candidates, rows, n_select, kernels.index_scores,
+                             kernels.index_group, pools, later)
         else:
-            pools = blocked_pool_topk(*args, query_block=block, pool_block=4096)
-        out[q0:q1] = pool_token_indices(pools, starts, x["pos"][q0:q1], first[q0:q1], KPOOL)
+            pools.copy_(blocked_pool_topk(q, w, pool_k, starts, x["pos"][rows],
+                                          candidates.doc_start[rows], KPOOL, n_select,
+                                          query_block=block, pool_block=4096))
+        later.then(partial(candidates.write_tokens, out[rows], pools, rows))
+    later.finish()
     return out
 
 

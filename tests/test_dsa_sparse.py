@@ -37,7 +37,7 @@ def _controls(rank, world):
 
     from skyrl_megatron_kda.kda.parity import make_batch, relative_error
     from skyrl_megatron_kda.dsa import sparse_mla
-    from skyrl_megatron_kda.dsa.kernels import absorbed
+    from skyrl_megatron_kda.dsa import pool_topk
 
     parallel_state.initialize_model_parallel()
     batch = make_batch(H, lengths=(22, 3, 15, 8))
@@ -49,18 +49,18 @@ def _controls(rank, world):
     good_out, good_dx = _run(layers["torch"], batch)
     errors = {"good": (relative_error(good_out, ref_out), relative_error(good_dx, ref_dx))}
 
-    split, build = sparse_mla.split_kv_up_weight, absorbed.pool_token_indices
+    split, build = sparse_mla.split_kv_up_weight, pool_topk.pool_token_indices
 
     def keys_then_values(weight, heads, dn, dv):  # rows as [all heads' keys; all values]
         w = weight.view(heads * (dn + dv), -1)
         return w[: heads * dn].view(heads, dn, -1), w[heads * dn:].view(heads, dv, -1)
 
-    def shifted(*args):  # every selected token one earlier (still causal)
-        idx = build(*args)
+    def shifted(*args, **kwargs):  # every selected token one earlier (still causal)
+        idx = build(*args, **kwargs)
         return torch.where(idx > 0, idx - 1, idx)
 
     for name, module, attr, fake in (("wrong_split", sparse_mla, "split_kv_up_weight", keys_then_values),
-                                     ("shifted_index", absorbed, "pool_token_indices", shifted)):
+                                     ("shifted_index", pool_topk, "pool_token_indices", shifted)):
         original = getattr(module, attr)
         setattr(module, attr, fake)
         try:
@@ -68,7 +68,7 @@ def _controls(rank, world):
         finally:
             setattr(module, attr, original)
         errors[name] = relative_error(out, ref_out)
-    assert sparse_mla.split_kv_up_weight is split and absorbed.pool_token_indices is build
+    assert sparse_mla.split_kv_up_weight is split and pool_topk.pool_token_indices is build
     return errors
 
 

@@ -319,12 +319,17 @@ def test_fused_indexer_selects_the_blocked_pools(block):
     assert not torch.equal(late.sort(-1).values, ref.sort(-1).values)
 
 
+CUDA_PARAM = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the floor top-k's Triton kernels and pinned copies need CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA_PARAM])
 @pytest.mark.parametrize("block", [7, 4000])
-def test_crowded_rows_are_redone_after_the_blocks(block, monkeypatch):
+def test_crowded_rows_are_redone_after_the_blocks(block, device, monkeypatch):
     """With room for one candidate per pick, most rows have more candidates than fit
-    (``floor_topk`` flags them); ``fused_pool_topk`` redoes those after its last block with a
-    whole-row top-k and still equals ``blocked_pool_topk``. Control: without the redo (flags
-    dropped) the selection differs."""
+    (``floor_topk`` flags them); ``fused_pool_topk`` redoes those a few blocks later
+    (``DeferredRows``) with a whole-row top-k and still equals ``blocked_pool_topk``. Control:
+    without the redo (flags dropped) the selection differs."""
     from skyrl_megatron_kda.dsa import pool_topk, threshold_topk
     from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
 
@@ -338,6 +343,7 @@ def test_crowded_rows_are_redone_after_the_blocks(block, monkeypatch):
     keys = torch.randn(starts.numel(), 8, generator=gen)
     ref = pool_topk.blocked_pool_topk(q, w, keys, starts, pos, first, 4, 5, query_block=9,
                                       pool_block=3)
+    q, w, keys, starts, pos, first = (t.to(device) for t in (q, w, keys, starts, pos, first))
     scores, group = torch_dsa_kernels().index_scores, torch_dsa_kernels().index_group
     flagged = []
     floor_topk = pool_topk.floor_topk
@@ -348,13 +354,38 @@ def test_crowded_rows_are_redone_after_the_blocks(block, monkeypatch):
         return best, ids, crowded
 
     monkeypatch.setattr(pool_topk, "floor_topk", counting)
-    got = pool_topk.fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores, group)
+    got = pool_topk.fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores,
+                                    group).cpu()
     assert sum(flagged) > 100
     assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
     monkeypatch.setattr(pool_topk, "floor_topk",
                         lambda *a: (lambda b, i, c: (b, i, torch.zeros_like(c)))(*floor_topk(*a)))
-    skipped = pool_topk.fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores, group)
+    skipped = pool_topk.fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores,
+                                        group).cpu()
     assert not torch.equal(skipped.sort(-1).values, ref.sort(-1).values)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA_PARAM])
+def test_deferred_rows_run_in_order_lag_blocks_later(device):
+    """``DeferredRows``: a block's fix runs once ``lag`` more flagged blocks are queued, with
+    exactly its flagged rows (none: not at all), before the actions queued after it, and
+    ``finish`` runs the rest in order. Control: a lag of 0 runs each fix at once."""
+    from skyrl_megatron_kda.dsa.pool_topk import DeferredRows
+
+    log = []
+    later = DeferredRows(lag=2)
+    flags = [torch.tensor(f, device=device) for f in
+             ([True, False, True], [False, False, False], [False, True, False])]
+    for b, f in enumerate(flags):
+        later.fix(f, lambda rows, b=b: log.append((b, rows.tolist())))
+        later.then(lambda b=b: log.append(("then", b)))
+        assert len([e for e in log if e[0] == "then"]) == max(0, b - 1)
+    assert log == [(0, [0, 2]), ("then", 0)]
+    later.finish()
+    assert log == [(0, [0, 2]), ("then", 0), ("then", 1), (2, [1]), ("then", 2)]
+    at_once = []
+    DeferredRows(lag=0).fix(flags[0], lambda rows: at_once.append(rows.tolist()))
+    assert at_once == [[0, 2]]
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")

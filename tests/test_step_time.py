@@ -61,9 +61,9 @@ def kda_forward_share(path: Path) -> float:
 def test_stored_run_constants_derive_again():
     dsa = json.loads((RESULTS / "h200_threshold_topk" / "dsa_latent_keep.json").read_text())
     assert cal.DSA_SELECTED_PER_TOPK == pytest.approx(dsa["mean_selected"] / 2048)
-    scores = RESULTS / "h200_index_scores"
-    bf16 = json.loads((scores / "dsa_layer_latent_fused.json").read_text())["runs"][0]
-    fp8 = json.loads((scores / "dsa_layer_latent_fp8.json").read_text())
+    syncs = RESULTS / "h200_indexer_syncs"
+    bf16 = json.loads((syncs / "dsa_layer_latent.json").read_text())
+    fp8 = json.loads((syncs / "dsa_layer_fp8_flashmla.json").read_text())
     assert [(r["kernel"], r["indexer_scores"]) for r in (bf16, fp8)] == [("latent", "bf16"),
                                                                         ("latent", "fp8")]
     q, visible = bf16["queries"], (bf16["keys"] - bf16["queries"] / 2) / 4
@@ -74,7 +74,7 @@ def test_stored_run_constants_derive_again():
     for rates, kernel, path in (
             (cal.DSA_ATTENTION_S, "fused", "h200_dsa_kept_selection/dsa_rank_share_sequence.json"),
             (cal.DSA_ATTENTION_S, "latent", "h200_dsa_latent/dsa_rank_share_latent.json"),
-            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_index_scores/dsa_layer_latent_fused.json"),
+            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_indexer_syncs/dsa_layer_latent.json"),
             (cal.DSA_KEPT_OUTPUT_S, "fused", "h200_index_scores/dsa_layer_latent_fused.json")):
         run = json.loads((RESULTS / path).read_text())
         run = next((r for r in run["runs"] if r["kernel"] == kernel), None) if "runs" in run else run
@@ -256,8 +256,7 @@ def share_measured() -> dict[str, float]:
     selection and the attention output kept, as the recipe runs it)."""
     share = json.loads((RESULTS / "h200_step_time_share" / "share_1m.json").read_text())
     layer = {p["layer"]: p for p in share["layers"]}
-    dsa = json.loads((RESULTS / "h200_index_scores" / "dsa_layer_latent_fused.json").read_text())
-    dsa = dsa["runs"][0]
+    dsa = json.loads((RESULTS / "h200_indexer_syncs" / "dsa_layer_latent.json").read_text())
     return {"KDA block": layer[0]["attention_part"]["s"],
             "DSA core": dsa["best"]["step_ms_full_recompute"] * 1e-3,
             "MoE block": layer[1]["mlp_part"]["s"], "dense block": layer[0]["mlp_part"]["s"],

@@ -8,17 +8,26 @@ block of pools at a time and merges it into a running top-k, so the live scores 
 the running top-k (already ordered by score, then pool id) goes before the new block in a stable
 sort, so equal scores keep the earlier pool, as ``select_pools``' stable sort of the whole row
 does. Pools a block's queries cannot see (before the earliest document start, or ending past the
-last query) are never scored. ``fused_pool_topk`` (the fused and latent kernels') takes the
+last query) are never scored. ``fused_block_topk`` (the fused and latent kernels') takes the
 scores of a block's visible pools and their group maxima from a score kernel and the exact
-``threshold_topk.threshold_topk``.
+``threshold_topk.floor_topk``; the rare rows that top-k cannot settle are redone a few blocks
+later (``DeferredRows``), so the host never waits for the GPU inside the indexer's loop.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.nn.functional as F
 
+from .pools import pool_token_indices
 from .threshold_topk import floor_topk
+
+LAG = 2
+"""Query blocks the indexer queues on the GPU before the host reads a block's crowded rows
+(``DeferredRows``): one keeps the GPU busy while the host reads; two leave room for the
+host's own time per block."""
 
 
 def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpool: int, topk: int):
@@ -102,66 +111,144 @@ def blocked_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tens
     return result
 
 
+class PoolCandidates:
+    """Which pools each of a rank's queries may select: one contiguous run of pool ids [first,
+    end) per query, its document's complete pools that end at or before it. On the device for
+    the score kernel, and on the host (one transfer for the whole pass) so that a query block's
+    pool window costs no host sync."""
+
+    def __init__(self, starts: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor,
+                 kpool: int):
+        self.starts, self.q_pos, self.doc_start, self.kpool = starts, q_pos, doc_start, kpool
+        self.first = torch.searchsorted(starts, doc_start)
+        self.end = torch.searchsorted(starts + kpool - 1, q_pos, right=True)
+        self._host = torch.stack([self.first, self.end]).cpu()
+
+    def window(self, rows: slice | torch.Tensor) -> tuple[int, int]:
+        """[lowest first, highest end) over ``rows`` (a slice or CPU row ids): the pools a
+        block of these queries is scored against."""
+        first, end = self._host[0, rows], self._host[1, rows]
+        return (int(first.min()), int(end.max())) if first.numel() else (0, 0)
+
+    def write_tokens(self, out: torch.Tensor, pools: torch.Tensor, rows: slice) -> None:
+        """``rows``' selected pool ids [n, k] as token indices into ``out`` (their range is
+        not checked: the ids come from a top-k over these candidates)."""
+        out.copy_(pool_token_indices(pools, self.starts, self.q_pos[rows], self.doc_start[rows],
+                                     self.kpool, checked=False))
+
+
+class DeferredRows:
+    """Work on rows that the GPU flags, done once the host has the flags, ``lag`` flagged
+    blocks later. Reading a block's flags at once would leave the GPU idle until the host had
+    queued the next block; read later, it waits only for that block's copy while the blocks
+    queued after it keep the GPU busy. ``then`` queues an action that runs after every fix
+    queued before it; ``finish`` runs what is left."""
+
+    def __init__(self, lag: int = LAG):
+        self.lag, self._queue = lag, deque()
+
+    def fix(self, flags: torch.Tensor, action) -> None:
+        """``action(rows)`` with the flagged rows of bool ``flags`` [n] as CPU ids, if any."""
+        done = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            flags = host
+        self._queue.append((flags, done, action))
+        self._run(self.lag)
+
+    def then(self, action) -> None:
+        self._queue.append((None, None, action))
+        self._run(self.lag)
+
+    def finish(self) -> None:
+        self._run(0)
+
+    def _run(self, keep: int) -> None:
+        while self._queue:
+            flags, done, action = self._queue[0]
+            if flags is not None and sum(f is not None for f, _, _ in self._queue) <= keep:
+                return
+            self._queue.popleft()
+            if flags is None:
+                action()
+                continue
+            if done is not None:
+                done.synchronize()
+            rows = flags.nonzero(as_tuple=True)[0]
+            if rows.numel():
+                action(rows)
+
+
+def fused_block_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor,
+                     candidates: PoolCandidates, rows: slice, n_select: int, scorer, group: int,
+                     out: torch.Tensor, later: DeferredRows) -> None:
+    """One query block's pool ids into ``out`` [n, n_select] (-1 = none): ``blocked_pool_topk``'s
+    selection with the scores from ``scorer``, a kernel with the contract of megatron-core's
+    TileLang indexer (``indexer_fwd_interface``; the fused kernel passes ours in Triton,
+    ``index_scores.pool_scores``): q [n, heads, d] bf16, keys [P, d], weights [n, heads] fp32,
+    each query's visible key range [ks, ke) as int32 -> fp32 logits [n, P], -inf outside the
+    range (the relu and the head sum happen on chip), and their maxima over consecutive groups
+    of ``group`` pools [n, ceil(P / group)]. ``rows``: the block's queries among
+    ``candidates``'; the logits cover only the pools the block can see. The top-k is
+    ``threshold_topk.floor_topk``'s (exactly ``torch.topk``'s: ties in any order, unlike the
+    stable torch path); its rare crowded rows are scored again with a whole-row top-k by
+    ``later``, so the blocks queue on the GPU without waiting for the host."""
+    first, end = candidates.first[rows], candidates.end[rows]
+    crowded = _select(q, weights, pool_k, first, end, candidates.window(rows), n_select, scorer,
+                      group, out, whole_rows=False)
+    if crowded is None:
+        return
+
+    def redo(block_rows: torch.Tensor) -> None:
+        on = block_rows.to(q.device, non_blocking=True)
+        redone = torch.empty(block_rows.numel(), n_select, dtype=out.dtype, device=out.device)
+        _select(q[on], weights[on], pool_k, first[on], end[on],
+                candidates.window(block_rows + rows.start), n_select, scorer, group, redone,
+                whole_rows=True)
+        out[on] = redone
+
+    later.fix(crowded, redo)
+
+
+def _select(q, weights, pool_k, first_pool, end_pool, window: tuple[int, int], n_select: int,
+            scorer, group: int, out: torch.Tensor, whole_rows: bool) -> torch.Tensor | None:
+    """The pools ``window`` = [lo, hi) scored for queries q and the top-k into ``out``; returns
+    ``floor_topk``'s crowded rows (None for ``whole_rows``: ``torch.topk`` over each row)."""
+    lo, hi = window
+    k = min(n_select, hi - lo)
+    out.fill_(-1)
+    if k <= 0:
+        return None
+    ks = (first_pool - lo).to(torch.int32)
+    ke = (end_pool - lo).clamp(min=0).to(torch.int32)
+    logits, group_max = scorer(q.contiguous(), pool_k[lo:hi].contiguous(),
+                               weights.float().contiguous(), ks.contiguous(), ke.contiguous())
+    crowded = None
+    if whole_rows:
+        score, ids = logits.topk(k, dim=-1, sorted=False)
+    else:  # the attention needs no order
+        score, ids, crowded = floor_topk(logits, group_max, group, k)
+    out[:, :k] = (ids + lo).masked_fill(score == float("-inf"), -1)
+    return crowded
+
+
 def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor,
                     starts: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor,
                     kpool: int, n_select: int, query_block: int, scorer,
                     group: int) -> torch.Tensor:
-    """``blocked_pool_topk``'s selection with the scores from ``scorer``, a kernel with the
-    contract of megatron-core's TileLang indexer (``indexer_fwd_interface``; the fused kernel
-    passes ours in Triton, ``index_scores.pool_scores``): q [n, heads, d] bf16, keys [P, d],
-    weights [n, heads] fp32, each query's visible key range [ks, ke) as int32 -> fp32 logits
-    [n, P], -inf outside the range (the relu and the head sum happen on chip), and their maxima
-    over consecutive groups of ``group`` pools [n, ceil(P / group)]. Per block of
-    ``query_block`` queries the logits cover only the pools the block can see; the top-k is
-    ``threshold_topk``'s (exactly ``torch.topk``'s: ties in any order, unlike the stable torch
-    path), its rare crowded rows scored again after the last block for a whole-row top-k, so
-    the blocks run without waiting for the host."""
+    """``fused_block_topk`` over every ``query_block`` queries of q [s, heads, d] -> pool ids
+    [s, n_select] (-1 = none), with ``blocked_pool_topk``'s arguments."""
     if query_block < 1 or n_select < 0:
         raise ValueError(f"query_block must be >= 1 and n_select >= 0, got {query_block}, {n_select}")
-    ends = starts + kpool - 1
-    # Each query's candidates are one contiguous run of pool ids: its document's complete pools
-    # that end at or before it.
-    first_pool = torch.searchsorted(starts, doc_start)
-    end_pool = torch.searchsorted(ends, q_pos, right=True)
-    result = torch.full((q.shape[0], n_select), -1, dtype=torch.long, device=q.device)
-    # Every block's pool range in one transfer and the rare rows with too many candidates
-    # redone after the loop: no host sync inside it, so the GPU never waits for the host.
-    ranges = _block_ranges(first_pool, end_pool, query_block)
-    crowded = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
-
-    def select(rows: slice | torch.Tensor, lo: int, hi: int, whole_rows: bool):
-        k = min(n_select, hi - lo)
-        if k <= 0:
-            return None
-        ks = (first_pool[rows] - lo).to(torch.int32)
-        ke = (end_pool[rows] - lo).clamp(min=0).to(torch.int32)
-        logits, group_max = scorer(q[rows].contiguous(), pool_k[lo:hi].contiguous(),
-                                   weights[rows].float().contiguous(), ks.contiguous(),
-                                   ke.contiguous())
-        if whole_rows:
-            score, ids = logits.topk(k, dim=-1, sorted=False)
-            many = None
-        else:  # the attention needs no order
-            score, ids, many = floor_topk(logits, group_max, group, k)
-        result[rows] = -1
-        result[rows, :k] = (ids + lo).masked_fill(score == float("-inf"), -1)
-        return many
-
-    for (lo, hi), q0 in zip(ranges, range(0, q.shape[0], query_block)):
+    candidates = PoolCandidates(starts, q_pos, doc_start, kpool)
+    result = torch.empty(q.shape[0], n_select, dtype=torch.long, device=q.device)
+    later = DeferredRows()
+    for q0 in range(0, q.shape[0], query_block):
         rows = slice(q0, min(q0 + query_block, q.shape[0]))
-        many = select(rows, lo, hi, whole_rows=False)
-        if many is not None:
-            crowded[rows] = many
-    redo = crowded.nonzero(as_tuple=True)[0]  # the call's one host sync after the ranges'
-    for r0 in range(0, redo.numel(), query_block):
-        rows = redo[r0:r0 + query_block]
-        select(rows, int(first_pool[rows].min()), int(end_pool[rows].max()), whole_rows=True)
+        fused_block_topk(q[rows], weights[rows], pool_k, candidates, rows, n_select, scorer, group,
+                         result[rows], later)
+    later.finish()
     return result
-
-
-def _block_ranges(first_pool: torch.Tensor, end_pool: torch.Tensor, block: int) -> list:
-    """Per block of ``block`` queries, [lowest first pool, highest end pool) as host ints."""
-    pad = -first_pool.numel() % block
-    lo = torch.cat([first_pool, first_pool.new_full((pad,), torch.iinfo(first_pool.dtype).max)])
-    hi = torch.cat([end_pool, end_pool.new_zeros(pad)])
-    return torch.stack([lo.view(-1, block).amin(1), hi.view(-1, block).amax(1)], 1).tolist()

@@ -45,17 +45,18 @@ def pooled_keys(keys: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
 
 
 def pool_token_indices(pool_ids: torch.Tensor, starts: torch.Tensor, q_pos: torch.Tensor,
-                       doc_start: torch.Tensor, kpool: int) -> torch.Tensor:
+                       doc_start: torch.Tensor, kpool: int, checked: bool = True) -> torch.Tensor:
     """Token indices [s, k * kpool + kpool - 1] for queries at natural positions ``q_pos`` [s]
     (documents starting at ``doc_start`` [s]) that selected ``pool_ids`` [s, k] (-1 = none).
 
     A selected pool the query may not see (past the query, or outside its document) is dropped
     (-1), so the result is causal and per-document whatever the selection holds; an indexer with
     fewer visible pools than ``k`` leaves such entries in its top-k. Then the tail; -1 pads.
+    ``checked=False`` skips the check that the ids are pool ids (it reads them on the host).
     """
     if pool_ids.dim() != 2 or pool_ids.shape[0] != q_pos.shape[0]:
         raise ValueError(f"pool_ids must be [queries={q_pos.shape[0]}, k], got {list(pool_ids.shape)}")
-    if pool_ids.numel() and (int(pool_ids.min()) < -1 or int(pool_ids.max()) >= starts.numel()):
+    if checked and pool_ids.numel() and (int(pool_ids.min()) < -1 or int(pool_ids.max()) >= starts.numel()):
         raise ValueError(f"pool ids must lie in [-1, {starts.numel()}), got "
                          f"[{int(pool_ids.min())}, {int(pool_ids.max())}]")
     offs = torch.arange(kpool, device=pool_ids.device)

@@ -21,11 +21,11 @@ DSA_SHARE_QUERIES = 65536
 DSA_SHARE_VISIBLE_POOLS = (1048576 - 65536 / 2) / 4
 """Pools a query of that share sees on average: its position / 4."""
 
-DSA_INDEXER_S_PER_SCORE_DIM = 394.4500519999963e-3 / (DSA_SHARE_QUERIES * DSA_SHARE_VISIBLE_POOLS * 32 * 128)
+DSA_INDEXER_S_PER_SCORE_DIM = 346.45928499999457e-3 / (DSA_SHARE_QUERIES * DSA_SHARE_VISIBLE_POOLS * 32 * 128)
 """The indexer (pool scores, the floor's exact top-k, token indices) per query x visible pool x
-indexer head x head dim: 394 ms at that share in bench/results/h200_index_scores/
-dsa_layer_latent_fused.json (the ``latent`` run's ``best``; about 353 TFLOP/s counting the score
-GEMM's multiply-adds); the same for ``latent`` and ``fused``, which share it."""
+indexer head x head dim: 346 ms at that share in bench/results/h200_indexer_syncs/
+dsa_layer_latent.json (``best``; about 394 TFLOP/s counting the score GEMM's multiply-adds);
+the same for ``latent`` and ``fused``, which share it."""
 
 DSA_SELECTED_PER_TOPK = 2049.5 / 2048
 """Tokens selected per query against min(top-k, the query's prefix): the kernel's pools round
@@ -46,21 +46,22 @@ DSA_ATTENTION_S = {
 the kernel forward again."""
 
 DSA_KEPT_OUTPUT_S = {
-    # bench/results/h200_index_scores/dsa_layer_latent_fused.json (each run's ``best``, one call):
-    # ``latent`` forward 73.8 ms, backward 300.1 ms; ``fused`` 84.9 and 724.3 ms.
-    "latent": (73.8329119999861e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
-               300.10797400001366e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    # bench/results/h200_indexer_syncs/dsa_layer_latent.json (``best``): ``latent`` forward
+    # 74.6 ms, backward 296.7 ms. bench/results/h200_index_scores/dsa_layer_latent_fused.json
+    # (the ``fused`` run's ``best``): 84.9 and 724.3 ms.
+    "latent": (74.58473500000196e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+               296.70516400000224e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
     "fused": (84.92471200000296e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
               724.3288930000062e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
 }
 """``DSA_ATTENTION_S`` under ``model.dsa.keep_attention_output``: the forward keeps its output
 and log-sum-exp, and the backward reads them instead of running the kernel forward again."""
 
-# bench/results/h200_index_scores/ (``best`` of each, the same share, output kept, our kernels,
-# two consecutive calls on one machine): dsa_layer_latent_fused.json's ``latent`` run (bf16
-# scores) and dsa_layer_latent_fp8.json (FP8 scores).
-DSA_FP8_INDEXER_SHARE = 362.2280840000087 / 394.4500519999963
-"""The indexer's time under ``model.dsa.indexer_scores=fp8`` against bf16 (0.92)."""
+# bench/results/h200_indexer_syncs/ (``best`` of each, the same share, output kept, our kernels,
+# two consecutive calls on one machine): dsa_layer_latent.json (bf16 scores) and
+# dsa_layer_fp8_flashmla.json (FP8 scores; its FlashMLA forward does not touch the indexer).
+DSA_FP8_INDEXER_SHARE = 282.5274029999889 / 346.45928499999457
+"""The indexer's time under ``model.dsa.indexer_scores=fp8`` against bf16 (0.82)."""
 # bench/results/h200_dsa_ordered_fp8/ (``best`` of each, one device call, the same share, output
 # kept, our kernels): dsa_latent.json (the latent gradient added with atomics) and
 # dsa_latent_fp8_det.json (the ordered latent gradient; FP8 scores, which move only the indexer).

@@ -63,7 +63,7 @@ STAND_IN_GROUP = 4
 def _index_scores(q, keys, weights, ks, ke):
     assert ks.dtype == torch.int32 and ke.dtype == torch.int32 and weights.dtype == torch.float32
     scores = (torch.einsum("shd,pd->shp", q.float(), keys.float()).relu() * weights[..., None]).sum(1)
-    cols = torch.arange(keys.shape[0])
+    cols = torch.arange(keys.shape[0], device=keys.device)
     outside = (cols[None] < ks[:, None].long()) | (cols[None] >= ke[:, None].long())
     scores = scores.masked_fill(outside, float("-inf"))
     return scores, group_maxima(scores, STAND_IN_GROUP)

@@ -4,7 +4,8 @@ They never form whole-sequence keys and values: the core attention gets the whol
 normalised KV latent as ``key`` and the kv up-projection weight, and applies the absorption per
 query block (``sparse_mla.py``). Their indexer scores one block of queries at a time against the
 pools the block can see and returns int32 token indices (``pools.pool_token_indices``), so no
-[queries x pools] matrix is formed. Under ``tp_split=sequence`` (TP > 1 with SP) the queries
+[queries x pools] matrix is formed; the blocks queue on the GPU without waiting for the host
+(``pool_topk.PoolCandidates``, ``pool_topk.DeferredRows``). Under ``tp_split=sequence`` (TP > 1 with SP) the queries
 go through an all-to-all inside TP, each rank attends with every head on its own rows, and the
 output comes back (megatron's ``all_to_all_hp2sp`` / ``sp2hp``). A subclass gives the two
 steps that differ: ``top_pools`` (one query block's pool ids) and ``attend`` (one batch row).
@@ -13,6 +14,7 @@ steps that differ: ``top_pools`` (one query block's pool ids) and ``attend`` (on
 from __future__ import annotations
 
 from abc import abstractmethod
+from functools import partial
 
 import torch
 from megatron.core.tensor_parallel.mappings import (
@@ -21,7 +23,8 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from ..pools import pool_starts, pool_token_indices, pooled_keys
+from ..pool_topk import DeferredRows, PoolCandidates
+from ..pools import pool_starts, pooled_keys
 from .base import DSAKernel, DSAShape, KVDims
 
 
@@ -55,14 +58,17 @@ class AbsorbedKernel(DSAKernel):
                   for i in range(b)]
         out = torch.empty(b, s, indexer.index_topk + P - 1, dtype=torch.int32, device=qr.device)
         n_select, block = indexer.index_topk // P, self.dsa.indexer_query_block
+        candidates = PoolCandidates(starts, q_pos, doc_start, P)
+        later = DeferredRows()
         for q0 in range(0, s, block):
-            q1 = min(q0 + block, s)
-            q = indexer.query_heads(qr[q0:q1])
-            pos, first = q_pos[q0:q1], doc_start[q0:q1]
+            rows = slice(q0, min(q0 + block, s))
+            q = indexer.query_heads(qr[rows])
             for i in range(b):
-                pools = self.top_pools(q[:, i], weights[q0:q1, i], pool_k[i], starts, pos, first,
-                                       P, n_select)
-                out[i, q0:q1] = pool_token_indices(pools, starts, pos, first, P)
+                pools = torch.empty(q.shape[0], n_select, dtype=torch.long, device=qr.device)
+                self.top_pools(q[:, i], weights[rows, i], pool_k[i], candidates, rows, n_select,
+                               pools, later)
+                later.then(partial(candidates.write_tokens, out[i, rows], pools, rows))
+        later.finish()
         return out
 
     def attention(self, core, query, key, value, kv_up_weight, indices, layout):
@@ -84,11 +90,13 @@ class AbsorbedKernel(DSAKernel):
         return out.reshape(s, b, -1)
 
     @abstractmethod
-    def top_pools(self, q, weights, pool_k, starts, q_pos, doc_start, kpool: int,
-                  n_select: int) -> torch.Tensor:
-        """One query block's selected pool ids [n, n_select] (-1 = none): queries q [n, heads,
-        d] with head weights [n, heads] over pools with keys ``pool_k`` [n_pool, d] starting at
-        ``starts``, each query seeing its document's complete pools up to its position."""
+    def top_pools(self, q, weights, pool_k, candidates: PoolCandidates, rows: slice,
+                  n_select: int, out: torch.Tensor, later: DeferredRows) -> None:
+        """One query block's selected pool ids into ``out`` [n, n_select] (-1 = none): queries
+        q [n, heads, d] with head weights [n, heads], the block's ``rows`` of ``candidates``
+        (the pools each query may see), pools with keys ``pool_k`` [n_pool, d]. Work that needs
+        the host to read a GPU result may go to ``later``, which runs it before the block's
+        ids are read."""
 
     @abstractmethod
     def attend(self, query, latent, kv_up_weight, indices, scale: float,

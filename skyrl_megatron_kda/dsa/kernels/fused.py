@@ -1,7 +1,7 @@
 """``model.dsa.kernel=fused`` (GPU): megatron-core's TileLang sparse-MLA kernels in the absorbed
 layout (``fused_sparse_mla``) and our Triton indexer scores (``index_scores``) with the exact
-top-k from a floor (``threshold_topk``) per query block (``pool_topk.fused_pool_topk``). The kernels are loaded when the
-model is built (``load_kernels``: a clear error where CUDA or TileLang is missing); the CPU tests
+top-k from a floor (``threshold_topk``) per query block (``pool_topk.fused_block_topk``). The
+kernels are loaded when the model is built (``load_kernels``: a clear error where CUDA or TileLang is missing); the CPU tests
 replace ``load_kernels`` with a torch stand-in of the same contract."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ..fused_sparse_mla import (
     fused_dsa_kernels,
 )
 from ..index_scores import GROUP
-from ..pool_topk import fused_pool_topk
+from ..pool_topk import LAG, fused_block_topk
 from ..threshold_topk import CANDIDATES_PER_PICK
 from .absorbed import AbsorbedKernel, indexer_inputs_bytes
 from .base import DSAShape
@@ -51,10 +51,9 @@ class FusedKernel(AbsorbedKernel):
                     "CUDA); use model.dsa.kernel=torch or auto on CPU")
         return None
 
-    def top_pools(self, q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select):
-        return fused_pool_topk(q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select,
-                               q.shape[0], self.kernels.index_scores,
-                               self.kernels.index_group)
+    def top_pools(self, q, weights, pool_k, candidates, rows, n_select, out, later):
+        fused_block_topk(q, weights, pool_k, candidates, rows, n_select, self.kernels.index_scores,
+                         self.kernels.index_group, out, later)
 
     def attend(self, query, latent, kv_up_weight, indices, scale, v_head_dim):
         return fused_absorbed_sparse_mla(query, latent, kv_up_weight, indices, scale, v_head_dim,
@@ -81,7 +80,9 @@ class FusedKernel(AbsorbedKernel):
           scores [q, P] fp32 and their group maxima [q, P / GROUP] fp32, ``threshold_topk``'s
           two compacted buffers (groups, then scores: fp32 values + int32 ids, c =
           CANDIDATES_PER_PICK x k per query, k = index_topk / kpool) and its top-k (fp32 values,
-          int64 ids, the int64 picked ids).
+          int64 ids, the int64 picked ids); the queries' candidate runs [index_rows] (two int64)
+          and, while ``DeferredRows`` waits to read a block's crowded rows, LAG more blocks'
+          indexer queries, head weights and int64 pool ids.
         * ``attention forward``: the latent in the kernels' width (``width``: 576, zero-padded,
           for megatron-core's; 512 for ours) [T, width] w; per call: the absorbed queries
           [f, n, width] w, the kernel's output and (``masks_empty_queries``) its masked copy [f,
@@ -109,7 +110,8 @@ class FusedKernel(AbsorbedKernel):
         candidates = CANDIDATES_PER_PICK * selected
         indexer = (indexer_inputs_bytes(shape) + q * hi * (di * w + 4)
                    + q * (pools + -(-pools // GROUP)) * 4 + 2 * q * candidates * (4 + 4)
-                   + q * selected * (4 + 8 + 8))
+                   + q * selected * (4 + 8 + 8) + shape.index_rows * 2 * 8
+                   + LAG * q * (hi * (di * w + 4) + selected * 8))
         masked = 1 if cls.masks_empty_queries else 0
         forward = latent + f * n * (width + (1 + masked) * value) * w + f * (K + K64) * 4
         outputs = (1 if a.keep_attention_output else 2) + masked

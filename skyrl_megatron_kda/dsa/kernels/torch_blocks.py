@@ -16,9 +16,11 @@ class TorchKernel(AbsorbedKernel):
     keeps_lse = True
     working_set_label = "one block's working set"
 
-    def top_pools(self, q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select):
-        return blocked_pool_topk(q, weights, pool_k, starts, q_pos, doc_start, kpool, n_select,
-                                 query_block=q.shape[0], pool_block=self.dsa.indexer_pool_block)
+    def top_pools(self, q, weights, pool_k, candidates, rows, n_select, out, later):
+        c = candidates
+        out.copy_(blocked_pool_topk(q, weights, pool_k, c.starts, c.q_pos[rows], c.doc_start[rows],
+                                    c.kpool, n_select, query_block=q.shape[0],
+                                    pool_block=self.dsa.indexer_pool_block))
 
     def attend(self, query, latent, kv_up_weight, indices, scale, v_head_dim):
         return absorbed_sparse_mla(query, latent, kv_up_weight, indices, scale, v_head_dim,
