@@ -56,7 +56,7 @@ def main() -> None:
     ref_picks = ref.topk(TOPK_POOLS, dim=-1).indices.sort(-1).values
     rows = []
     for precision in a.precision.split(","):
-        scorer = INDEXER_SCORES[precision]
+        scorer = INDEXER_SCORES[precision].scores
         for tiles in itertools.product((2, 4, 8), (64, 128), (4, 8), (3,)):
             try:
                 scorer(q, keys, w, ks, ke, tiles)  # compiles

@@ -2,7 +2,9 @@
 pass of ``dsa_rank_share.py``'s indexer (65,536 queries, 64 blocks of 1,024 over 262,144 pools)
 after a warm-up pass, per score precision, the CUDA kernels sorted by their total time. Then the
 pass's wall time (synchronised, outside the profiler) against the sum of its kernels' times: the
-difference is the time the GPU waits for the host.
+difference is the time the GPU waits for the host. The FP8 pass runs twice: with the pool keys
+quantised once per pass (``DSAKernels.index_keys``, the layer's way) and, for comparison, once
+per query block inside the score kernel's call.
 
 Usage (CUDA + tilelang):  python3 bench/indexer_profile.py
 """
@@ -10,12 +12,14 @@ Usage (CUDA + tilelang):  python3 bench/indexer_profile.py
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 from dsa_rank_share import indexer, make_inputs  # bench/ is on sys.path when run as a script
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from skyrl_megatron_kda.dsa.index_scores import keys_as_they_are
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 
 KEYS, BLOCK, WALL_PASSES = 1 << 20, 1024, 3
@@ -35,8 +39,10 @@ def wall_ms(fn) -> float:
 
 def main() -> None:
     x = make_inputs(KEYS, "sequence", torch.device("cuda"))
-    for precision in ("bf16", "fp8"):
-        kernels = latent_dsa_kernels(indexer_scores=precision)
+    fp8 = latent_dsa_kernels(indexer_scores="fp8")
+    variants = {"bf16": latent_dsa_kernels(indexer_scores="bf16"), "fp8": fp8,
+                "fp8, keys quantised per block": replace(fp8, index_keys=keys_as_they_are)}
+    for name, kernels in variants.items():
         with torch.no_grad():
             def one_pass():
                 indexer(x, KEYS, "latent", BLOCK, kernels)
@@ -48,10 +54,10 @@ def main() -> None:
             kernel_ms = sum(e.self_device_time_total for e in prof.key_averages()
                             if e.device_type == DeviceType.CUDA) / 1e3
             wall = wall_ms(one_pass)
-        print("==", precision)
+        print("==", name)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                         max_name_column_width=60))
-        print(f"{precision}: kernels {kernel_ms:.1f} ms, wall {wall:.1f} ms "
+        print(f"{name}: kernels {kernel_ms:.1f} ms, wall {wall:.1f} ms "
               f"(best of {WALL_PASSES}), GPU waits for the host {wall - kernel_ms:.1f} ms")
 
 

@@ -71,10 +71,11 @@ def _kernel(name, tp_split="heads"):
                      indexer_query_block=9, indexer_pool_block=3)
 
 
-def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="heads"):
+def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="heads",
+          stand_in=None):
     """Our layer; ``fused`` and ``latent`` run the CPU stand-in of megatron's TileLang kernels
     and of ours (the layer's padding, absorption and TP layout are what is tested; the real
-    kernels on a GPU)."""
+    kernels on a GPU); ``stand_in``: another stand-in for ``fused``."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
@@ -83,7 +84,7 @@ def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="
     from tests.support.dsa_kernels import torch_dsa_kernels
 
     if not torch.cuda.is_available():
-        FusedKernel.load_kernels = staticmethod(lambda **_: torch_dsa_kernels())
+        FusedKernel.load_kernels = staticmethod(lambda **_: stand_in or torch_dsa_kernels())
         rank = config.kv_lora_rank
         LatentKernel.load_kernels = staticmethod(lambda **_: torch_dsa_kernels(rank, rank))
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
@@ -207,6 +208,51 @@ def test_packed_documents_are_independent(kernel):
     print(r)
     assert r["out"] < TOL and r["dx"] < TOL, r
     assert r["joined"] > 1e-2, r  # packing must not be the same as one long sequence
+
+
+class _Prepared(tuple):
+    """Pool keys wrapped by a stand-in's ``index_keys``: slicing takes a range of pools."""
+
+    def __getitem__(self, pools):
+        return _Prepared((tuple.__getitem__(self, 0)[pools],))
+
+
+def _keys_prepared_once(rank, world):
+    """The fused layer with a stand-in whose score kernel takes only keys its ``index_keys``
+    prepared: how often the layer prepares them per forward, and its output against the plain
+    stand-in's (the same scores)."""
+    from dataclasses import replace
+
+    from megatron.core import parallel_state
+
+    from tests.support.dsa_kernels import torch_dsa_kernels
+
+    parallel_state.initialize_model_parallel()
+    plain, prepared = torch_dsa_kernels(), []
+
+    def index_keys(keys):
+        prepared.append(keys.shape[0])
+        return _Prepared((keys,))
+
+    def index_scores(q, keys, *rest):
+        assert isinstance(keys, _Prepared), type(keys)  # never the raw keys
+        return plain.index_scores(q, tuple.__getitem__(keys, 0), *rest)
+
+    outs = []
+    for stand_in in (plain, replace(plain, index_keys=index_keys, index_scores=index_scores)):
+        layer = _ours(_config(4), 4, kernel="fused", stand_in=stand_in)
+        _randomize(layer, seed=5)
+        torch.manual_seed(2)
+        outs.append(layer(torch.randn(S, B, H), attention_mask=None)[0].detach())
+    return dict(prepared=prepared, same=torch.equal(*outs))
+
+
+def test_the_fused_layer_prepares_the_pool_keys_once_per_pass():
+    """``DSAKernels.index_keys`` (FP8: the keys quantised) runs once per batch row and pass,
+    not once per indexer block (``indexer_query_block`` 9 gives several blocks here), and the
+    score kernel gets its result."""
+    (r,) = run_ranks(1, _keys_prepared_once)
+    assert r["prepared"] == [S // 4] * B and r["same"], r
 
 
 # ---------------------------------------------------------------------------------------------

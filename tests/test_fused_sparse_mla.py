@@ -426,11 +426,13 @@ def _fp8_case(gen, n, pools, heads=4, dim=32):
 def _fp8_errors(q, keys, w, ks, ke, **tiles):
     """fp8_pool_scores against the fp64 scores of its own dequantised inputs, of the exact bf16
     inputs, and (control) of the dequantised inputs with each pool's scale moved one pool on."""
-    from skyrl_megatron_kda.dsa.index_scores import GROUP, fp8_pool_scores, fp8_rows
+    from skyrl_megatron_kda.dsa.index_scores import GROUP, fp8_keys, fp8_pool_scores, fp8_rows
     from skyrl_megatron_kda.dsa.threshold_topk import group_maxima
 
     got, maxima = (t.cpu() for t in fp8_pool_scores(q, keys, w, ks, ke, **tiles))
     assert torch.equal(maxima, group_maxima(got, tiles.get("group", GROUP)))
+    # The keys quantised once for the pass (the layer's index_keys) score the same.
+    assert torch.equal(fp8_pool_scores(q, fp8_keys(keys), w, ks, ke, **tiles)[0].cpu(), got)
     (q8, q_scale), (k8, k_scale) = (tuple(t.cpu() for t in fp8_rows(x)) for x in (q, keys))
     reference = torch_dsa_kernels().index_scores
     q_deq = q8.double() * q_scale[..., None]
@@ -443,6 +445,20 @@ def _fp8_errors(q, keys, w, ks, ke, **tiles):
     exact = reference(q.cpu().double(), keys.cpu().double(), w.float().cpu(), ks.cpu(), ke.cpu())[0]
     return {"dequantised": rel(ref), "bf16": rel(exact),
             "scales_moved": rel(scores(k8.double() * k_scale.roll(1)[:, None]))}
+
+
+def test_a_range_of_fp8_keys_is_the_range_quantised():
+    """``FP8Keys`` quantised once per pass and sliced by a block's pool range hold exactly what
+    quantising that range alone gives (each pool's scale is its own row's). Control: scales
+    taken one pool off differ."""
+    from skyrl_megatron_kda.dsa.index_scores import FP8Keys, fp8_keys
+
+    keys = torch.randn(300, 16, generator=torch.Generator().manual_seed(9)).bfloat16()
+    whole, alone = fp8_keys(keys)[50:200], fp8_keys(keys[50:200])
+    assert isinstance(whole, FP8Keys)
+    assert torch.equal(whole.values.float(), alone.values.float())
+    assert torch.equal(whole.scales, alone.scales)
+    assert not torch.equal(fp8_keys(keys).scales[51:201], alone.scales)
 
 
 @pytest.mark.parametrize("heads, tiles", [(4, (32, 64, 4, 1)), (3, (4, 64, 4, 2))])

@@ -40,7 +40,7 @@ from megatron.core.transformer.experimental_attention_variant.ops import (
     tilelang_sparse_mla_fwd,
 )
 
-from .index_scores import GROUP, INDEXER_SCORES, pool_scores
+from .index_scores import GROUP, INDEXER_SCORES, keys_as_they_are, pool_scores
 from .sparse_mla import check_indices, split_kv_up_weight
 
 KERNEL_WIDTH = 576
@@ -59,7 +59,9 @@ class DSAKernels:
     Indexer: ``index_scores(q [S, h, d], keys [P, d], weights [S, h] fp32, ks [S] int32,
     ke [S] int32) -> (scores [S, P], maxima [S, G])`` fp32: sum_h weights * relu(q . k), -inf
     outside [ks, ke), and the scores' maxima over consecutive groups of ``index_group`` pools
-    (G = ceil(P / index_group); the exact top-k's floor, ``threshold_topk``).
+    (G = ceil(P / index_group); the exact top-k's floor, ``threshold_topk``); ``index_keys``
+    prepares an indexer pass's pool keys [P, d] once for the scores of every query block (FP8:
+    ``index_scores.FP8Keys``), which take ranges of its rows.
     ``dtype`` is what the inputs are cast to (None: left as they are); ``width`` the channels
     the sparse-MLA kernels take (576 above: the latent is zero-padded to it) and
     ``value_width`` those of their output. The log-sum-exp is the forward's to define and the
@@ -75,6 +77,7 @@ class DSAKernels:
     backward: Callable
     index_scores: Callable
     index_group: int = GROUP
+    index_keys: Callable = keys_as_they_are
     dtype: torch.dtype | None = torch.bfloat16
     width: int = KERNEL_WIDTH
     value_width: int = KERNEL_VALUE_WIDTH
@@ -96,7 +99,8 @@ def fused_dsa_kernels(indexer_scores: str = "bf16") -> DSAKernels:
     return DSAKernels(forward=tilelang_sparse_mla_fwd.sparse_mla_fwd_interface,
                       delta=tilelang_sparse_mla_bwd.sparse_mla_delta,
                       backward=tilelang_sparse_mla_bwd.sparse_mla_bwd,
-                      index_scores=INDEXER_SCORES[indexer_scores])
+                      index_keys=INDEXER_SCORES[indexer_scores].keys,
+                      index_scores=INDEXER_SCORES[indexer_scores].scores)
 
 
 def _padded(t: torch.Tensor, width: int, dtype: torch.dtype | None) -> torch.Tensor:

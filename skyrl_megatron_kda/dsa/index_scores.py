@@ -26,13 +26,17 @@ the GPU, its FP8 form also under Triton's CPU interpreter (tests/test_fused_spar
 products, as DeepSeek-V3.2's lightning indexer does: each query head and each pool are scaled
 to FP8's range by their own absolute maximum, and since ``relu(a * b * x) = a * b * relu(x)`` for
 positive scales, the query heads' scales fold into the head weights and the pools' scales
-multiply each finished score, so the kernel's inner loop is unchanged. The H200's FP8 tensor
+multiply each finished score, so the kernel's inner loop is unchanged; the pool keys are
+quantised once per indexer pass (``FP8Keys``), not once per query block. The H200's FP8 tensor
 cores run twice the bf16 rate; the scores carry FP8's rounding (3 mantissa bits per factor), so
 pools that score close to the k-th may be chosen differently (docs/benchmarks.md measures how
 often).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -156,16 +160,47 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale[..., None]).to(FP8), scale
 
 
-def fp8_pool_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+class FP8Keys(NamedTuple):
+    """Pool keys quantised once per indexer pass (``fp8_keys``) for every query block that
+    scores a range of them: FP8 (e4m3) rows [P, d] and their fp32 scales [P]. A pool's scale is
+    its own row's, so a range of these is the range quantised alone."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def __getitem__(self, pools: slice) -> FP8Keys:  # a range of pools, as a tensor's rows
+        return FP8Keys(self.values[pools], self.scales[pools])
+
+
+def fp8_keys(keys: torch.Tensor) -> FP8Keys:
+    return FP8Keys(*fp8_rows(keys))
+
+
+def fp8_pool_scores(q: torch.Tensor, keys: torch.Tensor | FP8Keys, weights: torch.Tensor,
                     ks: torch.Tensor, ke: torch.Tensor,
                     tiles: tuple[int, int, int, int] = FP8_TILES, group: int = GROUP
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pool_scores`` on FP8 products (the module docstring): each query head's scale goes into
-    its weight, each pool's multiplies its score."""
+    its weight, each pool's multiplies its score; ``keys`` bf16 (quantised here) or
+    ``FP8Keys``."""
     q8, q_scale = fp8_rows(q)
-    keys8, key_scale = fp8_rows(keys)
-    return pool_scores(q8, keys8, weights.float() * q_scale, ks, ke, tiles, group, key_scale)
+    keys = keys if isinstance(keys, FP8Keys) else fp8_keys(keys)
+    return pool_scores(q8, keys.values, weights.float() * q_scale, ks, ke, tiles, group,
+                       keys.scales)
 
 
-INDEXER_SCORES = {"bf16": pool_scores, "fp8": fp8_pool_scores}
+def keys_as_they_are(keys: torch.Tensor) -> torch.Tensor:
+    return keys
+
+
+class Scoring(NamedTuple):
+    """A score precision: ``keys`` prepares the pass's pool keys once (``DSAKernels.index_keys``),
+    ``scores`` is the score kernel on them (``DSAKernels.index_scores``)."""
+
+    keys: Callable
+    scores: Callable
+
+
+INDEXER_SCORES = {"bf16": Scoring(keys_as_they_are, pool_scores),
+                  "fp8": Scoring(fp8_keys, fp8_pool_scores)}
 """``model.dsa.indexer_scores`` -> the score kernel of the fused and latent kernel sets."""

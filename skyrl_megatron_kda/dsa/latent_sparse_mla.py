@@ -346,5 +346,7 @@ def latent_dsa_kernels(ordered: bool = False, indexer_scores: str = "bf16",
         return dq, dkv[:, None]
 
     return DSAKernels(forward=forward, delta=row_dots, backward=backward,
-                      index_scores=INDEXER_SCORES[indexer_scores], width=LATENT_WIDTH, value_width=LATENT_WIDTH,
+                      index_keys=INDEXER_SCORES[indexer_scores].keys,
+                      index_scores=INDEXER_SCORES[indexer_scores].scores, width=LATENT_WIDTH,
+                      value_width=LATENT_WIDTH,
                       backward_adds_dkv=BACKWARD_ADDS_DKV, zero_without_keys=True)

@@ -188,7 +188,8 @@ def fused_block_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tenso
     """One query block's pool ids into ``out`` [n, n_select] (-1 = none): ``blocked_pool_topk``'s
     selection with the scores from ``scorer``, a kernel with the contract of megatron-core's
     TileLang indexer (``indexer_fwd_interface``; the fused kernel passes ours in Triton,
-    ``index_scores.pool_scores``): q [n, heads, d] bf16, keys [P, d], weights [n, heads] fp32,
+    ``index_scores.pool_scores``): q [n, heads, d] bf16, keys [P, d] (or what the kernel set's
+    ``index_keys`` made of them, sliced by pool range), weights [n, heads] fp32,
     each query's visible key range [ks, ke) as int32 -> fp32 logits [n, P], -inf outside the
     range (the relu and the head sum happen on chip), and their maxima over consecutive groups
     of ``group`` pools [n, ceil(P / group)]. ``rows``: the block's queries among
@@ -224,8 +225,8 @@ def _select(q, weights, pool_k, first_pool, end_pool, window: tuple[int, int], n
         return None
     ks = (first_pool - lo).to(torch.int32)
     ke = (end_pool - lo).clamp(min=0).to(torch.int32)
-    logits, group_max = scorer(q.contiguous(), pool_k[lo:hi].contiguous(),
-                               weights.float().contiguous(), ks.contiguous(), ke.contiguous())
+    logits, group_max = scorer(q.contiguous(), pool_k[lo:hi], weights.float().contiguous(),
+                               ks.contiguous(), ke.contiguous())
     crowded = None
     if whole_rows:
         score, ids = logits.topk(k, dim=-1, sorted=False)

@@ -54,8 +54,8 @@ class AbsorbedKernel(DSAKernel):
             raise ValueError(f"DSA kernel {self.name!r} keeps int32 token indices: "
                              f"{int(cu[-1])} tokens is too many (at most 2**31 - 1)")
         starts = pool_starts(cu, P)
-        pool_k = [pooled_keys(keys[:, i], gate[:, i], indexer.kpool_compress_ape, starts, P)
-                  for i in range(b)]
+        pool_k = [self.index_keys(pooled_keys(keys[:, i], gate[:, i], indexer.kpool_compress_ape,
+                                              starts, P)) for i in range(b)]
         out = torch.empty(b, s, indexer.index_topk + P - 1, dtype=torch.int32, device=qr.device)
         n_select, block = indexer.index_topk // P, self.dsa.indexer_query_block
         candidates = PoolCandidates(starts, q_pos, doc_start, P)
@@ -89,12 +89,16 @@ class AbsorbedKernel(DSAKernel):
             out = _rows_to_heads(out, layout.tp_group)
         return out.reshape(s, b, -1)
 
+    def index_keys(self, pool_k: torch.Tensor):
+        """The pass's pool keys [n_pool, d] as ``top_pools`` takes them, prepared once."""
+        return pool_k
+
     @abstractmethod
     def top_pools(self, q, weights, pool_k, candidates: PoolCandidates, rows: slice,
                   n_select: int, out: torch.Tensor, later: DeferredRows) -> None:
         """One query block's selected pool ids into ``out`` [n, n_select] (-1 = none): queries
         q [n, heads, d] with head weights [n, heads], the block's ``rows`` of ``candidates``
-        (the pools each query may see), pools with keys ``pool_k`` [n_pool, d]. Work that needs
+        (the pools each query may see), pools with keys ``pool_k`` (``index_keys``'). Work that needs
         the host to read a GPU result may go to ``later``, which runs it before the block's
         ids are read."""
 

@@ -51,6 +51,9 @@ class FusedKernel(AbsorbedKernel):
                     "CUDA); use model.dsa.kernel=torch or auto on CPU")
         return None
 
+    def index_keys(self, pool_k):
+        return self.kernels.index_keys(pool_k)
+
     def top_pools(self, q, weights, pool_k, candidates, rows, n_select, out, later):
         fused_block_topk(q, weights, pool_k, candidates, rows, n_select, self.kernels.index_scores,
                          self.kernels.index_group, out, later)
@@ -82,7 +85,9 @@ class FusedKernel(AbsorbedKernel):
           CANDIDATES_PER_PICK x k per query, k = index_topk / kpool) and its top-k (fp32 values,
           int64 ids, the int64 picked ids); the queries' candidate runs [index_rows] (two int64)
           and, while ``DeferredRows`` waits to read a block's crowded rows, LAG more blocks'
-          indexer queries, head weights and int64 pool ids.
+          indexer queries, head weights and int64 pool ids; under ``model.dsa.indexer_scores=fp8``
+          the pass's FP8 pool keys and their fp32 scales [P] (quantised once, before the
+          blocks) and a block's FP8 queries and scales.
         * ``attention forward``: the latent in the kernels' width (``width``: 576, zero-padded,
           for megatron-core's; 512 for ours) [T, width] w; per call: the absorbed queries
           [f, n, width] w, the kernel's output and (``masks_empty_queries``) its masked copy [f,
@@ -112,6 +117,8 @@ class FusedKernel(AbsorbedKernel):
                    + q * (pools + -(-pools // GROUP)) * 4 + 2 * q * candidates * (4 + 4)
                    + q * selected * (4 + 8 + 8) + shape.index_rows * 2 * 8
                    + LAG * q * (hi * (di * w + 4) + selected * 8))
+        if a.indexer_scores == "fp8":  # the pass's FP8 keys and scales, a block's FP8 queries
+            indexer += (pools + q * hi) * (di + 4)
         masked = 1 if cls.masks_empty_queries else 0
         forward = latent + f * n * (width + (1 + masked) * value) * w + f * (K + K64) * 4
         outputs = (1 if a.keep_attention_output else 2) + masked
