@@ -293,6 +293,37 @@ def test_fused_indexer_selects_the_torch_pools():
     assert sum(same) / len(same) > 0.98
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
+def test_fp8_keys_quantised_once_select_what_per_block_quantisation_selects():
+    """``model.dsa.indexer_scores=fp8``: the pool keys quantised once for the pass
+    (``index_keys``) and sliced per block give the fused indexer exactly the selection that
+    quantising each block's range gives, over several blocks and a document boundary; and the
+    FP8 selection is close to the bf16 one (most pools the same)."""
+    from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
+    from skyrl_megatron_kda.dsa.pool_topk import fused_pool_topk
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(11)
+    cu = torch.tensor([0, 1500, 6000], device=dev)
+    starts = pool_starts(cu, 4)
+    pos = torch.arange(1000, 6000, device=dev)
+    first = document_starts(cu, pos)
+    q = (torch.randn(pos.numel(), 32, 128, generator=gen) * 0.3).to(dev).bfloat16()
+    w = torch.rand(pos.numel(), 32, generator=gen).to(dev)
+    keys = torch.randn(starts.numel(), 128, generator=gen).to(dev).bfloat16()
+    fp8, bf16 = fused_dsa_kernels(indexer_scores="fp8"), fused_dsa_kernels()
+    select = lambda k, pool_keys: fused_pool_topk(  # noqa: E731
+        q, w, pool_keys, starts, pos, first, 4, 64, 700, k.index_scores, k.index_group)
+    once, per_block = select(fp8, fp8.index_keys(keys)), select(fp8, keys)
+    assert torch.equal(once, per_block)
+    reference = select(bf16, keys)
+    picked = lambda row: set(row.tolist()) - {-1}  # noqa: E731
+    same = sum(len(picked(a) & picked(b)) for a, b in zip(once.cpu(), reference.cpu()))
+    share = same / sum(len(picked(b)) for b in reference.cpu())
+    print({"same pools as bf16": share})
+    assert share > 0.9, share
+
+
 @pytest.mark.parametrize("block", [1, 7, 4000])
 def test_fused_indexer_selects_the_blocked_pools(block):
     """``fused_pool_topk`` with the stand-in scores equals ``blocked_pool_topk`` (fp32, no ties):
