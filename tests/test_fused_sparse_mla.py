@@ -265,22 +265,31 @@ def test_fused_dsa_kernels_match_torch(heads, load, keep):
     assert max(errors.values()) < 1e-2, errors
 
 
+def _gpu_indexer_case(cu_seqlens: list[int], first_query: int, seed: int):
+    """Indexer inputs on CUDA at GLM's widths (32 heads x 128, pools of 4) for the queries from
+    ``first_query`` to the last token: pool starts, positions, document starts, q, weights,
+    pool keys."""
+    from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
+
+    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(seed)
+    cu = torch.tensor(cu_seqlens, device=dev)
+    starts = pool_starts(cu, 4)
+    pos = torch.arange(first_query, cu_seqlens[-1], device=dev)
+    q = (torch.randn(pos.numel(), 32, 128, generator=gen) * 0.3).to(dev).bfloat16()
+    w = torch.rand(pos.numel(), 32, generator=gen).to(dev)
+    keys = torch.randn(starts.numel(), 128, generator=gen).to(dev).bfloat16()
+    return starts, pos, document_starts(cu, pos), q, w, keys
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
 def test_fused_indexer_selects_the_torch_pools():
     """The fused indexer's scores (bf16 products, fp32 sums) pick the same pools as the torch
     indexer (fp32) for nearly every query, and never a pool the query may not see."""
-    from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
     from skyrl_megatron_kda.dsa.pool_topk import blocked_pool_topk, fused_pool_topk
 
-    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(4)
-    cu = torch.tensor([0, 1500, 1503, 4000], device=dev)  # a 3-token document: no pool at all
-    starts = pool_starts(cu, 4)
-    pos = torch.arange(1000, 4000, device=dev)
-    first = document_starts(cu, pos)
-    q = (torch.randn(pos.numel(), 32, 128, generator=gen) * 0.3).to(dev).bfloat16()
-    w = torch.rand(pos.numel(), 32, generator=gen).to(dev)
-    keys = torch.randn(starts.numel(), 128, generator=gen).to(dev).bfloat16()
+    # (a 3-token document: no pool at all)
+    starts, pos, first, q, w, keys = _gpu_indexer_case([0, 1500, 1503, 4000], 1000, seed=4)
     ref = blocked_pool_topk(q, w, keys, starts, pos, first, 4, 64, query_block=256)
     kernels = fused_dsa_kernels()
     got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 64, 700, kernels.index_scores,
@@ -300,17 +309,9 @@ def test_fp8_keys_quantised_once_select_what_per_block_quantisation_selects():
     (``index_keys``) and sliced per block give the fused indexer exactly the selection that
     quantising each block's range gives, over several blocks and a document boundary; and the
     FP8 selection is close to the bf16 one (most pools the same)."""
-    from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
     from skyrl_megatron_kda.dsa.pool_topk import fused_pool_topk
 
-    dev, gen = torch.device("cuda"), torch.Generator().manual_seed(11)
-    cu = torch.tensor([0, 1500, 6000], device=dev)
-    starts = pool_starts(cu, 4)
-    pos = torch.arange(1000, 6000, device=dev)
-    first = document_starts(cu, pos)
-    q = (torch.randn(pos.numel(), 32, 128, generator=gen) * 0.3).to(dev).bfloat16()
-    w = torch.rand(pos.numel(), 32, generator=gen).to(dev)
-    keys = torch.randn(starts.numel(), 128, generator=gen).to(dev).bfloat16()
+    starts, pos, first, q, w, keys = _gpu_indexer_case([0, 1500, 6000], 1000, seed=11)
     fp8, bf16 = fused_dsa_kernels(indexer_scores="fp8"), fused_dsa_kernels()
     select = lambda k, pool_keys: fused_pool_topk(  # noqa: E731
         q, w, pool_keys, starts, pos, first, 4, 64, 700, k.index_scores, k.index_group)
