@@ -24,7 +24,7 @@ alone cannot replace the recompute).
 The kernels are passed in as ``DSAKernels``: ``fused_dsa_kernels()`` on CUDA; the CPU tests
 pass a torch stand-in with the same contract to check the padding, absorption and blocking here.
 The same set carries the indexer-score kernel that the fused indexer
-(``pool_topk.fused_pool_topk``) uses: ours in Triton (``index_scores.py``). The fused kernel
+(``pool_topk.fused_block_topk``) uses: ours in Triton (``index_scores.py``). The fused kernel
 (``kernels/fused.py``) runs both.
 """
 

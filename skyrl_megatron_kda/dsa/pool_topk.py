@@ -243,7 +243,8 @@ def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor
     """``fused_block_topk`` over every ``query_block`` queries of q [s, heads, d] -> pool ids
     [s, n_select] (-1 = none), with ``blocked_pool_topk``'s arguments."""
     if query_block < 1 or n_select < 0:
-        raise ValueError(f"query_block must be >= 1 and n_select >= 0, got {query_block}, {n_select}")
+        raise ValueError(f"query_block must be >= 1 and n_select >= 0, got {query_block}, "
+                         f"{n_select}")
     candidates = PoolCandidates(starts, q_pos, doc_start, kpool)
     result = torch.empty(q.shape[0], n_select, dtype=torch.long, device=q.device)
     later = DeferredRows()

@@ -56,7 +56,8 @@ def pool_token_indices(pool_ids: torch.Tensor, starts: torch.Tensor, q_pos: torc
     """
     if pool_ids.dim() != 2 or pool_ids.shape[0] != q_pos.shape[0]:
         raise ValueError(f"pool_ids must be [queries={q_pos.shape[0]}, k], got {list(pool_ids.shape)}")
-    if checked and pool_ids.numel() and (int(pool_ids.min()) < -1 or int(pool_ids.max()) >= starts.numel()):
+    if checked and pool_ids.numel() and (int(pool_ids.min()) < -1
+                                         or int(pool_ids.max()) >= starts.numel()):
         raise ValueError(f"pool ids must lie in [-1, {starts.numel()}), got "
                          f"[{int(pool_ids.min())}, {int(pool_ids.max())}]")
     offs = torch.arange(kpool, device=pool_ids.device)

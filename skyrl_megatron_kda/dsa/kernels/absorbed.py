@@ -5,8 +5,8 @@ normalised KV latent as ``key`` and the kv up-projection weight, and applies the
 query block (``sparse_mla.py``). Their indexer scores one block of queries at a time against the
 pools the block can see and returns int32 token indices (``pools.pool_token_indices``), so no
 [queries x pools] matrix is formed; the blocks queue on the GPU without waiting for the host
-(``pool_topk.PoolCandidates``, ``pool_topk.DeferredRows``). Under ``tp_split=sequence`` (TP > 1 with SP) the queries
-go through an all-to-all inside TP, each rank attends with every head on its own rows, and the
+(``pool_topk.PoolCandidates``, ``pool_topk.DeferredRows``). Under ``tp_split=sequence`` (TP > 1
+with SP) the queries go through an all-to-all inside TP, each rank attends with every head on its own rows, and the
 output comes back (megatron's ``all_to_all_hp2sp`` / ``sp2hp``). A subclass gives the two
 steps that differ: ``top_pools`` (one query block's pool ids) and ``attend`` (one batch row).
 """
@@ -98,9 +98,9 @@ class AbsorbedKernel(DSAKernel):
                   n_select: int, out: torch.Tensor, later: DeferredRows) -> None:
         """One query block's selected pool ids into ``out`` [n, n_select] (-1 = none): queries
         q [n, heads, d] with head weights [n, heads], the block's ``rows`` of ``candidates``
-        (the pools each query may see), pools with keys ``pool_k`` (``index_keys``'). Work that needs
-        the host to read a GPU result may go to ``later``, which runs it before the block's
-        ids are read."""
+        (the pools each query may see), pools with keys ``pool_k`` (``index_keys``'). Work
+        that needs the host to read a GPU result may go to ``later``, which runs it before the
+        block's ids are read."""
 
     @abstractmethod
     def attend(self, query, latent, kv_up_weight, indices, scale: float,

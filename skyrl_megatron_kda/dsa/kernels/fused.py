@@ -1,8 +1,9 @@
 """``model.dsa.kernel=fused`` (GPU): megatron-core's TileLang sparse-MLA kernels in the absorbed
 layout (``fused_sparse_mla``) and our Triton indexer scores (``index_scores``) with the exact
 top-k from a floor (``threshold_topk``) per query block (``pool_topk.fused_block_topk``). The
-kernels are loaded when the model is built (``load_kernels``: a clear error where CUDA or TileLang is missing); the CPU tests
-replace ``load_kernels`` with a torch stand-in of the same contract."""
+kernels are loaded when the model is built (``load_kernels``: a clear error where CUDA or
+TileLang is missing); the CPU tests replace ``load_kernels`` with a torch stand-in of the same
+contract."""
 
 from __future__ import annotations
 
