@@ -20,6 +20,7 @@ import torch
 
 from skyrl_megatron_kda.dsa import kernels as dsa_kernels
 from skyrl_megatron_kda.dsa.latent_sparse_mla import (
+    backward_program,
     latent_backward,
     latent_dsa_kernels,
     latent_forward,
@@ -44,6 +45,14 @@ def test_latent_kernels_need_cuda():
         latent_dsa_kernels()
     assert "run.device=gpu" in dsa_kernels.get("latent").refusal("cpu")
     assert dsa_kernels.resolve("auto", "cpu") == "torch"
+
+
+def test_the_backward_refuses_key_blocks_that_do_not_tile_its_keys():
+    """Checked before TileLang is needed: a key block that does not divide the top-k width (or
+    that its store parts do not divide) would read past a query's indices."""
+    for bad in (dict(key_block=48), dict(key_block=16, store_split=3)):
+        with pytest.raises(ValueError, match="multiple of the key block"):
+            backward_program(64, 512, 2080, SCALE, **bad)
 
 
 def _rel(a, b):

@@ -51,7 +51,8 @@ LATENT_WIDTH = 512
 FORWARD_KEY_BLOCK = 64
 """Selected keys per step of the forward kernel (the top-k width is padded to a multiple)."""
 BACKWARD_KEY_BLOCK = 32
-"""Selected keys per step of the backward kernel."""
+"""Selected keys per step of the backward kernel: at the 1M share 16-key blocks ran 1.16-1.22x
+slower and 32 with one pipeline stage 1.30x (bench/results/h200_backward_ablation)."""
 BACKWARD_ADDS_DKV = True
 """The backward takes ``dkv=``, an fp32 accumulator it adds the latent gradient to
 (``DSAKernels.backward_adds_dkv``; ``kernels/latent.py`` models the memory by it)."""
@@ -175,18 +176,22 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
 
 
 def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
-                     num_stages: int = 2, store_split: int = 4, ordered: bool = False):
+                     num_stages: int = 2, store_split: int = 4, ordered: bool = False,
+                     key_block: int = BACKWARD_KEY_BLOCK):
     """The backward for ``heads`` (as ``padded_heads`` gives), width ``dim``, top-k width
-    ``topk`` (a multiple of BACKWARD_KEY_BLOCK): one thread block per (query, head group)
-    rebuilds each key block's probabilities from the kept log-sum-exp, accumulates dq in
+    ``topk`` (a multiple of ``key_block``): one thread block per (query, head group) rebuilds
+    each block of ``key_block`` keys' probabilities from the kept log-sum-exp, accumulates dq in
     registers and adds the block's latent gradient ``dP^T Q + P^T dO`` to ``dKV`` [Tk, dim]
     (fp32 atomics, staged through shared memory in ``store_split`` parts); ``ordered`` (one head
     group): writes it to the query's rows of ``dKV`` [S, topk, dim] instead, one row per
     selected slot (zero where the slot is -1), for ``ordered_row_sums``."""
-    tilelang, T = _tilelang()
-    BH, BK = min(heads, HEAD_BLOCK), BACKWARD_KEY_BLOCK
+    BH, BK = min(heads, HEAD_BLOCK), key_block
     if ordered and heads > BH:
         raise ValueError(f"the ordered backward takes up to {HEAD_BLOCK} heads, got {heads}")
+    if topk % BK or BK % store_split:
+        raise ValueError(f"the top-k width ({topk}) must be a multiple of the key block ({BK}), "
+                         f"and the key block of its store parts ({store_split})")
+    tilelang, T = _tilelang()
     threads = threads or _threads(BH)
     groups, steps = heads // BH, topk // BK
     part = BK // store_split
@@ -300,7 +305,8 @@ def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, order
     instead of with atomics; ``config``: ``backward_program``'s tuning keywords."""
     S, H, D = q.shape
     heads = padded_heads(H)
-    idx = _pad_keys(indices.to(torch.int32), BACKWARD_KEY_BLOCK).contiguous()
+    idx = _pad_keys(indices.to(torch.int32),
+                    config.get("key_block", BACKWARD_KEY_BLOCK)).contiguous()
     kernel = backward_kernel(heads, D, idx.shape[1], float(scale), ordered=ordered, **config)
     if dkv is None:
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
