@@ -319,6 +319,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     a = p.parse_args()
+    names = list(programs(BK))  # the names only: nothing is built yet
+    unknown = [name for name in a.rows.split(",") if a.rows and name not in names]
+    if unknown:
+        p.error(f"unknown rows {unknown}; the rows are {names}")
     import tilelang
 
     dev = torch.device("cuda")
