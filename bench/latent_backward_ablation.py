@@ -8,8 +8,9 @@ Each row is one build of a backward program, timed on the same inputs in one cal
 * ``without its latent-gradient atomics``: the same program with each ``T.atomic_addx4`` made a
   no-op while it is built (a timing ablation: its dkv is wrong);
 * ``memory only``: the kernel's memory traffic without its products: the same pipelined gathers
-  of the selected latent rows and the same staged atomics, each alone and both together
-  (``memory_program``; the gathered rows stand in for the gradient);
+  of the selected latent rows and the same staged atomics, each alone and both together; the
+  adds alone also as plain stores of the same bytes and as bulk reduces (``memory_program``;
+  the gathered rows stand in for the gradient);
 * ``adds from registers``: the previous key block's gradient added straight from the MMA
   registers (8-byte atomics, half the rows after the score products are issued asynchronously
   and half after dq's), so the adds drain while the tensor cores work (``registers_program``);
