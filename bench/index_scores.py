@@ -9,7 +9,8 @@ default configuration's bf16 scores; ``--precision bf16,fp8`` also sweeps the FP
 FLOPs: 2 x queries x pools x heads x head width (every pool is visible to the last block, so the
 causal skip saves nothing here).
 
-Usage (CUDA):  python3 bench/index_scores.py [--queries 1024] [--precision bf16,fp8] [--json out.json]
+Usage (CUDA):  python3 bench/index_scores.py [--queries 1024] [--precision bf16,fp8] [--stages 3]
+               [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queries", type=int, default=1024)
     p.add_argument("--precision", default="bf16", help="comma list of bf16, fp8")
+    p.add_argument("--stages", default="3",
+                   help="comma list of pipeline stages to sweep (two stages fit a second "
+                        "program of 8 queries per SM)")
     p.add_argument("--json", default="")
     a = p.parse_args()
+    stages = tuple(int(n) for n in a.stages.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(a.queries, HEADS, DIM, generator=g, device="cuda").to(torch.bfloat16)
     keys = torch.randn(POOLS, DIM, generator=g, device="cuda").to(torch.bfloat16)
@@ -57,7 +62,7 @@ def main() -> None:
     rows = []
     for precision in a.precision.split(","):
         scorer = INDEXER_SCORES[precision].scores
-        for tiles in itertools.product((2, 4, 8), (64, 128), (4, 8), (3,)):
+        for tiles in itertools.product((2, 4, 8), (64, 128), (4, 8), stages):
             try:
                 scorer(q, keys, w, ks, ke, tiles)  # compiles
                 (out, _), ms = timed(lambda: scorer(q, keys, w, ks, ke, tiles))
