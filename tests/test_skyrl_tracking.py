@@ -28,7 +28,8 @@ def test_missing_metrics_are_left_out_and_non_finite_ones_shown():
 
 
 def _tracker(tmp_path, backend):
-    return KDATracking(metrics_file=tmp_path / "logs" / "metrics.jsonl", suffix="KDA exchange state (CP2)",
+    return KDATracking(metrics_file=tmp_path / "logs" / "metrics.jsonl",
+                       steps_file=tmp_path / "logs" / "steps.log", suffix="KDA exchange state (CP2)",
                        project_name="p", experiment_name="e", backend=backend, config=None)
 
 
@@ -38,6 +39,8 @@ def test_console_backend_prints_the_line_instead_of_skyrls_dump(tmp_path, capsys
     tracker.log({"timing/step": 9.5}, step=1)  # the fully async trainer's second call
     out = capsys.readouterr().out.splitlines()
     assert out == [step_line(1, STEP, "KDA exchange state (CP2)")]
+    # the same line in steps.log (the console of a Ray task can lose its last lines)
+    assert (tmp_path / "logs" / "steps.log").read_text().splitlines() == out
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert records == [{"step": 1, **{k: v for k, v in STEP.items() if k != "note"}},
                        {"step": 1, "timing/step": 9.5}]

@@ -44,7 +44,7 @@ from .gate import launch_blockers
 from .local_ray import start_local_ray
 from .reference import KDARefWorker
 from .settings import cp_exchange_source, decided_settings
-from .tracking import config_dump_path, kda_tracker, metrics_path
+from .tracking import config_dump_path, kda_tracker, metrics_path, steps_path
 from .trainers import trainer_class, trainer_line
 from .workers import KDAPolicyWorker
 
@@ -231,6 +231,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit("the KDA SkyRL job cannot run yet:\n  - " + "\n  - ".join(blockers))
     print(trainer_line(cfg), flush=True)
     print(f"per-step metrics: {metrics_path(cfg.trainer)}", flush=True)
+    print(f"step lines: {steps_path(cfg.trainer)}", flush=True)
     if recipe.run.device == "cpu":
         print(f"worker logs: {start_local_ray(cfg)}", flush=True)
     else:

@@ -6,7 +6,10 @@ SkyRL's console logger prints the whole metrics dict at 4 decimals each step (ab
 the rollout-vs-train log-prob drift, about 1e-6 in fp32, reads ``0.0000``). With
 ``trainer.logger=console`` the KDA tracker prints ``step_line`` instead; the other backends
 (wandb, mlflow, tensorboard, swanlab) get the full dict as SkyRL sends it, and the line as well.
-``metrics.jsonl`` (under ``trainer.log_path``) gets every numeric metric, whatever the backend.
+``metrics.jsonl`` (under ``trainer.log_path``) gets every numeric metric, whatever the backend,
+and ``steps.log`` beside it the step lines: the trainer runs in a Ray task, whose output reaches
+the console through Ray's log forwarding, which can drop the lines printed just before the job
+ends.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Dict, List, Tuple
 from skyrl.train.utils.tracking import Tracking
 
 METRICS_FILE = "metrics.jsonl"
+STEPS_FILE = "steps.log"
 
 STEP_LINE: Tuple[Tuple[str, str, str], ...] = (
     # (label, SkyRL metric, format): the numbers that say whether an RL step is healthy
@@ -37,6 +41,11 @@ fully async trainer reports staleness, the synchronous one does not)."""
 def metrics_path(t) -> Path:
     """Where a job's per-step metrics go: ``trainer.log_path``/metrics.jsonl."""
     return Path(t.log_path) / METRICS_FILE
+
+
+def steps_path(t) -> Path:
+    """Where a job's step lines go, as the console shows them: ``trainer.log_path``/steps.log."""
+    return Path(t.log_path) / STEPS_FILE
 
 
 def config_dump_path(t) -> Path:
@@ -63,12 +72,14 @@ def step_line(step: int, data: Dict[str, Any], suffix: str = "") -> str:
 
 
 class KDATracking(Tracking):
-    """SkyRL's ``Tracking`` with ``metrics.jsonl`` and ``step_line`` (see the module)."""
+    """SkyRL's ``Tracking`` with ``metrics.jsonl``, ``step_line`` and ``steps.log`` (see the
+    module)."""
 
-    def __init__(self, *, metrics_file: Path, suffix: str, **kwargs):
+    def __init__(self, *, metrics_file: Path, steps_file: Path, suffix: str, **kwargs):
         super().__init__(**kwargs)
-        self.metrics_file = Path(metrics_file)
-        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        self.metrics_file, self.steps_file = Path(metrics_file), Path(steps_file)
+        for path in (self.metrics_file, self.steps_file):
+            path.parent.mkdir(parents=True, exist_ok=True)
         self.suffix = suffix
 
     def log(self, data, step, commit=False):
@@ -79,14 +90,17 @@ class KDATracking(Tracking):
         # The fully async trainer logs a step's timings in a second call: those stay in
         # metrics.jsonl, so that each step is one console line.
         if any(key in data for _, key, _ in STEP_LINE if not key.startswith("timing/")):
-            print(step_line(step, data, self.suffix), flush=True)
+            line = step_line(step, data, self.suffix)
+            with open(self.steps_file, "a") as f:
+                f.write(line + "\n")
+            print(line, flush=True)
 
 
 def kda_tracker(cfg, recipe) -> KDATracking:
     """The tracker of a KDA job, as SkyRL's ``BasePPOExp.get_tracker`` builds its own."""
     t = cfg.trainer
     p = recipe.parallel
-    return KDATracking(metrics_file=metrics_path(t),
+    return KDATracking(metrics_file=metrics_path(t), steps_file=steps_path(t),
                        suffix=f"KDA exchange {recipe.kda.cp_exchange} (CP{p.cp})",
                        project_name=t.project_name, experiment_name=t.run_name,
                        backend=t.logger, config=cfg, tags=t.tags)
