@@ -23,7 +23,13 @@ differs, so dkv differs in the last bits). Inputs as in ``bench/latent_sparse_ml
 queries x 64 heads over 1,048,576 keys of 512 channels, 2,051 pool-shaped indices each; the
 log-sum-exp from our forward. Each time is the median of ``--iters`` calls after a warm-up.
 
+``--shared-pools 0,0.5,0.9`` times the rows again on selections with locality: that fraction of
+each query's 512 pools is common to its 1,024 neighbouring queries (``pool_shaped_indices``'s
+``shared``), so the adds of queries in flight together land on fewer latent rows. The default,
+0, is the random selections above.
+
 Usage (CUDA + tilelang):  python3 bench/latent_backward_ablation.py [--iters 3] [--rows NAME,...]
+                          [--shared-pools 0,0.5,0.9]
 """
 
 # No `from __future__ import annotations`: TileLang reads the programs' annotations as objects.
@@ -313,12 +319,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def fractions(text: str) -> list[float]:
+    """``--shared-pools``: a comma list of fractions in [0, 1]."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma list of fractions in [0, 1], got {text!r}")
+    return values
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queries", type=int, default=65536)
     p.add_argument("--keys", type=int, default=1 << 20)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    p.add_argument("--shared-pools", type=fractions, default=[0.0],
+                   help="comma list: fractions of each query's pools common to its block of "
+                        "1,024 neighbours (default 0: random selections)")
     a = p.parse_args()
     names = list(programs(BK))  # the names only: nothing is built yet
     unknown = [name for name in a.rows.split(",") if a.rows and name not in names]
@@ -327,31 +347,38 @@ def main() -> None:
     import tilelang
 
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    idx = pool_shaped_indices(torch.arange(a.keys - a.queries, a.keys, device=dev), gen)
-    q = (torch.randn(a.queries, HEADS, R, generator=gen, device=dev) * 0.05).bfloat16()
-    kv = torch.randn(a.keys, R, generator=gen, device=dev).bfloat16()
-    grad = (torch.randn(a.queries, HEADS, R, generator=gen, device=dev) * 0.01).bfloat16()
-    out, lse = latent.latent_forward(q, kv, idx, SCALE)
-    delta = (out.float() * grad.float()).sum(-1)
-    keys = latent._pad_keys(idx.to(torch.int32), BK).contiguous()
-    rows = programs(keys.shape[1])
-    chosen = a.rows.split(",") if a.rows else list(rows)
-    if "as it is" not in chosen:
-        chosen.insert(0, "as it is")  # the reference of the others' gradients
-    reference = None
-    for name in chosen:
-        build, real = rows[name]
-        kernel = tilelang.compile(build(), out_idx=[-2])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=dev)
-        dq = kernel(q, kv, grad, keys, lse, delta, dkv)
-        row = {"backward": name}
-        if name == "as it is":
-            reference = dq, dkv.clone()
-        elif real:
-            row.update(rel_dq=rel(dq, reference[0]), rel_dkv=rel(dkv, reference[1]))
-        row["ms"] = timed(lambda: kernel(q, kv, grad, keys, lse, delta, dkv), 0, a.iters)[0]
-        print(json.dumps(row), flush=True)
+    kernels = {}
+    for shared in a.shared_pools:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        idx = pool_shaped_indices(torch.arange(a.keys - a.queries, a.keys, device=dev), gen,
+                                  shared=shared)
+        q = (torch.randn(a.queries, HEADS, R, generator=gen, device=dev) * 0.05).bfloat16()
+        kv = torch.randn(a.keys, R, generator=gen, device=dev).bfloat16()
+        grad = (torch.randn(a.queries, HEADS, R, generator=gen, device=dev) * 0.01).bfloat16()
+        out, lse = latent.latent_forward(q, kv, idx, SCALE)
+        delta = (out.float() * grad.float()).sum(-1)
+        keys = latent._pad_keys(idx.to(torch.int32), BK).contiguous()
+        del idx, out
+        rows = programs(keys.shape[1])
+        chosen = a.rows.split(",") if a.rows else list(rows)
+        if "as it is" not in chosen:
+            chosen.insert(0, "as it is")  # the reference of the others' gradients
+        reference = None
+        for name in chosen:
+            build, real = rows[name]
+            if name not in kernels:
+                kernels[name] = tilelang.compile(build(), out_idx=[-2])
+            kernel = kernels[name]
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=dev)
+            dq = kernel(q, kv, grad, keys, lse, delta, dkv)
+            row = {"backward": name, "shared_pools": shared}
+            if name == "as it is":
+                reference = dq, dkv.clone()
+            elif real:
+                row.update(rel_dq=rel(dq, reference[0]), rel_dkv=rel(dkv, reference[1]))
+            row["ms"] = timed(lambda: kernel(q, kv, grad, keys, lse, delta, dkv), 0, a.iters)[0]
+            print(json.dumps(row), flush=True)
+        del q, kv, grad, lse, delta, keys, dkv, dq, reference
 
 
 if __name__ == "__main__":

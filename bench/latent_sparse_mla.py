@@ -50,15 +50,32 @@ def log(msg: str) -> None:
     print(f"[{time.time() - _T0:6.1f}s] {msg}", flush=True)
 
 
-def pool_shaped_indices(positions: torch.Tensor, gen: torch.Generator, block: int = 1024):
-    """[S, 2,051] int32: 512 distinct random complete pools before each position, then its tail."""
+def pool_shaped_indices(positions: torch.Tensor, gen: torch.Generator, block: int = 1024,
+                        shared: float = 0.0):
+    """[S, 2,051] int32: 512 distinct random complete pools before each position, then its tail.
+
+    ``shared``: the fraction of each query's pools that all queries of its block of ``block``
+    neighbours select (drawn among the pools the block's first query sees), a stand-in for the
+    locality of real selections; at 0 every query draws its pools on its own (the same draws as
+    without the argument)."""
+    pools_per_query = TOPK // KPOOL
+    n_shared = round(shared * pools_per_query)
     out = []
     for q0 in range(0, positions.numel(), block):
         pos = positions[q0:q0 + block]
         complete = (pos + 1) // KPOOL                              # pools that end at or before pos
         noise = torch.rand(pos.numel(), int(complete.max()), generator=gen, device=pos.device)
         noise = noise.masked_fill(torch.arange(noise.shape[1], device=pos.device)[None] >= complete[:, None], -1)
-        pools = noise.topk(TOPK // KPOOL, dim=-1).indices
+        if n_shared:
+            if int(complete.min()) < n_shared:
+                raise ValueError(f"the query at {int(pos[0])} sees {int(complete.min())} complete "
+                                 f"pools, fewer than the {n_shared} its block shares")
+            common = torch.randperm(int(complete.min()), generator=gen, device=pos.device)[:n_shared]
+            noise[:, common] = -1
+            pools = torch.cat([common.expand(pos.numel(), -1),
+                               noise.topk(pools_per_query - n_shared, dim=-1).indices], -1)
+        else:
+            pools = noise.topk(pools_per_query, dim=-1).indices
         tokens = (pools[..., None] * KPOOL + torch.arange(KPOOL, device=pos.device)).flatten(1)
         tail_start = complete * KPOOL
         tail = tail_start[:, None] + torch.arange(KPOOL - 1, device=pos.device)
