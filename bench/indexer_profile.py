@@ -4,15 +4,20 @@ after a warm-up pass, per score precision, the CUDA kernels sorted by their tota
 pass's wall time (synchronised, outside the profiler) against the sum of its kernels' times: the
 difference is the time the GPU waits for the host. The FP8 pass runs twice: with the pool keys
 quantised once per pass (``DSAKernels.index_keys``, the layer's way) and, for comparison, once
-per query block inside the score kernel's call.
+per query block inside the score kernel's call. ``--gluon`` adds passes with the Gluon score
+kernel of ``bench/index_scores_gluon.py`` in place of the Triton one (each precision; its
+overlapped variant with groups of 32 and of 16 pools, the top-k then taking groups of 16, and
+its plain variant).
 
-Usage (CUDA + tilelang):  python3 bench/indexer_profile.py
+Usage (CUDA + tilelang):  python3 bench/indexer_profile.py [--gluon]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import replace
+from functools import partial
 
 import torch
 from dsa_rank_share import indexer, make_inputs  # bench/ is on sys.path when run as a script
@@ -23,6 +28,9 @@ from skyrl_megatron_kda.dsa.index_scores import keys_as_they_are
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 
 KEYS, BLOCK, WALL_PASSES = 1 << 20, 1024, 3
+GLUON_VARIANTS = (dict(group=32, stages=4, overlap=True, query_tile=4),
+                  dict(group=16, stages=4, overlap=True, query_tile=4),
+                  dict(group=32, stages=3, overlap=False, query_tile=4))
 
 
 def wall_ms(fn) -> float:
@@ -37,11 +45,28 @@ def wall_ms(fn) -> float:
     return best
 
 
+def gluon_variants(kernels: dict) -> dict:
+    """The precisions' kernel sets with the Gluon score kernel's variants as their scorers."""
+    from index_scores_gluon import gluon_fp8_pool_scores, gluon_pool_scores
+
+    scorers = {"bf16": gluon_pool_scores, "fp8": gluon_fp8_pool_scores}
+    return {f"{precision}, Gluon scores {variant}": replace(
+                kernels[precision], index_scores=partial(scorers[precision], **variant),
+                index_group=variant["group"])
+            for precision in scorers for variant in GLUON_VARIANTS}
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gluon", action="store_true",
+                   help="also the Gluon score kernel (bench/index_scores_gluon.py)")
+    a = p.parse_args()
     x = make_inputs(KEYS, "sequence", torch.device("cuda"))
-    fp8 = latent_dsa_kernels(indexer_scores="fp8")
-    variants = {"bf16": latent_dsa_kernels(indexer_scores="bf16"), "fp8": fp8,
-                "fp8, keys quantised per block": replace(fp8, index_keys=keys_as_they_are)}
+    base = {precision: latent_dsa_kernels(indexer_scores=precision) for precision in ("bf16", "fp8")}
+    variants = {**base, "fp8, keys quantised per block": replace(base["fp8"],
+                                                                 index_keys=keys_as_they_are)}
+    if a.gluon:
+        variants.update(gluon_variants(base))
     for name, kernels in variants.items():
         with torch.no_grad():
             def one_pass():

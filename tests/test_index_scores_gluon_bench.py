@@ -1,7 +1,8 @@
 """``bench/index_scores_gluon.py`` on CPU: its Gluon score kernel compiles for sm_90a under the
 installed Triton and ptxas keeps the overlapped variant's products asynchronous (the second
 tile's product still running while the first tile's epilogue runs); the same kernel with 8
-queries a program is serialised (ptxas's C7512), the control that the check can fail."""
+queries a program is serialised (ptxas's C7512), the control that the check can fail. And
+``bench/indexer_profile.py --gluon`` puts each variant in a kernel set with its own group."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.dsa_kernels import torch_dsa_kernels
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -40,3 +43,21 @@ def test_shapes_the_kernel_does_not_take_are_refused(bench):
     ends = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="expected 32 heads of 128"):
         bench.gluon_pool_scores(q, keys, torch.zeros(4, 16), ends, ends)
+
+
+def test_the_indexer_profile_swaps_in_each_gluon_variant_with_its_group():
+    """``bench/indexer_profile.py --gluon``: each precision's kernel set with a Gluon variant as
+    its scorer and that variant's maxima group as the top-k's."""
+    sys.path.insert(0, str(BENCH))
+    import indexer_profile
+
+    base = {"bf16": torch_dsa_kernels(), "fp8": torch_dsa_kernels()}
+    variants = indexer_profile.gluon_variants(base)
+    assert len(variants) == 2 * len(indexer_profile.GLUON_VARIANTS)
+    for name, kernels in variants.items():
+        precision = name.split(",")[0]
+        assert kernels.index_scores.keywords["group"] == kernels.index_group
+        assert kernels.index_scores.func.__name__ == {
+            "bf16": "gluon_pool_scores", "fp8": "gluon_fp8_pool_scores"}[precision]
+        assert kernels.forward is base[precision].forward
+    assert {k.index_group for k in variants.values()} == {16, 32}
