@@ -323,3 +323,24 @@ def test_the_latent_kernel_loads_flashmla_and_plans_its_forward(monkeypatch):
         8192 * (2176 - 2112 + 1) * 4 + 2 * 8192 * 64 * 4)
     for name in ("indexer", "attention backward"):
         assert sets["flashmla"][name] == sets["tilelang"][name]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "latent"])
+def test_a_kept_output_leaves_the_forwards_working_set(kernel):
+    """Under model.dsa.keep_attention_output the forward keeps each block's own kernel output
+    (in ``kept_bytes``), so plan's forward working set holds one [f, n, 512] output fewer at the
+    1M recipe's share (8,192 queries x 64 heads, bf16); nothing else moves."""
+    from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
+    from skyrl_megatron_kda.dsa.kernels.latent import LatentKernel
+    from skyrl_megatron_kda.memory.dsa import dsa_shape
+    from skyrl_megatron_kda.recipes import load_recipe
+
+    model = {"fused": FusedKernel, "latent": LatentKernel}[kernel]
+    recipe = load_recipe("glm53_flash_1m", []).recipe
+    sets = {}
+    for keep in (False, True):
+        dsa = recipe.model.dsa.model_copy(update={"kernel": kernel, "keep_attention_output": keep})
+        sets[keep] = model.working_sets(dsa_shape(recipe.model_copy(update={
+            "model": recipe.model.model_copy(update={"dsa": dsa})})))
+    assert sets[False]["attention forward"] - sets[True]["attention forward"] == 8192 * 64 * 512 * 2
+    assert sets[False]["indexer"] == sets[True]["indexer"]

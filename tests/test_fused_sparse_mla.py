@@ -25,6 +25,7 @@ from skyrl_megatron_kda.config.model import DSAConfig
 from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     KERNEL_VALUE_WIDTH,
     DSAKernels,
+    _per_head_product,
     fused_absorbed_sparse_mla,
     fused_dsa_kernels,
 )
@@ -199,6 +200,22 @@ def test_keeping_the_output_skips_the_backwards_forward_and_changes_no_bit(block
     lse_in_fp64 = TQ * HEADS * 4  # the stand-in's log-sum-exp is fp64, the kernels' fp32
     assert (saved[True] - saved[False]
             == model.kept_bytes(shape[True]) - model.kept_bytes(shape[False]) + lse_in_fp64)
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float64, 1e-14), (torch.bfloat16, 1e-2)])
+def test_per_head_products_are_the_einsums_written_where_they_lie(dtype, bound):
+    """The absorption, the value projection and dq's projection write [b, H, n] in place
+    (``_per_head_product``): the einsum they replace up to its summation order, into the given
+    rows and first channels only (the rest untouched); heads taken in another order (the
+    control) are far off."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(TQ, HEADS, DN, generator=gen, dtype=torch.float64).to(dtype)
+    w = torch.randn(HEADS, DN, RANK, generator=gen, dtype=torch.float64).to(dtype)
+    out = torch.full((TQ + 9, HEADS, RANK + 5), 7.0, dtype=dtype)
+    _per_head_product(x, w, out[4:4 + TQ])
+    assert _rel(out[4:4 + TQ, :, :RANK], torch.einsum("qhd,hdr->qhr", x, w)) < bound
+    assert bool((out[:4] == 7).all() and (out[4 + TQ:] == 7).all() and (out[..., RANK:] == 7).all())
+    assert _rel(out[4:4 + TQ, :, :RANK], torch.einsum("qhd,hdr->qhr", x, w.flip(0))) > 0.5
 
 
 def test_nothing_is_kept_without_a_backward():

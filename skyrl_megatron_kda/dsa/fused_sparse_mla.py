@@ -123,19 +123,17 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, v_head_dim)
         kv = _padded(latent, kernels.width, kernels.dtype)[:, None]
         out = q_nope.new_empty(q_nope.shape[0], num_heads, v_head_dim)
-        kept = None
+        kept_out, kept_lse = [], []
         for b0 in range(0, q_nope.shape[0], query_block):
             b1 = b0 + query_block
             q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels)
             out_latent, lse = _attend(kernels, q, kv, indices[b0:b1], scale)
-            if keep_output:
-                if kept is None:
-                    kept = (out_latent.new_empty(q_nope.shape[0], *out_latent.shape[1:]),
-                            lse.new_empty(q_nope.shape[0], *lse.shape[1:]))
-                kept[0][b0:b1], kept[1][b0:b1] = out_latent, lse
-            out[b0:b1] = torch.einsum("qhr,hvr->qhv", out_latent[..., :latent.shape[-1]],
-                                      w_uv.to(out_latent.dtype))
-        ctx.save_for_backward(q_nope, latent, kv_up_weight, indices, *(kept or ()))
+            if keep_output:  # the block's own tensors (copied only where they are views)
+                kept_out.append(out_latent.contiguous())
+                kept_lse.append(lse.contiguous())
+            _per_head_product(out_latent[..., :latent.shape[-1]], w_uv.transpose(1, 2),
+                              out[b0:b1])
+        ctx.save_for_backward(q_nope, latent, kv_up_weight, indices, *kept_out, *kept_lse)
         ctx.scale, ctx.v_head_dim, ctx.query_block, ctx.kernels = (scale, v_head_dim,
                                                                    query_block, kernels)
         return out
@@ -155,19 +153,20 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
                     and kernels.width == latent.shape[-1])
         grad_uk = torch.zeros(w_uk.shape, dtype=acc, device=w_uk.device)
         grad_uv = torch.zeros(w_uv.shape, dtype=acc, device=w_uv.device)
-        for b0 in range(0, q_nope.shape[0], ctx.query_block):
+        blocks = len(kept) // 2  # the forward's kept outputs, then their log-sum-exps
+        for block, b0 in enumerate(range(0, q_nope.shape[0], ctx.query_block)):
             b1 = b0 + ctx.query_block
             q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels)
             idx = indices[b0:b1]
             if kept:
-                out_latent, lse = kept[0][b0:b1], kept[1][b0:b1]
+                out_latent, lse = kept[block], kept[blocks + block]
             else:
                 out_latent, lse = _attend(kernels, q, kv, idx, scale)
             g_out = grad_out[b0:b1]
             grad_uv += _head_products(g_out, out_latent[..., :R], acc)
             # dL/d(latent-space output), zero where the forward's output was forced to zero.
-            g_latent = torch.einsum("qhv,hvr->qhr", g_out, w_uv.to(g_out.dtype))
-            g_latent = _padded(g_latent, kernels.value_width, kernels.dtype)
+            g_latent = _per_head_product(g_out, w_uv, _padded_heads_buffer(
+                g_out, kernels.value_width, R)).to(kernels.dtype or g_out.dtype)
             if not kernels.zero_without_keys:
                 g_latent = torch.where(_has_keys(idx)[:, None, None], g_latent, 0)
             delta = kernels.delta(out_latent, g_latent)
@@ -177,7 +176,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
             if not adds_dkv:
                 grad_latent += dkv[:, 0, :R].to(acc)
             dq = dq[..., :R]
-            grad_q[b0:b1] = torch.einsum("qhr,hdr->qhd", dq, w_uk.to(dq.dtype)).to(grad_q.dtype)
+            _per_head_product(dq, w_uk.transpose(1, 2), grad_q[b0:b1])
             grad_uk += _head_products(q_nope[b0:b1], dq, acc)
         grad_weight = torch.cat([grad_uk, grad_uv], dim=1).view(kv_up_weight.shape)
         return (grad_q, grad_latent.to(latent.dtype), grad_weight.to(kv_up_weight.dtype),
@@ -186,8 +185,27 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
 
 def _absorbed_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, kernels: DSAKernels) -> torch.Tensor:
     """[b, H, dn] @ W_UK [H, dn, R] -> the kernels' [b, H, width] queries."""
-    q = torch.einsum("qhd,hdr->qhr", q_nope, w_uk.to(q_nope.dtype))
-    return _padded(q, kernels.width, kernels.dtype)
+    q = _per_head_product(q_nope, w_uk, _padded_heads_buffer(q_nope, kernels.width,
+                                                             w_uk.shape[-1]))
+    return q.to(kernels.dtype or q.dtype)
+
+
+def _padded_heads_buffer(x: torch.Tensor, width: int, channels: int) -> torch.Tensor:
+    """An empty [b, H, width] in x's dtype whose channels after ``channels`` are zero."""
+    out = x.new_empty(*x.shape[:2], width)
+    out[..., channels:].zero_()
+    return out
+
+
+def _per_head_product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[:, h, :n] = x[:, h] @ w[h] for x [b, H, k], w [H, k, n], out [b, H, >= n]
+    (returned): one batched GEMM over the heads that writes the [b, H, n] layout where it lies
+    (cuBLAS takes its row stride), in out's dtype; an einsum writes [H, b, n] and the layout
+    needs a copy of it (a block's absorbed queries, the output, dq: gigabytes a pass at the 1M
+    share)."""
+    n = w.shape[-1]
+    torch.bmm(x.to(out.dtype).transpose(0, 1), w.to(out.dtype), out=out[..., :n].transpose(0, 1))
+    return out
 
 
 def _head_products(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

@@ -92,8 +92,9 @@ class FusedKernel(AbsorbedKernel):
         * ``attention forward``: the latent in the kernels' width (``width``: 576, zero-padded,
           for megatron-core's; 512 for ours) [T, width] w; per call: the absorbed queries
           [f, n, width] w, the kernel's output and (``masks_empty_queries``) its masked copy [f,
-          n, value_width] w each,
-          the int32 indices copy and the kernel's copy padded to a multiple of 64.
+          n, value_width] w each, less the one that ``model.dsa.keep_attention_output`` keeps
+          (in ``kept_bytes``), the int32 indices copy and the kernel's copy padded to a
+          multiple of 64.
         * ``attention backward``: that latent, the fp32 latent gradient [T, R] and (unless the
           kernel adds into it, ``backward_adds_dkv``) the kernel's fp32 latent gradient [T,
           width] and its w copy; per call the absorbed queries, the recomputed output (not
@@ -121,7 +122,8 @@ class FusedKernel(AbsorbedKernel):
         if a.indexer_scores == "fp8":  # the pass's FP8 keys and scales, a block's FP8 queries
             indexer += (pools + q * hi) * (di + 4)
         masked = 1 if cls.masks_empty_queries else 0
-        forward = latent + f * n * (width + (1 + masked) * value) * w + f * (K + K64) * 4
+        transient = 1 + masked - (1 if a.keep_attention_output else 0)
+        forward = latent + f * n * (width + transient * value) * w + f * (K + K64) * 4
         outputs = (1 if a.keep_attention_output else 2) + masked
         kernel_dkv = 0 if cls.backward_adds_dkv else T * width * (4 + w)
         backward = (latent + T * R * 4 + kernel_dkv + f * n * (2 * width + outputs * value) * w)
