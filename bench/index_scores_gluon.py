@@ -10,7 +10,7 @@ stores and the maxima; an H200 runs it at 460 (bf16) and 595 (FP8) TFLOP/s, 58% 
 tensor cores' rate. The same computation in Gluon (Triton's language with explicit layouts):
 
 * the scores and their maxima are stored from the layout the product left them in (the
-  compiler masks the lanes that hold copies), so a step syncs its warps 2-4 times;
+  compiler masks the lanes that hold copies), so a step syncs its warps at most 4 times;
 * maxima over groups of 16 pools reduce within a warp (a warp holds 16 consecutive pools of a
   64-pool tile); groups of 32 cross warps through shared memory, as in the Triton kernel
   (``threshold_topk`` takes either: 0.77 against 0.65 ms a block of 1,024 queries);
