@@ -54,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from index_scores import timed  # bench/ is on sys.path when run as a script
+
 from skyrl_megatron_kda.dsa.index_scores import (
     FP8_TILES,
     TILES,
@@ -330,20 +332,6 @@ def check(device: torch.device) -> list[dict]:
     return rows
 
 
-def timed(fn, repeats: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queries", type=int, default=1024)
@@ -375,7 +363,8 @@ def main() -> None:
                      lambda v=variant: gluon_fp8_pool_scores(q, k8, w, ks, ke, **v)))
     rows = []
     for precision, kernel, config, fn in runs:
-        ms = timed(fn)
+        fn()  # compiles
+        ms = timed(fn, repeats=5)[1]
         rows.append(dict(precision=precision, kernel=kernel, config=config, ms=ms,
                          tflops=tflop / ms * 1e3))
         print(json.dumps(rows[-1]), flush=True)

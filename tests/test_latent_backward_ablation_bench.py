@@ -13,20 +13,22 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "latent_backward_ablation.py"
 
 
-def test_an_unknown_row_is_one_line_naming_the_rows():
-    run = subprocess.run([sys.executable, str(BENCH), "--rows", "as it is,no such row"],
-                         capture_output=True, text=True, timeout=600)
+def _refusal(*args: str) -> list[str]:
+    """The bench's error lines for ``args``, which it must refuse with exit status 2."""
+    run = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 2
-    error = [line for line in run.stderr.splitlines() if line.startswith("latent_backward")]
+    return [line for line in run.stderr.splitlines() if line.startswith("latent_backward")]
+
+
+def test_an_unknown_row_is_one_line_naming_the_rows():
+    error = _refusal("--rows", "as it is,no such row")
     assert len(error) == 1 and "unknown rows ['no such row']" in error[0]
     assert "'memory only: adds'" in error[0] and "'as it is'" in error[0]
 
 
 def test_a_shared_fraction_outside_zero_to_one_is_one_line():
-    run = subprocess.run([sys.executable, str(BENCH), "--shared-pools", "0,1.5"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 2
-    error = [line for line in run.stderr.splitlines() if line.startswith("latent_backward")]
+    error = _refusal("--shared-pools", "0,1.5")
     assert len(error) == 1 and "fractions in [0, 1], got '0,1.5'" in error[0]
 
 
