@@ -29,8 +29,11 @@ stage (measured unless said otherwise):
   ``cluster.intra_node`` link (as the step-time model prices it); ``--split heads`` has none.
 
 The rank is CP rank 0 of a zigzag layout (its rows: the first and the last quarter of the
-sequence); with ``--split sequence`` it is that CP rank's last TP slice, the rows nearest the end
-(the most visible pools: the slowest TP rank sets the step). One step under full recompute is the
+sequence); with ``--split sequence`` it is the last TP rank's share of that CP rank's rows as the
+layer takes them (``--tp-rows balanced``, ``batch_rows.balanced_row_order``: a piece of each
+quarter, every TP rank's queries on average where the CP rank's are), or (``slice``, the layer
+before it) its contiguous SP slice, the rows nearest the end (the most visible pools: that TP
+rank set the step). One step under full recompute is the
 checkpointed forward, the recompute forward and the backward. The attention core's step,
 ``step_ms_full_recompute``, is indexer + 2 x attention forward + attention backward (the indexer
 has no backward, and the recompute attends with the forward's kept selection:
@@ -52,6 +55,11 @@ backward, with selected the mean number of keys a query attends (``mean_selected
 its scores only: 2 x 32 x 128 per (query, visible pool), a query at position p seeing
 floor((p + 1) / 4) complete pools.
 
+After the timed iterations the forward kernel runs alone on what the layer's forward handed it
+(absorbed queries, the kernels' latent, int32 indices, made beforehand; not for ``torch``):
+``attn_fwd_kernel_ms`` in ``best`` and ``forward_over_kernel``, the layer's forward over it (what
+the wrapper adds around the kernel), both from one process.
+
 ``--kernel`` takes a comma list: each kernel set runs in turn on the same inputs, and a table
 gives each stage's ms and TFLOP/s per set and the ms ratio to the first. ``--json`` writes the
 summary of one set, or ``{"runs": [summary, ...]}`` for several; a summary's ``best`` is the
@@ -66,9 +74,11 @@ and ``--deterministic`` runs our backward with its latent gradient summed in a f
 (``model.dsa.attention_forward``; flashmla needs vLLM's FlashMLA build), labelled
 ``latent+flashmla``.
 
+``--tp-rows balanced,slice`` runs every set on both row choices in turn (``@slice`` labels).
+
 Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel latent,fused]
                           [--keep-output] [--whole-row-topk] [--indexer-scores fp8] [--deterministic]
-                          [--attention-forward tilelang,flashmla]
+                          [--attention-forward tilelang,flashmla] [--tp-rows balanced,slice]
 """
 
 from __future__ import annotations
@@ -84,7 +94,14 @@ import torch.nn.functional as F
 
 from skyrl_megatron_kda.config import DSAConfig
 from skyrl_megatron_kda.distributed.cp_layout import rank_rows
-from skyrl_megatron_kda.dsa.fused_sparse_mla import fused_absorbed_sparse_mla, fused_dsa_kernels
+from skyrl_megatron_kda.dsa.batch_rows import balanced_row_order
+from skyrl_megatron_kda.dsa.fused_sparse_mla import (
+    absorbed_queries,
+    fused_absorbed_sparse_mla,
+    fused_dsa_kernels,
+    kernel_indices,
+    kernel_latent,
+)
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.pools import (
     document_starts,
@@ -99,7 +116,7 @@ from skyrl_megatron_kda.dsa.pool_topk import (
     blocked_pool_topk,
     fused_block_topk,
 )
-from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
+from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla, split_kv_up_weight
 from skyrl_megatron_kda.dsa.threshold_topk import (
     CANDIDATES_PER_PICK,
     grouped_compact_kernel,
@@ -121,16 +138,21 @@ def log(msg: str) -> None:
     print(f"[{time.time() - _T0:6.1f}s] {msg}", flush=True)
 
 
-def rank_positions(keys: int, split: str) -> torch.Tensor:
+def rank_positions(keys: int, split: str, tp_rows: str = "balanced") -> torch.Tensor:
+    """Natural positions of the rank's query rows: CP rank 0's (heads), or the last TP rank's
+    share of them (sequence: ``tp_rows`` balanced, as the layer takes them, or its SP slice)."""
     cu = torch.tensor([0, keys])
     if split == "heads":
         return rank_rows(cu, CP, TP, 0, 0, False, "zigzag")
-    return rank_rows(cu, CP, TP, 0, TP - 1, True, "zigzag")
+    if tp_rows == "slice":
+        return rank_rows(cu, CP, TP, 0, TP - 1, True, "zigzag")
+    rows = rank_rows(cu, CP, TP, 0, 0, False, "zigzag")
+    return rows[balanced_row_order(rows.numel(), TP).view(TP, -1)[TP - 1]]
 
 
-def make_inputs(keys: int, split: str, dev) -> dict:
+def make_inputs(keys: int, split: str, dev, tp_rows: str = "balanced") -> dict:
     g = torch.Generator(device=dev).manual_seed(0)
-    pos = rank_positions(keys, split).to(dev)
+    pos = rank_positions(keys, split, tp_rows).to(dev)
     heads = HEADS // TP if split == "heads" else HEADS
     bf = dict(device=dev, dtype=torch.bfloat16)
     rnd = lambda *shape, s=1.0: (torch.randn(*shape, generator=g, device=dev) * s).to(torch.bfloat16)
@@ -176,8 +198,9 @@ def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tenso
 
 
 def indexer_split(x: dict, keys: int, block: int, kernels) -> dict:
-    """Where the fused indexer's time goes, on the rank's last query block (the most visible
-    pools): the TileLang score kernel against ``torch.topk`` on its [block, pools] scores."""
+    """Where the fused indexer's time goes, on one block of queries at the sequence's last
+    positions (the most visible pools; the rank's last queries of the indexer, as positions):
+    the TileLang score kernel against ``torch.topk`` on its [block, pools] scores."""
     from megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_fwd import (
         indexer_fwd_interface,  # needs CUDA and tilelang: imported here so the module loads on CPU
     )
@@ -185,7 +208,8 @@ def indexer_split(x: dict, keys: int, block: int, kernels) -> dict:
     dev = x["pos"].device
     starts = pool_starts(torch.tensor([0, keys], device=dev), KPOOL)
     pool_k = pooled_keys(x["idx_k"], x["gate"], x["ape"], starts, KPOOL)
-    q, w, pos = x["idx_q"][-block:], x["idx_w"][-block:], x["pos"][-block:]
+    q, w = x["idx_q"][-block:], x["idx_w"][-block:]
+    pos = torch.arange(keys - q.shape[0], keys, device=dev)
     ke = torch.searchsorted(starts + KPOOL - 1, pos, right=True).to(torch.int32)
     ks = torch.zeros_like(ke)
     megatron, t_megatron = timed(lambda: indexer_fwd_interface(q, pool_k, w, ks, ke))
@@ -216,6 +240,29 @@ def attention(x: dict, idx: torch.Tensor, kernel: str, block: int, kernels,
         return fused_absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, scale, DV,
                                          block, kernels, keep_output=keep_output)
     return absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, scale, DV, block)
+
+
+def kernel_forward_inputs(x: dict, idx: torch.Tensor, block: int, kernels) -> list[tuple]:
+    """What the layer's forward hands its forward kernel, per query block: (absorbed queries, the
+    kernels' latent, int32 indices), made here once so that the kernel can be timed alone."""
+    w_uk, _ = split_kv_up_weight(x["weight"], x["heads"], DN, DV)
+    with torch.no_grad():
+        kv = kernel_latent(x["latent"], kernels)
+        return [(absorbed_queries(x["q_nope"][b0:b0 + block], w_uk, kernels), kv,
+                 kernel_indices(idx[b0:b0 + block])) for b0 in range(0, idx.shape[0], block)]
+
+
+def kernel_forward_ms(x: dict, idx: torch.Tensor, block: int, kernels) -> float:
+    """The forward kernel alone over the layer's query blocks (the shorter of two timings), on
+    inputs made beforehand: the layer's forward over it is what the wrapper adds around the
+    kernel (absorption, value projection, kept tensors)."""
+    inputs = kernel_forward_inputs(x, idx, block, kernels)
+
+    def run():
+        for q, kv, i in inputs:
+            kernels.forward(q, kv, i, DN ** -0.5)
+
+    return min(timed(run)[1] for _ in range(2))
 
 
 def timed(fn):
@@ -347,7 +394,8 @@ def stage_flops(attn: tuple[float, float], indexer: float, gemms: list[Gemm]) ->
     frozen = sum(m.flops for m in gemms if not m.trainable)
     core = indexer + 2 * fwd + bwd
     projections = 2 * trainable + 2 * trainable + frozen  # two forwards, a backward, the indexer's
-    return dict(indexer_ms=indexer, attn_fwd_ms=fwd, attn_bwd_ms=bwd, step_ms_full_recompute=core,
+    return dict(indexer_ms=indexer, attn_fwd_ms=fwd, attn_fwd_kernel_ms=fwd, attn_bwd_ms=bwd,
+                step_ms_full_recompute=core,
                 proj_fwd_ms=trainable, proj_bwd_ms=2 * trainable, indexer_proj_ms=frozen,
                 projections_step_ms=projections, layer_step_ms=core + projections)
 
@@ -355,6 +403,7 @@ def stage_flops(attn: tuple[float, float], indexer: float, gemms: list[Gemm]) ->
 STAGES = (  # printed name, key of its time
     ("indexer", "indexer_ms"),
     ("attention forward", "attn_fwd_ms"),
+    ("attention forward, kernel alone", "attn_fwd_kernel_ms"),
     ("attention backward", "attn_bwd_ms"),
     ("core step, full recompute", "step_ms_full_recompute"),
     ("projections forward", "proj_fwd_ms"),
@@ -375,10 +424,11 @@ def layer_step(core: dict, proj: dict, a2a: dict) -> dict:
                 + a2a["all_to_all_model_ms"] + core["step_ms_full_recompute"])
 
 
-def run_kernel(x: dict, a, kernel: str, forward: str, gemms: list[Gemm], a2a: dict) -> dict:
+def run_kernel(x: dict, a, kernel: str, forward: str, gemms: list[Gemm], a2a: dict,
+               tp_rows: str = "balanced") -> dict:
     """``a.iters`` timed iterations (after one that compiles) of the layer's step on one kernel
-    set (``forward``: the latent set's forward kernel); its summary, with the best iteration's
-    times and TFLOP/s."""
+    set (``forward``: the latent set's forward kernel) for the rows ``tp_rows`` chose; its
+    summary, with the best iteration's times and TFLOP/s."""
     options = {"indexer_scores": a.indexer_scores}
     if a.deterministic:
         options["ordered"] = True
@@ -409,18 +459,24 @@ def run_kernel(x: dict, a, kernel: str, forward: str, gemms: list[Gemm], a2a: di
     violations = index_violations(idx.long(), x["pos"], torch.zeros_like(x["pos"]))
     kept = float((idx >= 0).sum(-1).float().mean())
     best = min(results[1:], key=lambda r: r["layer_step_ms"]) if a.iters else results[0]
+    if kernels:
+        best["attn_fwd_kernel_ms"] = kernel_forward_ms(x, idx, a.query_block, kernels)
     flops = stage_flops(attention_flops(rows, x["heads"], kept), indexer_score_flops(x["pos"]),
                         gemms)
+    label = kernel if forward == "tilelang" else f"{kernel}+{forward}"
     return dict(kernel=kernel, attention_forward=forward,
-                label=kernel if forward == "tilelang" else f"{kernel}+{forward}",
-                split=a.split, keep_output=a.keep_output,
+                label=label if tp_rows == "balanced" else f"{label}@{tp_rows}",
+                split=a.split, tp_rows=tp_rows, keep_output=a.keep_output,
                 whole_row_topk=a.whole_row_topk, indexer_scores=a.indexer_scores,
                 deterministic=a.deterministic, gradients_repeat_bitwise=repeat_equal,
                 queries=rows,
                 heads=x["heads"], keys=a.keys,
                 query_block=a.query_block, indexer_block=a.indexer_block,
-                index_violations=violations, mean_selected=kept, best=best,
-                tflop_s={k: f / (best[k] * 1e9) for k, f in flops.items()},
+                index_violations=violations, mean_selected=kept,
+                visible_pools=float(((x["pos"].long() + 1) // KPOOL).sum()), best=best,
+                forward_over_kernel=(best["attn_fwd_ms"] / best["attn_fwd_kernel_ms"]
+                                     if kernels else None),
+                tflop_s={k: f / (best[k] * 1e9) for k, f in flops.items() if k in best},
                 last_indexer_block=split,
                 first_ms=results[0]["step_ms_full_recompute"])
 
@@ -450,17 +506,18 @@ def core_step(x: dict, a, kernel: str, kernels) -> tuple[dict, torch.Tensor, lis
 def stage_table(summaries: list[dict]) -> str:
     """Each stage's best ms and TFLOP/s per kernel set, and its ms over the first set's."""
     first = summaries[0]
-    head = f"{'stage':<28}" + "".join(f"{s['label'] + ' ms':>18}{'TFLOP/s':>9}" for s in summaries)
+    head = f"{'stage':<32}" + "".join(f"{s['label'] + ' ms':>18}{'TFLOP/s':>9}" for s in summaries)
     head += "".join(f"{s['label'] + '/' + first['label']:>24}" for s in summaries[1:])
     lines = [head]
     for name, key in STAGES:
-        line = f"{name:<28}"
+        line = f"{name:<32}"
         for s in summaries:
-            tflops = s["tflop_s"].get(key)
-            line += f"{s['best'][key]:>18.1f}" + (f"{tflops:>9.1f}" if tflops else f"{'-':>9}")
+            ms, tflops = s["best"].get(key), s["tflop_s"].get(key)
+            line += f"{ms:>18.1f}" if ms is not None else f"{'-':>18}"
+            line += f"{tflops:>9.1f}" if tflops and ms is not None else f"{'-':>9}"
         for s in summaries[1:]:
-            base = first["best"][key]
-            line += f"{s['best'][key] / base:>24.3f}" if base else f"{'-':>24}"
+            base, ms = first["best"].get(key), s["best"].get(key)
+            line += f"{ms / base:>24.3f}" if base and ms is not None else f"{'-':>24}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -491,6 +548,9 @@ def main():
     p.add_argument("--attention-forward", default="tilelang",
                    help="model.dsa.attention_forward for the latent set: tilelang, flashmla, or "
                         "a comma list of them to run in turn")
+    p.add_argument("--tp-rows", default="balanced",
+                   help="--split sequence: the rank's rows as the layer takes them (balanced) or "
+                        "its contiguous SP slice (slice, the layer before), or both in turn")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--json", default="")
     a = p.parse_args()
@@ -513,17 +573,25 @@ def main():
         p.error("--deterministic needs --kernel latent")
     if a.indexer_scores == "fp8" and "torch" in names:
         p.error("--indexer-scores fp8 needs --kernel fused or latent")
+    tp_rows = a.tp_rows.split(",")
+    if unknown := set(tp_rows) - {"balanced", "slice"}:
+        p.error(f"--tp-rows {a.tp_rows}: {sorted(unknown)} not among balanced, slice")
+    if a.split == "heads" and tp_rows != ["balanced"]:
+        p.error("--tp-rows takes the sequence split's rows; --split heads has every CP row")
     dev = torch.device("cuda")
-    x = make_inputs(a.keys, a.split, dev)
-    if a.queries:
-        for k in ("pos", "q_nope", "idx_q", "idx_w"):
-            x[k] = x[k][:a.queries].detach().requires_grad_(k == "q_nope")
-    rows = x["pos"].numel()
-    cp_rows = rows * TP if a.split == "sequence" else rows
-    gemms = projection_gemms(cp_rows, rows)
-    a2a = all_to_all_model(cp_rows, a.split, load_recipe(RECIPE, []).recipe.cluster.intra_node)
-    summaries = [run_kernel(x, a, name, forward, gemms, a2a) for name in names
-                 for forward in (forwards if name == "latent" else ["tilelang"])]
+    summaries = []
+    for choice in tp_rows:
+        x = make_inputs(a.keys, a.split, dev, choice)
+        if a.queries:
+            for k in ("pos", "q_nope", "idx_q", "idx_w"):
+                x[k] = x[k][:a.queries].detach().requires_grad_(k == "q_nope")
+        rows = x["pos"].numel()
+        cp_rows = rows * TP if a.split == "sequence" else rows
+        gemms = projection_gemms(cp_rows, rows)
+        a2a = all_to_all_model(cp_rows, a.split, load_recipe(RECIPE, []).recipe.cluster.intra_node)
+        summaries += [run_kernel(x, a, name, forward, gemms, a2a, choice) for name in names
+                      for forward in (forwards if name == "latent" else ["tilelang"])]
+        del x
     for summary in summaries:
         log("summary " + json.dumps(summary))
     print(stage_table(summaries), flush=True)

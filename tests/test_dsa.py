@@ -394,17 +394,17 @@ def _run_case(case, single):
     data_layout = "contiguous" if case.corrupt == "wrong_layout" else case.layout
     rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), tp_group.rank(),
                      case.sp, data_layout)
-    saved_sort, saved_own = dsa.sort_index, dsa.DSABatchRows.own_rows
+    saved_sort, saved_own = dsa.sort_index, dsa.DSABatchRows.attention_rows
     if case.corrupt == "no_reorder":
         dsa.sort_index = lambda p: torch.arange(p.numel(), device=p.device)
     if case.corrupt == "first_rows":
-        dsa.DSABatchRows.own_rows = lambda self, t: t[:t.shape[0] // self.tp_group.size()]
+        dsa.DSABatchRows.attention_rows = lambda self, t: t[:t.shape[0] // self.tp_group.size()]
     try:
         x = batch.x[rows].clone().requires_grad_()
         out, _ = layer(x, attention_mask=None, packed_seq_params=batch.packed)
         (out * batch.grad_out[rows]).sum().backward()
     finally:
-        dsa.sort_index, dsa.DSABatchRows.own_rows = saved_sort, saved_own
+        dsa.sort_index, dsa.DSABatchRows.attention_rows = saved_sort, saved_own
 
     errors = {"out": relative_error(out.detach(), out_ref.detach()[rows]),
               "dx": relative_error(x.grad, x_ref.grad[rows])}
@@ -412,10 +412,13 @@ def _run_case(case, single):
     assert grads.keys() == ref_grads.keys(), (sorted(grads), sorted(ref_grads))
     errors.update({f"grad.{n}": relative_error(g, ref_grads[n]) for n, g in grads.items()})
     # The rows the indexer ran for: this CP rank's (the TP-gathered SP shards, i.e. the rows
-    # without the SP split), or with the sequence split this rank's own SP rows.
-    by_rows = case.tp_split == "sequence" and case.sp
+    # without the SP split), or with the sequence split this rank's balanced share of them.
     q_rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), tp_group.rank(),
-                       by_rows, case.layout)
+                       False, case.layout)
+    if case.tp_split == "sequence" and case.sp:
+        share = q_rows.numel() // case.tp
+        order = dsa.balanced_row_order(q_rows.numel(), case.tp)
+        q_rows = q_rows[order[tp_group.rank() * share:(tp_group.rank() + 1) * share]]
     (ours,), (theirs,) = topk, ref_topk
     return dict(errors=errors, topk_equal=torch.equal(ours.long(), theirs[:, q_rows]),
                 kept=float((ours >= 0).sum(-1).float().mean()), grads=sorted(grads),

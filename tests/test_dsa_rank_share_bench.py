@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from skyrl_megatron_kda.dsa.sparse_mla import split_kv_up_weight
 from skyrl_megatron_kda.recipes import load_recipe
+from tests.support.dsa_kernels import torch_dsa_kernels
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "dsa_rank_share.py"
 
@@ -121,3 +123,67 @@ def test_stage_table_compares_kernel_sets(bench):
                                      "0.800"]
     a2a = next(line for line in lines if line.startswith("all-to-all"))
     assert a2a.split()[-8:] == ["100.0", "-", "150.0", "-", "80.0", "-", "1.500", "0.800"]
+
+
+def _layer_inputs(bench, queries=7, heads=2, keys=40, topk=6):
+    """The bench's layer inputs at its widths, in fp32, few rows; distinct causal indices with a
+    padded slot (-1) in every row."""
+    g = torch.Generator().manual_seed(0)
+    pos = torch.arange(keys - queries, keys)
+    idx = torch.stack([torch.randperm(int(p) + 1, generator=g)[:topk] for p in pos])
+    idx[:, -1] = -1
+    x = dict(pos=pos, heads=heads,
+             q_nope=torch.randn(queries, heads, bench.DN, generator=g),
+             latent=torch.randn(keys, bench.LATENT, generator=g),
+             weight=torch.randn(heads * (bench.DN + bench.DV), bench.LATENT, generator=g) * 0.05)
+    return x, idx
+
+
+def test_kernel_alone_gets_what_the_layer_gives_it(bench):
+    """The forward kernel timed alone runs on the layer's own kernel inputs: its outputs, through
+    the value projection, are the layer's forward (torch stand-in kernels, megatron's widths);
+    an index shifted by one in one block is far off."""
+    x, idx = _layer_inputs(bench)
+    kernels, block = torch_dsa_kernels(), 3
+    _, w_uv = split_kv_up_weight(x["weight"], x["heads"], bench.DN, bench.DV)
+
+    def through_kernel(inputs):
+        out = torch.cat([kernels.forward(q, kv, i, bench.DN ** -0.5)[0] for q, kv, i in inputs])
+        return torch.einsum("bhr,hvr->bhv", out[..., :bench.LATENT], w_uv)
+
+    inputs = bench.kernel_forward_inputs(x, idx, block, kernels)
+    assert [q.shape[0] for q, _, _ in inputs] == [3, 3, 1]
+    layer = bench.attention(x, idx, "latent", block, kernels)
+    assert torch.allclose(through_kernel(inputs), layer, rtol=1e-5, atol=1e-5)
+    q, kv, i = inputs[1]
+    shifted = inputs[:1] + [(q, kv, torch.where(i >= 0, (i + 1) % kv.shape[0], i))] + inputs[2:]
+    assert (through_kernel(shifted) - layer).abs().max() > 0.1 * layer.abs().max()
+    assert bench.kernel_forward_ms(x, idx, block, kernels) > 0
+
+
+def test_stage_table_marks_a_stage_a_set_did_not_time(bench):
+    """The torch kernel set has no kernel-alone forward: its cell and ratio print '-'."""
+    keys = [key for _, key in bench.STAGES]
+    timed_all = dict(label="latent", best={key: 10.0 for key in keys}, tflop_s={})
+    torch_set = dict(label="torch", best={k: 20.0 for k in keys if k != "attn_fwd_kernel_ms"},
+                     tflop_s={})
+    lines = bench.stage_table([timed_all, torch_set]).splitlines()
+    row = next(line for line in lines if line.startswith("attention forward, kernel alone"))
+    assert row.split()[-5:] == ["10.0", "-", "-", "-", "-"]
+    forward = next(line for line in lines if line.startswith("attention forward "))
+    assert forward.split()[-5:] == ["10.0", "-", "20.0", "-", "2.000"]
+
+
+def test_the_sequence_split_rank_holds_the_layers_balanced_rows(bench):
+    """``--tp-rows balanced`` (the default) is the last TP rank's share as the layer takes it:
+    a piece of each of CP rank 0's quarters, its mean position the CP rank's; ``slice`` is its
+    contiguous SP slice, the rows nearest the end."""
+    keys = 1 << 14
+    cp_rows = bench.rank_positions(keys, "heads")
+    balanced = bench.rank_positions(keys, "sequence")
+    last = bench.rank_positions(keys, "sequence", "slice")
+    assert balanced.numel() == last.numel() == cp_rows.numel() // bench.TP
+    assert balanced.unique().numel() == balanced.numel() and bool(torch.isin(balanced, cp_rows).all())
+    assert balanced.double().mean() == cp_rows.double().mean() == keys / 2 - 0.5
+    assert torch.equal(last, torch.arange(keys - last.numel(), keys))
+    assert int(balanced.min()) < keys // 4 <= int(balanced.max()) < keys - last.numel()

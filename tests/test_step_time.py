@@ -74,7 +74,7 @@ def test_stored_run_constants_derive_again():
     for rates, kernel, path in (
             (cal.DSA_ATTENTION_S, "fused", "h200_dsa_kept_selection/dsa_rank_share_sequence.json"),
             (cal.DSA_ATTENTION_S, "latent", "h200_dsa_latent/dsa_rank_share_latent.json"),
-            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_indexer_syncs/dsa_layer_latent.json"),
+            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_dsa_wrapper/layer.json"),
             (cal.DSA_KEPT_OUTPUT_S, "fused", "h200_index_scores/dsa_layer_latent_fused.json")):
         run = json.loads((RESULTS / path).read_text())
         run = next((r for r in run["runs"] if r["kernel"] == kernel), None) if "runs" in run else run
@@ -87,7 +87,7 @@ def test_stored_run_constants_derive_again():
                    for name in ("latent", "latent_fp8_det"))
     assert (plain["indexer_scores"], plain["deterministic"]) == ("bf16", False)
     assert (both["indexer_scores"], both["deterministic"]) == ("fp8", True)
-    runs = json.loads((RESULTS / "h200_flashmla_forward" / "dsa_layer_flashmla.json").read_text())
+    runs = json.loads((RESULTS / "h200_dsa_wrapper" / "layer.json").read_text())
     forward = {r["attention_forward"]: r["best"]["attn_fwd_ms"] for r in runs["runs"]}
     assert cal.DSA_FLASHMLA_FORWARD_SHARE == pytest.approx(forward["flashmla"] / forward["tilelang"])
     assert cal.DSA_ORDERED_BACKWARD_SHARE == pytest.approx(
@@ -256,7 +256,8 @@ def share_measured() -> dict[str, float]:
     selection and the attention output kept, as the recipe runs it)."""
     share = json.loads((RESULTS / "h200_step_time_share" / "share_1m.json").read_text())
     layer = {p["layer"]: p for p in share["layers"]}
-    dsa = json.loads((RESULTS / "h200_indexer_syncs" / "dsa_layer_latent.json").read_text())
+    dsa = json.loads((RESULTS / "h200_dsa_wrapper" / "layer.json").read_text())["runs"][0]
+    assert (dsa["kernel"], dsa["attention_forward"], dsa["keep_output"]) == ("latent", "tilelang", True)
     return {"KDA block": layer[0]["attention_part"]["s"],
             "DSA core": dsa["best"]["step_ms_full_recompute"] * 1e-3,
             "MoE block": layer[1]["mlp_part"]["s"], "dense block": layer[0]["mlp_part"]["s"],

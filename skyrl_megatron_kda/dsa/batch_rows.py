@@ -16,7 +16,29 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from ..config import DSAConfig
-from ..distributed.cp_layout import BatchIndexMaps, batch_sequences, sort_index
+from ..distributed.cp_layout import (
+    BatchIndexMaps,
+    RowOrder,
+    batch_sequences,
+    inverse_permutation,
+    sort_index,
+)
+
+
+def balanced_row_order(rows: int, tp: int, device=None) -> torch.Tensor:
+    """A CP rank's rows 0 .. rows - 1 in the order whose t-th contiguous 1/tp holds TP rank t's
+    rows under the sequence split: a front piece counted from the first row and a back piece
+    counted from the last (rank 0 the first and the last rows, rank tp - 1 the two middle
+    pieces). A CP rank's rows rise in position within each piece of its layout, and a query's
+    indexer work grows with its position (it scores every earlier pool): TP slices in row order
+    would give the last TP rank the latest rows and set the step (at the 1M recipe's share about
+    twice the average), where these pairs give every TP rank about the CP rank's mean position
+    (exactly, for one sequence in the zigzag or contiguous layout)."""
+    per_rank = rows // tp
+    front, back = per_rank // 2, per_rank - per_rank // 2
+    fronts = torch.arange(tp * front, device=device).view(tp, front)
+    backs = (rows - 1 - torch.arange(tp * back, device=device)).view(tp, back).flip(-1)
+    return torch.cat([fronts, backs], dim=1).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -52,13 +74,26 @@ class DSABatchRows:
         """``DSAConfig.attends_by_rows`` on this mesh."""
         return dsa.attends_by_rows(self.tp_group.size(), self.sequence_parallel)
 
-    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """The part of a [s, ...] tensor over this CP rank's rows that covers this rank's own
-        rows (its SP slice; all of them without SP)."""
+    def attention_order(self) -> RowOrder:
+        """This CP rank's rows reordered so that the t-th contiguous slice holds the rows TP rank
+        t indexes and attends under the sequence split (``balanced_row_order``), and back; built
+        once per batch."""
+        def build() -> RowOrder:
+            rows = self.maps.positions.shape[1]
+            order = balanced_row_order(rows, self.tp_group.size(), self.maps.positions.device)
+            return RowOrder(order, inverse_permutation(order))
+
+        return self.maps.derived("dsa attention rows", build)
+
+    def attention_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of a [s, ...] tensor over this CP rank's rows that this rank indexes and
+        attends under the sequence split (its slice of ``attention_order``; all of them without
+        SP)."""
         if not self.splits_sequence:
             return t
-        n = t.shape[0] // self.tp_group.size()
-        return t[self.tp_group.rank() * n:(self.tp_group.rank() + 1) * n]
+        order = self.attention_order().index
+        n = order.numel() // self.tp_group.size()
+        return t.index_select(0, order[self.tp_group.rank() * n:(self.tp_group.rank() + 1) * n])
 
     def cp_rank_rows(self, t: torch.Tensor) -> torch.Tensor:
         """[r, b, ...] rows of this rank -> all rows of its CP rank: under SP the TP all-gather,

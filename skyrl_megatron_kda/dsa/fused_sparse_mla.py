@@ -103,10 +103,18 @@ def fused_dsa_kernels(indexer_scores: str = "bf16") -> DSAKernels:
                       index_scores=INDEXER_SCORES[indexer_scores].scores)
 
 
-def _padded(t: torch.Tensor, width: int, dtype: torch.dtype | None) -> torch.Tensor:
-    """[..., R] -> [..., width], zero channels after the latent's, in the kernels' dtype."""
-    t = t.to(dtype or t.dtype)
-    return (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] != width else t).contiguous()
+def kernel_latent(latent: torch.Tensor, kernels: DSAKernels) -> torch.Tensor:
+    """The latent [Tk, R] as the sparse-MLA kernels take it: [Tk, 1, width], zero channels
+    after the latent's, in the kernels' dtype."""
+    t = latent.to(kernels.dtype or latent.dtype)
+    if t.shape[-1] != kernels.width:
+        t = F.pad(t, (0, kernels.width - t.shape[-1]))
+    return t.contiguous()[:, None]
+
+
+def kernel_indices(indices: torch.Tensor) -> torch.Tensor:
+    """A block's indices [b, k] as the sparse-MLA kernels take them: [b, 1, k] int32."""
+    return indices.to(torch.int32)[:, None].contiguous()
 
 
 class FusedAbsorbedSparseMLA(torch.autograd.Function):
@@ -121,12 +129,12 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         check_indices(q_nope.shape[0], latent, indices, query_block)
         num_heads, qk_head_dim = q_nope.shape[1], q_nope.shape[2]
         w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, v_head_dim)
-        kv = _padded(latent, kernels.width, kernels.dtype)[:, None]
+        kv = kernel_latent(latent, kernels)
         out = q_nope.new_empty(q_nope.shape[0], num_heads, v_head_dim)
         kept_out, kept_lse = [], []
         for b0 in range(0, q_nope.shape[0], query_block):
             b1 = b0 + query_block
-            q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels)
+            q = absorbed_queries(q_nope[b0:b1], w_uk, kernels)
             out_latent, lse = _attend(kernels, q, kv, indices[b0:b1], scale)
             if keep_output:  # the block's own tensors (copied only where they are views)
                 kept_out.append(out_latent.contiguous())
@@ -144,7 +152,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         kernels, scale, R = ctx.kernels, ctx.scale, latent.shape[-1]
         num_heads, qk_head_dim = q_nope.shape[1], q_nope.shape[2]
         w_uk, w_uv = split_kv_up_weight(kv_up_weight, num_heads, qk_head_dim, ctx.v_head_dim)
-        kv = _padded(latent, kernels.width, kernels.dtype)[:, None]
+        kv = kernel_latent(latent, kernels)
         acc = torch.promote_types(latent.dtype, torch.float32)
         grad_q = torch.empty_like(q_nope)
         grad_latent = torch.zeros(latent.shape, dtype=acc, device=latent.device)
@@ -156,7 +164,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
         blocks = len(kept) // 2  # the forward's kept outputs, then their log-sum-exps
         for block, b0 in enumerate(range(0, q_nope.shape[0], ctx.query_block)):
             b1 = b0 + ctx.query_block
-            q = _absorbed_queries(q_nope[b0:b1], w_uk, kernels)
+            q = absorbed_queries(q_nope[b0:b1], w_uk, kernels)
             idx = indices[b0:b1]
             if kept:
                 out_latent, lse = kept[block], kept[blocks + block]
@@ -171,7 +179,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
                 g_latent = torch.where(_has_keys(idx)[:, None, None], g_latent, 0)
             delta = kernels.delta(out_latent, g_latent)
             into = {"dkv": grad_latent[:, None]} if adds_dkv else {}
-            dq, dkv = kernels.backward(q, kv, None, g_latent, idx.to(torch.int32)[:, None].contiguous(),
+            dq, dkv = kernels.backward(q, kv, None, g_latent, kernel_indices(idx),
                                        lse, sm_scale=scale, delta=delta, **into)
             if not adds_dkv:
                 grad_latent += dkv[:, 0, :R].to(acc)
@@ -183,7 +191,7 @@ class FusedAbsorbedSparseMLA(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def _absorbed_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, kernels: DSAKernels) -> torch.Tensor:
+def absorbed_queries(q_nope: torch.Tensor, w_uk: torch.Tensor, kernels: DSAKernels) -> torch.Tensor:
     """[b, H, dn] @ W_UK [H, dn, R] -> the kernels' [b, H, width] queries."""
     q = _per_head_product(q_nope, w_uk, _padded_heads_buffer(q_nope, kernels.width,
                                                              w_uk.shape[-1]))
@@ -227,7 +235,7 @@ def _has_keys(indices: torch.Tensor) -> torch.Tensor:
 def _attend(kernels: DSAKernels, q, kv, indices, scale):
     """One block through the forward kernel -> latent-space output [b, H, 512] (0 for a query
     with no key) and log-sum-exp."""
-    out, lse = kernels.forward(q, kv, indices.to(torch.int32)[:, None].contiguous(), scale)
+    out, lse = kernels.forward(q, kv, kernel_indices(indices), scale)
     if kernels.zero_without_keys:
         return out, lse
     # A query with no key: its log-sum-exp is -inf; 0 keeps the backward's exp(score - lse)

@@ -46,11 +46,12 @@ DSA_ATTENTION_S = {
 the kernel forward again."""
 
 DSA_KEPT_OUTPUT_S = {
-    # bench/results/h200_indexer_syncs/dsa_layer_latent.json (``best``): ``latent`` forward
-    # 74.6 ms, backward 296.7 ms. bench/results/h200_index_scores/dsa_layer_latent_fused.json
-    # (the ``fused`` run's ``best``): 84.9 and 724.3 ms.
-    "latent": (74.58473500000196e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
-               296.70516400000224e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    # bench/results/h200_dsa_wrapper/layer.json (the first run's ``best``, the wrapper without
+    # layout copies): ``latent`` forward 65.1 ms, backward 283.6 ms.
+    # bench/results/h200_index_scores/dsa_layer_latent_fused.json (the ``fused`` run's
+    # ``best``): 84.9 and 724.3 ms.
+    "latent": (65.10329600001796e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+               283.58656800000404e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
     "fused": (84.92471200000296e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
               724.3288930000062e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
 }
@@ -68,11 +69,11 @@ DSA_FP8_INDEXER_SHARE = 254.9 / 344.5
 DSA_ORDERED_BACKWARD_SHARE = 787.5820029999971 / 301.2266100000005
 """The sparse-MLA backward's time under ``model.dsa.deterministic_backward`` against the
 atomic one (2.61)."""
-# bench/results/h200_flashmla_forward/dsa_layer_flashmla.json (each run's ``best``, one call, the
-# same share, output kept): ``latent`` with our forward and with FlashMLA's.
-DSA_FLASHMLA_FORWARD_SHARE = 55.569789999992736 / 73.83523699999728
+# bench/results/h200_dsa_wrapper/layer.json (each run's ``best``, one process, the same share,
+# output kept): ``latent`` with our forward and with FlashMLA's.
+DSA_FLASHMLA_FORWARD_SHARE = 42.58402899998259 / 65.10329600001796
 """The sparse-MLA forward's time under ``model.dsa.attention_forward=flashmla`` against ours
-(0.75; the layer's forward: the kernel and the absorption around it)."""
+(0.65; the layer's forward: the kernel and the absorption around it)."""
 
 # --- the head: output layer + loss -----------------------------------------------------------------
 # bench/results/h200_fused_loss/fused_loss.txt: forward+backward of the loss over 65,536 to

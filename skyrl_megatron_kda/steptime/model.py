@@ -203,21 +203,22 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     forward under ``model.dsa.keep_attention_output``; the indexer, the backward and the forward
     scaled as measured under ``model.dsa.indexer_scores=fp8``,
     ``model.dsa.deterministic_backward`` and ``model.dsa.attention_forward=flashmla``).
-    The rank holds ``q`` query rows
-    (its SP rows with all heads: the sequence split) ending at the sequence's last token (the
-    zigzag CP rank 0's last TP slice, which sees the most keys)."""
+    The rank indexes ``q`` query rows: under the sequence split its balanced share of its CP
+    rank's rows with all heads (``dsa.batch_rows.balanced_row_order``), else all its CP rank's
+    rows; either way their mean position is the CP rank's, so the slowest rank is the one of
+    the CP rank whose rows sit latest on average (``_latest_cp_rank_mean_position``)."""
     m, p, a = recipe.model, recipe.parallel, recipe.model.dsa
     T = recipe.data.seq_len
-    q = rows_of(recipe).sp if p.sequence_parallel else rows_of(recipe).cp
-    visible_pools = (T - q / 2) / a.index_kpool
+    rows = rows_of(recipe)
+    q = rows.sp if a.attends_by_rows(p.tp, p.sequence_parallel) else rows.cp
+    visible_pools = _latest_cp_rank_mean_position(recipe) / a.index_kpool
     selected = _mean_selected(a.index_topk, T - q, T) * cal.DSA_SELECTED_PER_TOPK
     passes = _passes(recipe, "dsa")
-    indexer_runs = 1 if (passes == 2 and recipe.train.keep_dsa_selection) else passes
     indexer = (q * visible_pools * a.index_num_heads * a.index_head_dim
-               * cal.DSA_INDEXER_S_PER_SCORE_DIM * indexer_runs)
+               * cal.DSA_INDEXER_S_PER_SCORE_DIM * _indexer_runs(recipe))
     if a.indexer_scores == "fp8":
         indexer *= cal.DSA_FP8_INDEXER_SHARE
-    work = q * a.num_heads * selected
+    work = rows.cp * a.num_heads // p.tp * selected  # the rank's (query, head) pairs
     rates = cal.DSA_KEPT_OUTPUT_S if a.keep_attention_output else cal.DSA_ATTENTION_S
     fwd, bwd = rates[dsa_rate_kernel(recipe)]
     if a.deterministic_backward:
@@ -225,6 +226,21 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     if a.attention_forward == "flashmla":
         fwd *= cal.DSA_FLASHMLA_FORWARD_SHARE
     return {"indexer": indexer, "attention_fwd": passes * work * fwd, "attention_bwd": work * bwd}
+
+
+def _indexer_runs(recipe: Recipe) -> int:
+    """Indexer passes per DSA layer and step: once under full recompute with
+    ``train.keep_dsa_selection``, else in every forward pass."""
+    passes = _passes(recipe, "dsa")
+    return 1 if (passes == 2 and recipe.train.keep_dsa_selection) else passes
+
+
+def _latest_cp_rank_mean_position(recipe: Recipe) -> float:
+    """The mean position of the rows of the CP rank whose rows sit latest on average: T / 2 in
+    the zigzag layout (every CP rank pairs an early piece with a late one), the last CP rank's
+    T - T / (2 cp) in the contiguous one."""
+    T, cp = recipe.data.seq_len, recipe.parallel.cp
+    return T / 2 if recipe.parallel.cp_layout == "zigzag" and cp > 1 else T - T / (2 * cp)
 
 
 def dsa_rate_kernel(recipe: Recipe) -> str:
@@ -265,8 +281,12 @@ def dsa_part(recipe: Recipe) -> Part:
         comm += (passes + 1) * _seconds(rows.whole * latent * (p.cp - 1) / p.cp, cp_link)
     if p.tp > 1 and p.sequence_parallel:  # the SP gather before the projections, the reduce-scatter after
         comm += (passes + 1) * 2 * _seconds(rows.cp * m.hidden_size * e * (p.tp - 1) / p.tp, tp_link)
+        # The indexer's [q latent | head weights] of the CP rank, gathered once per indexer pass.
+        queries = rows.cp * (a.q_lora_rank + a.index_num_heads) * e
+        comm += _indexer_runs(recipe) * _seconds(queries * (p.tp - 1) / p.tp, tp_link)
     return Part("DSA attention", n, n * compute, n * comm,
-                "all-to-alls inside TP; KV latent gathered over TP and CP; SP gather + reduce-scatter in TP")
+                "all-to-alls inside TP; KV latent and indexer queries gathered; SP gather + "
+                "reduce-scatter in TP")
 
 
 def moe_pairs(recipe: Recipe) -> float:

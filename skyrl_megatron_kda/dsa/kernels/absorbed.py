@@ -41,13 +41,14 @@ class AbsorbedKernel(DSAKernel):
     def indices(self, indexer, qr, weights, keys, gate, layout):
         """The selection as int32, without the [queries x pools] scores: the indexer queries,
         pool scores, top-k and token indices of one query block at a time. ``tp_split=heads``:
-        for every row of this CP rank (the TP ranks' rows gathered); ``sequence``: for this
-        rank's own rows only."""
+        for every row of this CP rank (the TP ranks' rows gathered); ``sequence``: for the rows
+        this rank attends (``DSABatchRows.attention_rows``: a balanced share of the gathered
+        rows, not its own SP rows)."""
         q_pos, doc_start = layout.query_positions, layout.query_document_starts
+        qr, weights = indexer.cp_rank_queries(qr, weights, layout)
         if layout.attends_by_rows(self.dsa):
-            q_pos, doc_start = layout.own_rows(q_pos), layout.own_rows(doc_start)
-        else:
-            qr, weights = indexer.cp_rank_queries(qr, weights, layout)
+            q_pos, doc_start, qr, weights = (layout.attention_rows(t)
+                                             for t in (q_pos, doc_start, qr, weights))
         P, (s, b) = indexer.index_kpool, qr.shape[:2]
         cu = layout.maps.cu_seqlens
         if int(cu[-1]) >= 2**31:
@@ -78,15 +79,16 @@ class AbsorbedKernel(DSAKernel):
         its own latent column."""
         s, b = query.shape[:2]
         by_rows = layout.attends_by_rows(self.dsa)
-        if by_rows:
-            query = _heads_to_rows(query, layout.tp_group)
+        if by_rows:  # the rows the indexer selected for (``DSABatchRows.attention_order``)
+            order = layout.attention_order()
+            query = _heads_to_rows(order.apply(query), layout.tp_group)
             # Every head's weight; backward sums the ranks' head gradients and keeps this rank's.
             kv_up_weight = gather_from_sequence_parallel_region(kv_up_weight, group=layout.tp_group)
         outs = [self.attend(query[:, i], key[:, i], kv_up_weight, indices[i], core.softmax_scale,
                             core.config.v_head_dim) for i in range(b)]
         out = outs[0].unsqueeze(1) if b == 1 else torch.stack(outs, dim=1)
         if by_rows:
-            out = _rows_to_heads(out, layout.tp_group)
+            out = order.undo(_rows_to_heads(out, layout.tp_group))
         return out.reshape(s, b, -1)
 
     def index_keys(self, pool_k: torch.Tensor):
@@ -128,14 +130,27 @@ class AbsorbedKernel(DSAKernel):
 def indexer_inputs_bytes(shape: DSAShape) -> int:
     """What the blocked indexer holds before its blocks: the gathered [key | pool gate] of the
     whole sequence (2 index_head_dim per token; a second copy when CP > 1 puts the gathered rows
-    in natural order), under ``tp_split=heads`` the gathered [q latent | head weights] of the CP
-    rank's queries, and the pool compression (fp32 gate logits and softmax, the cast weights,
-    the gathered keys and their product: T index_head_dim (8 + 2w))."""
+    in natural order), the gathered [q latent | head weights] of the CP rank's queries (under
+    ``tp_split=sequence`` also this rank's share of them, taken out), and the pool compression
+    (fp32 gate logits and softmax, the cast weights, the gathered keys and their product:
+    T index_head_dim (8 + 2w))."""
     a, w, T = shape.dsa, shape.act_bytes, shape.whole
     di = a.index_head_dim
     keys = T * 2 * di * w * (2 if shape.cp > 1 else 1)
-    queries = 0 if shape.gathers_weight else shape.index_rows * (a.q_lora_rank + a.index_num_heads) * w
+    query_rows = shape.cp_rows + (shape.index_rows if shape.gathers_weight else 0)
+    queries = query_rows * (a.q_lora_rank + a.index_num_heads) * w
     return keys + queries + T * di * (8 + 2 * w)
+
+
+def query_exchange_bytes(shape: DSAShape) -> int:
+    """Attending by rows, the queries' all-to-all inside TP: this CP rank's queries put in
+    ``DSABatchRows.attention_order`` and the rows received, each the size of the rank's share
+    [rows, heads, d_qk] (the rows after it are kept, ``kept_bytes``); the backward's gradients
+    take the same two. 0 under ``tp_split=heads``."""
+    a = shape.dsa
+    if not shape.gathers_weight:
+        return 0
+    return 2 * shape.rows * shape.heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) * shape.act_bytes
 
 
 def _heads_to_rows(t: torch.Tensor, group) -> torch.Tensor:
