@@ -62,11 +62,10 @@ def test_stored_run_constants_derive_again():
     dsa = json.loads((RESULTS / "h200_threshold_topk" / "dsa_latent_keep.json").read_text())
     assert cal.DSA_SELECTED_PER_TOPK == pytest.approx(dsa["mean_selected"] / 2048)
     syncs = RESULTS / "h200_indexer_syncs"
-    bf16 = json.loads((syncs / "dsa_layer_latent.json").read_text())
-    assert (bf16["kernel"], bf16["indexer_scores"]) == ("latent", "bf16")
-    q, visible = bf16["queries"], (bf16["keys"] - bf16["queries"] / 2) / 4
+    bf16 = json.loads((RESULTS / "h200_dsa_balanced_rows" / "layer_rows.json").read_text())["runs"][0]
+    assert (bf16["kernel"], bf16["indexer_scores"], bf16["tp_rows"]) == ("latent", "bf16", "balanced")
     assert cal.DSA_INDEXER_S_PER_SCORE_DIM == pytest.approx(
-        bf16["best"]["indexer_ms"] * 1e-3 / (q * visible * 32 * 128))
+        bf16["best"]["indexer_ms"] * 1e-3 / (bf16["visible_pools"] * 32 * 128))
     profile = (syncs / "indexer_profile_fp8_keys.txt").read_text()
     wall = {m[1]: float(m[2]) for m in re.finditer(r"^(bf16|fp8): kernels .*? wall ([\d.]+) ms",
                                                     profile, re.M)}
@@ -74,7 +73,7 @@ def test_stored_run_constants_derive_again():
     for rates, kernel, path in (
             (cal.DSA_ATTENTION_S, "fused", "h200_dsa_kept_selection/dsa_rank_share_sequence.json"),
             (cal.DSA_ATTENTION_S, "latent", "h200_dsa_latent/dsa_rank_share_latent.json"),
-            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_dsa_wrapper/layer.json"),
+            (cal.DSA_KEPT_OUTPUT_S, "latent", "h200_dsa_balanced_rows/layer_rows.json"),
             (cal.DSA_KEPT_OUTPUT_S, "fused", "h200_index_scores/dsa_layer_latent_fused.json")):
         run = json.loads((RESULTS / path).read_text())
         run = next((r for r in run["runs"] if r["kernel"] == kernel), None) if "runs" in run else run
@@ -256,8 +255,9 @@ def share_measured() -> dict[str, float]:
     selection and the attention output kept, as the recipe runs it)."""
     share = json.loads((RESULTS / "h200_step_time_share" / "share_1m.json").read_text())
     layer = {p["layer"]: p for p in share["layers"]}
-    dsa = json.loads((RESULTS / "h200_dsa_wrapper" / "layer.json").read_text())["runs"][0]
-    assert (dsa["kernel"], dsa["attention_forward"], dsa["keep_output"]) == ("latent", "tilelang", True)
+    dsa = json.loads((RESULTS / "h200_dsa_balanced_rows" / "layer_rows.json").read_text())["runs"][0]
+    assert (dsa["kernel"], dsa["attention_forward"], dsa["keep_output"], dsa["tp_rows"]) == (
+        "latent", "tilelang", True, "balanced")
     return {"KDA block": layer[0]["attention_part"]["s"],
             "DSA core": dsa["best"]["step_ms_full_recompute"] * 1e-3,
             "MoE block": layer[1]["mlp_part"]["s"], "dense block": layer[0]["mlp_part"]["s"],

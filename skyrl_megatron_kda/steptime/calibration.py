@@ -13,19 +13,17 @@ from ..kda.calibration import GEMM_FLOP_PER_S
 __all__ = ["GEMM_FLOP_PER_S"]
 
 # --- DSA attention core ------------------------------------------------------------------------
-# bench/results/h200_threshold_topk/dsa_latent_keep.json (``best``): one rank's share of the 1M
-# recipe, 65,536 query rows x 64 heads, the last TP slice of zigzag CP rank 0 (query positions
-# 1,048,576 - 65,536 ... 1,048,575), over 262,144 pools of 4 keys, 32 indexer heads of 128,
-# top-2,048; mean tokens selected per query 2,049.5.
+# bench/results/h200_dsa_balanced_rows/layer_rows.json (the first run's ``best``, ``tp_rows``
+# balanced): one rank's share of the 1M recipe, 65,536 query rows x 64 heads, the last TP rank's
+# balanced share of zigzag CP rank 0's rows (as the layer takes them: mean position 524,288),
+# over 262,144 pools of 4 keys, 32 indexer heads of 128, top-2,048; mean tokens selected per
+# query 2,049.5; the queries see 8,589,918,208 (query, pool) pairs.
 DSA_SHARE_QUERIES = 65536
-DSA_SHARE_VISIBLE_POOLS = (1048576 - 65536 / 2) / 4
-"""Pools a query of that share sees on average: its position / 4."""
 
-DSA_INDEXER_S_PER_SCORE_DIM = 346.45928499999457e-3 / (DSA_SHARE_QUERIES * DSA_SHARE_VISIBLE_POOLS * 32 * 128)
+DSA_INDEXER_S_PER_SCORE_DIM = 196.34421800000013e-3 / (8589918208 * 32 * 128)
 """The indexer (pool scores, the floor's exact top-k, token indices) per query x visible pool x
-indexer head x head dim: 346 ms at that share in bench/results/h200_indexer_syncs/
-dsa_layer_latent.json (``best``; about 394 TFLOP/s counting the score GEMM's multiply-adds);
-the same for ``latent`` and ``fused``, which share it."""
+indexer head x head dim: 196 ms at that share in the same run (about 358 TFLOP/s counting the
+score GEMM's multiply-adds); the same for ``latent`` and ``fused``, which share it."""
 
 DSA_SELECTED_PER_TOPK = 2049.5 / 2048
 """Tokens selected per query against min(top-k, the query's prefix): the kernel's pools round
@@ -46,12 +44,12 @@ DSA_ATTENTION_S = {
 the kernel forward again."""
 
 DSA_KEPT_OUTPUT_S = {
-    # bench/results/h200_dsa_wrapper/layer.json (the first run's ``best``, the wrapper without
-    # layout copies): ``latent`` forward 65.1 ms, backward 283.6 ms.
+    # bench/results/h200_dsa_balanced_rows/layer_rows.json (the first run's ``best``, the rows
+    # above): ``latent`` forward 64.3 ms, backward 279.6 ms.
     # bench/results/h200_index_scores/dsa_layer_latent_fused.json (the ``fused`` run's
     # ``best``): 84.9 and 724.3 ms.
-    "latent": (65.10329600001796e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
-               283.58656800000404e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
+    "latent": (64.27011400000282e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
+               279.56312700000296e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
     "fused": (84.92471200000296e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
               724.3288930000062e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
 }
