@@ -154,8 +154,9 @@ def query_exchange_bytes(shape: DSAShape) -> int:
 
 
 def _heads_to_rows(t: torch.Tensor, group) -> torch.Tensor:
-    """[s, b, n, d] (all rows, this TP rank's heads) -> [s/tp, b, n * tp, d] (this rank's SP
-    rows, every head in TP-rank order); megatron's all-to-all, differentiable."""
+    """[s, b, n, d] (all rows, this TP rank's heads) -> [s/tp, b, n * tp, d] (the t-th
+    contiguous 1/tp of the rows on TP rank t, every head in TP-rank order); megatron's
+    all-to-all, differentiable."""
     s, b, n, d = t.shape
     out = all_to_all_hp2sp(t.reshape(s * b, n * d), group=group)
     return out.view(s // group.size(), b, n * group.size(), d)
