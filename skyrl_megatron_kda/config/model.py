@@ -110,9 +110,10 @@ class DSAConfig(ConfigSection):
     tp_split: Literal["heads", "sequence"] = "sequence"
     """How tensor parallelism splits the sparse attention. heads: each TP rank attends with its
     heads/tp heads from all query rows of its CP rank (the indexer runs on all of them, on every
-    TP rank); sequence: an all-to-all inside the TP group gives each TP rank all heads for its
-    own sequence-parallel rows (Ulysses), so each selected latent row serves every head and the
-    indexer runs once per row. Needs kernel fused, latent or torch. The default by measurement: at the
+    TP rank); sequence: an all-to-all inside the TP group gives each TP rank all heads for a
+    balanced 1/tp of its CP rank's rows (Ulysses; a piece from each end, so that every TP rank's
+    queries see as many earlier keys on average), so each selected latent row serves every head
+    and the indexer runs once per row. Needs kernel fused, latent or torch. The default by measurement: at the
     1M recipe's per-rank share, sequence took 3.8x less time per step and less memory
     (docs/benchmarks.md); with a kernel that cannot attend by rows (unfused) the default is heads
     (``recipe_rules.kernel_split``)."""
@@ -154,8 +155,9 @@ class DSAConfig(ConfigSection):
     index_num_heads x indexer_pool_block fp32 values."""
 
     def attends_by_rows(self, tp: int, sequence_parallel: bool) -> bool:
-        """Whether a rank attends with every head on its own rows (``tp_split=sequence`` where SP
-        splits the rows over TP > 1); otherwise with its heads/tp heads on all its CP rank's rows."""
+        """Whether a rank attends with every head on a 1/tp of its CP rank's rows
+        (``tp_split=sequence`` where SP splits the rows over TP > 1); otherwise with its heads/tp
+        heads on all its CP rank's rows."""
         return self.tp_split == "sequence" and sequence_parallel and tp > 1
 
     @model_validator(mode="after")

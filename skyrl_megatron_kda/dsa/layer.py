@@ -34,9 +34,10 @@ What is ours, and why (megatron-core 0.19.2 has no equivalent):
     ``pools.pool_token_indices``, int32) and the attention runs in the absorbed MLA layout over
     the gathered KV latent (``fused_sparse_mla`` on megatron-core's TileLang kernels,
     ``sparse_mla`` in torch), keeping O(queries) tensors for backward.
-  * ``model.dsa.tp_split=sequence``: an all-to-all inside TP gives each rank every head for its
-    own SP rows (megatron's ``all_to_all_hp2sp``/``sp2hp``), so the indexer runs once per row
-    instead of once per TP rank.
+  * ``model.dsa.tp_split=sequence``: an all-to-all inside TP gives each rank every head for a
+    balanced 1/tp of its CP rank's rows (megatron's ``all_to_all_hp2sp``/``sp2hp`` on the rows
+    in ``DSABatchRows.attention_order``), so the indexer runs once per row instead of once per
+    TP rank, and no TP rank holds all the latest rows.
   * ``DuplicatedLinear`` / ``IndexerKNorm`` / ``LatentRMSNorm``: the local backend has no TE
     duplicated linear or TE norm; torch's norm refuses SP, ours tags its weights for the TP sum.
 
