@@ -127,6 +127,7 @@ from skyrl_megatron_kda.recipes import load_recipe
 RECIPE = "glm53_flash_1m"
 HEADS, TP, CP = 64, 8, 2
 HIDDEN, Q_LORA, LATENT, DN, DV = 4096, 1536, 512, 256, 256
+SCALE = DN ** -0.5  # the attention's softmax scale
 IDX_HEADS, IDX_DIM, TOPK, KPOOL = 32, 128, 2048, 4
 MEGATRON_QK_WIDTH = 576  # megatron-core's sparse MLA kernels: the 512-wide latent + 64 rope
 BF16 = 2  # bytes
@@ -235,11 +236,10 @@ def indexer_split(x: dict, keys: int, block: int, kernels) -> dict:
 
 def attention(x: dict, idx: torch.Tensor, kernel: str, block: int, kernels,
               keep_output: bool = False) -> torch.Tensor:
-    scale = (DN ** -0.5)
     if kernel != "torch":
-        return fused_absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, scale, DV,
+        return fused_absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, SCALE, DV,
                                          block, kernels, keep_output=keep_output)
-    return absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, scale, DV, block)
+    return absorbed_sparse_mla(x["q_nope"], x["latent"], x["weight"], idx, SCALE, DV, block)
 
 
 def kernel_forward_inputs(x: dict, idx: torch.Tensor, block: int, kernels) -> list[tuple]:
@@ -260,7 +260,7 @@ def kernel_forward_ms(x: dict, idx: torch.Tensor, block: int, kernels) -> float:
 
     def run():
         for q, kv, i in inputs:
-            kernels.forward(q, kv, i, DN ** -0.5)
+            kernels.forward(q, kv, i, SCALE)
 
     return min(timed(run)[1] for _ in range(2))
 
@@ -579,6 +579,7 @@ def main():
     if a.split == "heads" and tp_rows != ["balanced"]:
         p.error("--tp-rows takes the sequence split's rows; --split heads has every CP row")
     dev = torch.device("cuda")
+    link = load_recipe(RECIPE, []).recipe.cluster.intra_node
     summaries = []
     for choice in tp_rows:
         x = make_inputs(a.keys, a.split, dev, choice)
@@ -588,7 +589,7 @@ def main():
         rows = x["pos"].numel()
         cp_rows = rows * TP if a.split == "sequence" else rows
         gemms = projection_gemms(cp_rows, rows)
-        a2a = all_to_all_model(cp_rows, a.split, load_recipe(RECIPE, []).recipe.cluster.intra_node)
+        a2a = all_to_all_model(cp_rows, a.split, link)
         summaries += [run_kernel(x, a, name, forward, gemms, a2a, choice) for name in names
                       for forward in (forwards if name == "latent" else ["tilelang"])]
         del x

@@ -416,9 +416,8 @@ def _run_case(case, single):
     q_rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), tp_group.rank(),
                        False, case.layout)
     if case.tp_split == "sequence" and case.sp:
-        share = q_rows.numel() // case.tp
-        order = dsa.balanced_row_order(q_rows.numel(), case.tp)
-        q_rows = q_rows[order[tp_group.rank() * share:(tp_group.rank() + 1) * share]]
+        shares = dsa.balanced_row_order(q_rows.numel(), case.tp).view(case.tp, -1)
+        q_rows = q_rows[shares[tp_group.rank()]]
     (ours,), (theirs,) = topk, ref_topk
     return dict(errors=errors, topk_equal=torch.equal(ours.long(), theirs[:, q_rows]),
                 kept=float((ours >= 0).sum(-1).float().mean()), grads=sorted(grads),

@@ -91,9 +91,8 @@ class DSABatchRows:
         SP)."""
         if not self.splits_sequence:
             return t
-        order = self.attention_order().index
-        n = order.numel() // self.tp_group.size()
-        return t.index_select(0, order[self.tp_group.rank() * n:(self.tp_group.rank() + 1) * n])
+        mine = self.attention_order().index.view(self.tp_group.size(), -1)[self.tp_group.rank()]
+        return t.index_select(0, mine)
 
     def cp_rank_rows(self, t: torch.Tensor) -> torch.Tensor:
         """[r, b, ...] rows of this rank -> all rows of its CP rank: under SP the TP all-gather,
