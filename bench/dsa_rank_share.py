@@ -25,7 +25,8 @@ stage (measured unless said otherwise):
 * all-to-all, modelled (one GPU has no peers): under ``--split sequence`` the queries go in
   before the core (each rank keeps 1/8 of its CP rank's rows x 8 heads x 256 and sends the rest)
   and the output comes back after it, the same bytes; the backward sends their gradients the
-  other way. Each costs bytes / all-to-all bandwidth + latency of ``glm53_flash_1m``'s
+  other way; once per step the indexer's [q latent | head weights] of the rank's share come in.
+  Each costs bytes / all-to-all bandwidth + latency of ``glm53_flash_1m``'s
   ``cluster.intra_node`` link (as the step-time model prices it); ``--split heads`` has none.
 
 The rank is CP rank 0 of a zigzag layout (its rows: the first and the last quarter of the
@@ -359,16 +360,26 @@ def a2a_bytes(cp_rows: int, width: int, s: MLASizes = MLASizes()) -> float:
     return cp_rows * (s.heads // s.tp) * width * BF16 * (s.tp - 1) / s.tp
 
 
+def indexer_a2a_bytes(cp_rows: int, s: MLASizes = MLASizes()) -> float:
+    """Bytes one rank receives in the indexer's all-to-all of the sequence split (its share's
+    [q latent | head weights], ``DSABatchRows.attention_share``), less the rows it already has:
+    at most (tp - 1) / tp of its 1/tp of the CP rank's rows."""
+    return cp_rows / s.tp * (s.q_lora + s.idx_heads) * BF16 * (s.tp - 1) / s.tp
+
+
 def all_to_all_model(cp_rows: int, split: str, link, s: MLASizes = MLASizes()) -> dict:
     """The sequence split's all-to-alls per step, modelled: the queries in and the output back in
-    each of the two forwards, their gradients the other way in the backward; each one
-    bytes / ``link.a2a_bandwidth_gib_s`` + ``link.latency_us``. The heads split has none."""
+    each of the two forwards, their gradients the other way in the backward, and the indexer's
+    queries once (the recompute keeps the selection); each one bytes /
+    ``link.a2a_bandwidth_gib_s`` + ``link.latency_us``. The heads split has none."""
     if split == "heads":
         return dict(all_to_all_model_ms=0.0, all_to_all_gib=0.0)
     pair = [a2a_bytes(cp_rows, width, s) for width in (s.qk, s.v)]
     seconds = sum(b / (link.a2a_bandwidth_gib_s * 2**30) + link.latency_us * 1e-6 for b in pair)
-    return dict(all_to_all_model_ms=PASSES * seconds * 1e3,
-                all_to_all_gib=PASSES * sum(pair) / 2**30)
+    index = indexer_a2a_bytes(cp_rows, s)
+    seconds_index = index / (link.a2a_bandwidth_gib_s * 2**30) + link.latency_us * 1e-6
+    return dict(all_to_all_model_ms=(PASSES * seconds + seconds_index) * 1e3,
+                all_to_all_gib=(PASSES * sum(pair) + index) / 2**30)
 
 
 def attention_flops(queries: int, heads: int, selected: float) -> tuple[float, float]:

@@ -1,6 +1,8 @@
 """The sequence split's balanced TP shares (``batch_rows.balanced_row_order``): every TP rank's
 indexer queries sit, on average, where the CP rank's do, so no TP rank scores twice the pools of
-another; contiguous TP slices (what SP holds) are the control."""
+another; contiguous TP slices (what SP holds) are the control. And the all-to-all that brings
+each rank its share from the SP slices (``share_exchange``), played out here rank by rank; the
+layer's mesh tests in ``test_dsa.py`` run it over gloo."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 from skyrl_megatron_kda.distributed.cp_layout import rank_rows
-from skyrl_megatron_kda.dsa.batch_rows import balanced_row_order
+from skyrl_megatron_kda.dsa.batch_rows import balanced_row_order, share_exchange
 
 
 @pytest.mark.parametrize("rows,tp", [(16, 2), (24, 4), (30, 3), (10, 5), (8, 8)])
@@ -34,3 +36,47 @@ def test_every_tp_rank_indexes_the_cp_ranks_mean_position(layout):
         assert torch.allclose(shares.mean(1), rows.mean().expand(tp), rtol=1e-12)
         slices = rows.view(tp, -1).mean(1)
         assert slices.max() / rows.mean() > (1.4 if layout == "zigzag" else 1.05)
+
+
+def _exchange(rows: torch.Tensor, order: torch.Tensor, tp: int, arrange: bool = True):
+    """Every TP rank's received share when rank t holds the t-th contiguous slice of ``rows``
+    (SP), as ``DSABatchRows.attention_share`` moves them: what rank s sends to rank t is its
+    ``send`` rows' chunk t, and rank t takes its chunks in rank order."""
+    plans = [share_exchange(order, tp, r) for r in range(tp)]
+    own = rows.view(tp, -1, *rows.shape[1:])
+    chunks = [own[r][p.send].split(p.send_counts) for r, p in enumerate(plans)]
+    out = []
+    for t, plan in enumerate(plans):
+        got = torch.cat([chunks[s][t] for s in range(tp)])
+        assert [chunks[s][t].shape[0] for s in range(tp)] == plan.recv_counts
+        out.append(got[plan.arrange] if arrange else got)
+    return out
+
+
+@pytest.mark.parametrize("rows,tp", [(16, 2), (24, 4), (30, 3), (40, 8)])
+@pytest.mark.parametrize("kind", ["balanced", "random"])
+def test_the_exchange_brings_each_rank_its_share(rows, tp, kind):
+    """Each rank ends with exactly ``order.view(tp, -1)[t]`` of the rows, in that order, and
+    receives only that: for the balanced order (pieces from two SP slices) and for a random
+    permutation, whose shares draw from every slice out of order. Leaving the received rows in
+    arrival order is caught on the random one."""
+    gen = torch.Generator().manual_seed(rows * tp)
+    order = balanced_row_order(rows, tp) if kind == "balanced" else torch.randperm(rows, generator=gen)
+    data = torch.randn(rows, 2, 3, generator=gen)
+    shares = order.view(tp, -1)
+    got = _exchange(data, order, tp)
+    for t in range(tp):
+        assert torch.equal(got[t], data[shares[t]])
+    if kind == "random":
+        unarranged = _exchange(data, order, tp, arrange=False)
+        assert any(not torch.equal(u, data[s]) for u, s in zip(unarranged, shares))
+
+
+def test_the_balanced_shares_come_from_two_sp_slices():
+    """At the 1M recipe's TP 8, a rank's share is a front and a back piece, each inside one SP
+    slice: every rank receives from at most two ranks, 1/tp of the rows in all."""
+    rows, tp = 512, 8
+    for rank in range(tp):
+        plan = share_exchange(balanced_row_order(rows, tp), tp, rank)
+        assert sum(plan.recv_counts) == sum(plan.send_counts) == rows // tp
+        assert sum(c > 0 for c in plan.recv_counts) <= 2

@@ -84,16 +84,23 @@ def test_projection_stage_runs_on_cpu(bench):
 def test_all_to_all_bytes_and_model(bench):
     # 7/8 of 524,288 rows x 8 heads x 256 x 2 bytes (2 GiB) leave the rank: 1.75 GiB.
     assert bench.a2a_bytes(524288, 256) == 1.75 * 2**30
-    # At 1.75 GiB/s and 1 ms each, six all-to-alls (queries and output; 2 forwards, 1 backward).
+    # The indexer's: 7/8 of the share's 65,536 rows x (1536 + 32) x 2 bytes.
+    index = bench.indexer_a2a_bytes(524288)
+    assert index == 65536 * 1568 * 2 * 7 / 8
+    # At 1.75 GiB/s and 1 ms each, six all-to-alls (queries and output; 2 forwards, 1 backward)
+    # and the indexer's once.
     link = SimpleNamespace(a2a_bandwidth_gib_s=1.75, latency_us=1000.0)
     model = bench.all_to_all_model(524288, "sequence", link)
-    assert model["all_to_all_model_ms"] == pytest.approx(6 * 1001.0)
-    assert model["all_to_all_gib"] == pytest.approx(6 * 1.75)
+    index_ms = (index / (1.75 * 2**30) + 1e-3) * 1e3
+    assert model["all_to_all_model_ms"] == pytest.approx(6 * 1001.0 + index_ms)
+    assert model["all_to_all_gib"] == pytest.approx(6 * 1.75 + index / 2**30)
     assert bench.all_to_all_model(524288, "heads", link) == dict(all_to_all_model_ms=0.0,
                                                                  all_to_all_gib=0.0)
     nvlink = load_recipe("glm53_flash_1m", []).recipe.cluster.intra_node
+    per_gib = 1 / nvlink.a2a_bandwidth_gib_s
     assert bench.all_to_all_model(524288, "sequence", nvlink)["all_to_all_model_ms"] == (
-        pytest.approx(6 * (1.75 / nvlink.a2a_bandwidth_gib_s + nvlink.latency_us * 1e-6) * 1e3))
+        pytest.approx((6 * (1.75 * per_gib + nvlink.latency_us * 1e-6)
+                       + index / 2**30 * per_gib + nvlink.latency_us * 1e-6) * 1e3))
 
 
 def test_attention_and_indexer_flops(bench):

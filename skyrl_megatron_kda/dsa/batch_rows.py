@@ -42,6 +42,35 @@ def balanced_row_order(rows: int, tp: int, device=None) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class ShareExchange:
+    """One TP rank's part of the all-to-all that brings every rank the rows of its share
+    (``share_exchange``)."""
+
+    send: torch.Tensor
+    """This rank's own (SP) rows to send, grouped by the rank that attends them, in rank order."""
+    send_counts: list[int]
+    recv_counts: list[int]
+    arrange: torch.Tensor
+    """The received rows (grouped by the rank that sent them) -> the rank's share in its order."""
+
+
+def share_exchange(order: torch.Tensor, tp: int, rank: int) -> ShareExchange:
+    """How TP rank ``rank`` swaps rows so that every rank ends with its share of a CP rank's
+    rows, ``order.view(tp, -1)[t]`` for rank t, when SP gave rank t the contiguous rows
+    [t r, (t + 1) r) (r = rows / tp). Each rank holds 1/tp of the rows before and after, so
+    the exchange moves at most that much, where an all-gather would give every rank all of them.
+    Computed alike on every rank from ``order``; the row counts cross no process."""
+    per = order.numel() // tp
+    shares = order.view(tp, per)
+    owner = shares.div(per, rounding_mode="floor")
+    sends = [shares[t][owner[t] == rank] - rank * per for t in range(tp)]
+    arrival = torch.sort(owner[rank], stable=True).indices  # received row k is share row arrival[k]
+    return ShareExchange(torch.cat(sends), [s.numel() for s in sends],
+                         torch.bincount(owner[rank], minlength=tp).tolist(),
+                         inverse_permutation(arrival))
+
+
+@dataclass(frozen=True)
 class DSABatchRows:
     """Where this rank's rows sit in natural token order, and how to gather them.
 
@@ -93,6 +122,21 @@ class DSABatchRows:
             return t
         mine = self.attention_order().index.view(self.tp_group.size(), -1)[self.tp_group.rank()]
         return t.index_select(0, mine)
+
+    def attention_share(self, t: torch.Tensor) -> torch.Tensor:
+        """[r, b, ...] this rank's own rows -> ``attention_rows`` of its CP rank's rows, by one
+        all-to-all inside TP (``share_exchange``) instead of a gather of all of them; without
+        gradient (the indexer's inputs). The rows themselves without SP."""
+        if not self.splits_sequence:
+            return t
+        tp, rank = self.tp_group.size(), self.tp_group.rank()
+        plan = self.maps.derived(("dsa share exchange", rank),
+                                 lambda: share_exchange(self.attention_order().index, tp, rank))
+        sent = t.index_select(0, plan.send)
+        got = sent.new_empty(sum(plan.recv_counts), *t.shape[1:])
+        torch.distributed.all_to_all_single(got, sent, plan.recv_counts, plan.send_counts,
+                                            group=self.tp_group)
+        return got.index_select(0, plan.arrange)
 
     def cp_rank_rows(self, t: torch.Tensor) -> torch.Tensor:
         """[r, b, ...] rows of this rank -> all rows of its CP rank: under SP the TP all-gather,

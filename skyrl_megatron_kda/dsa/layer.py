@@ -154,9 +154,11 @@ class GlmKPoolIndexer(DSAIndexer):
         q, _ = self.linear_wq_b(qr)
         return q.view(*q.shape[:2], self.index_n_heads, self.index_head_dim)
 
-    def cp_rank_queries(self, qr, weights, layout: DSABatchRows):
-        """This rank's [q latent | head weights] -> those of all its CP rank's rows (one gather)."""
-        return layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
+    def indexed_queries(self, qr, weights, move_rows):
+        """This rank's [q latent | head weights] -> those of the rows it indexes, in one
+        collective ``move_rows``: all its CP rank's rows (``DSABatchRows.cp_rank_rows``) or its
+        share of them under the sequence split (``DSABatchRows.attention_share``)."""
+        return move_rows(torch.cat([qr, weights], -1)).split(
             [qr.shape[-1], self.index_n_heads], dim=-1)
 
 

@@ -281,12 +281,13 @@ def dsa_part(recipe: Recipe) -> Part:
         comm += (passes + 1) * _seconds(rows.whole * latent * (p.cp - 1) / p.cp, cp_link)
     if p.tp > 1 and p.sequence_parallel:  # the SP gather before the projections, the reduce-scatter after
         comm += (passes + 1) * 2 * _seconds(rows.cp * m.hidden_size * e * (p.tp - 1) / p.tp, tp_link)
-        # The indexer's [q latent | head weights] of the CP rank, gathered once per indexer pass.
-        queries = rows.cp * (a.q_lora_rank + a.index_num_heads) * e
-        comm += _indexer_runs(recipe) * _seconds(queries * (p.tp - 1) / p.tp, tp_link)
+        # The indexer's [q latent | head weights], once per indexer pass: the CP rank's rows
+        # gathered (heads split) or this rank's share by all-to-all (sequence split).
+        by_rows = a.attends_by_rows(p.tp, p.sequence_parallel)
+        queries = (rows.sp if by_rows else rows.cp) * (a.q_lora_rank + a.index_num_heads) * e
+        comm += _indexer_runs(recipe) * _seconds(queries * (p.tp - 1) / p.tp, tp_link, a2a=by_rows)
     return Part("DSA attention", n, n * compute, n * comm,
-                "all-to-alls inside TP; KV latent and indexer queries gathered; SP gather + "
-                "reduce-scatter in TP")
+                "all-to-alls inside TP; KV latent gathered; SP gather + reduce-scatter in TP")
 
 
 def moe_pairs(recipe: Recipe) -> float:

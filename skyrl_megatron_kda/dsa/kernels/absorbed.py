@@ -42,13 +42,14 @@ class AbsorbedKernel(DSAKernel):
         """The selection as int32, without the [queries x pools] scores: the indexer queries,
         pool scores, top-k and token indices of one query block at a time. ``tp_split=heads``:
         for every row of this CP rank (the TP ranks' rows gathered); ``sequence``: for the rows
-        this rank attends (``DSABatchRows.attention_rows``: a balanced share of the gathered
-        rows, not its own SP rows)."""
+        this rank attends (``DSABatchRows.attention_rows``: a balanced share of its CP rank's
+        rows, not its own SP rows; their queries come by one all-to-all inside TP)."""
         q_pos, doc_start = layout.query_positions, layout.query_document_starts
-        qr, weights = indexer.cp_rank_queries(qr, weights, layout)
         if layout.attends_by_rows(self.dsa):
-            q_pos, doc_start, qr, weights = (layout.attention_rows(t)
-                                             for t in (q_pos, doc_start, qr, weights))
+            q_pos, doc_start = layout.attention_rows(q_pos), layout.attention_rows(doc_start)
+            qr, weights = indexer.indexed_queries(qr, weights, layout.attention_share)
+        else:
+            qr, weights = indexer.indexed_queries(qr, weights, layout.cp_rank_rows)
         P, (s, b) = indexer.index_kpool, qr.shape[:2]
         cu = layout.maps.cu_seqlens
         if int(cu[-1]) >= 2**31:
@@ -130,16 +131,21 @@ class AbsorbedKernel(DSAKernel):
 def indexer_inputs_bytes(shape: DSAShape) -> int:
     """What the blocked indexer holds before its blocks: the gathered [key | pool gate] of the
     whole sequence (2 index_head_dim per token; a second copy when CP > 1 puts the gathered rows
-    in natural order), the gathered [q latent | head weights] of the CP rank's queries (under
-    ``tp_split=sequence`` also this rank's share of them, taken out), and the pool compression
-    (fp32 gate logits and softmax, the cast weights, the gathered keys and their product:
-    T index_head_dim (8 + 2w))."""
+    in natural order), the [q latent | head weights] of the rows it indexes, and the pool
+    compression (fp32 gate logits and softmax, the cast weights, the gathered keys and their
+    product: T index_head_dim (8 + 2w)). ``tp_split=heads``: the CP rank's queries, gathered;
+    ``sequence``: the rank's share, whose all-to-all briefly holds four sets of rows (this
+    rank's, their send order, the rows received and their arrangement) before the compression,
+    which holds only the last."""
     a, w, T = shape.dsa, shape.act_bytes, shape.whole
     di = a.index_head_dim
     keys = T * 2 * di * w * (2 if shape.cp > 1 else 1)
-    query_rows = shape.cp_rows + (shape.index_rows if shape.gathers_weight else 0)
-    queries = query_rows * (a.q_lora_rank + a.index_num_heads) * w
-    return keys + queries + T * di * (8 + 2 * w)
+    row = (a.q_lora_rank + a.index_num_heads) * w
+    compression = T * di * (8 + 2 * w)
+    if shape.gathers_weight:
+        exchange = 2 * (shape.sp_rows + shape.index_rows) * row
+        return keys + max(exchange, shape.index_rows * row + compression)
+    return keys + shape.cp_rows * row + compression
 
 
 def query_exchange_bytes(shape: DSAShape) -> int:
