@@ -17,17 +17,19 @@ stage (measured unless said otherwise):
   ``sparse_mla.absorbed_sparse_mla`` (torch), forward and backward; the kv up projection and its
   absorption are inside it;
 * projections: the layer's other linear layers at the rank's share, as
-  ``torch.nn.functional.linear`` in bf16 in the layer's order (``projection_gemms``): q down and
-  kv down (column parallel over the CP rank's all-gathered rows), q up (column parallel) and the
-  output projection (row parallel), forward and backward; and the frozen indexer's wq_b, wk,
+  ``torch.nn.functional.linear`` in bf16 in the layer's order (``projection_gemms``), forward
+  and backward: under ``heads`` megatron's column-parallel q down, kv down and q up over the CP
+  rank's rows with 1/8 of the widths and the row-parallel output projection; under
+  ``sequence`` each with its whole weight on the rank's own 65,536 rows
+  (``GlmDSASelfAttention.forward_by_rows``: the same FLOPs); and the frozen indexer's wq_b, wk,
   kpool gate and head weights, forward only, on the rank's own rows (all the CP rank's rows
   under ``heads``);
-* all-to-all, modelled (one GPU has no peers): under ``--split sequence`` the queries go in
-  before the core (each rank keeps 1/8 of its CP rank's rows x 8 heads x 256 and sends the rest)
-  and the output comes back after it, the same bytes; the backward sends their gradients the
-  other way; once per step the indexer's [q latent | head weights] of the rank's share come in.
-  Each costs bytes / all-to-all bandwidth + latency of ``glm53_flash_1m``'s
-  ``cluster.intra_node`` link (as the step-time model prices it); ``--split heads`` has none.
+* TP exchanges of the sequence split, modelled (one GPU has no peers): in each forward the q
+  latent's all-to-all to the rank's share, the output's back to the SP rows and the all-gathers
+  of the five projections' whole weights; the backward moves the gradients the other way and
+  reduce-scatters the weight gradients; once per step the indexer's head weights of the share
+  (``exchange_bytes``). Each costs bytes / bandwidth (all-to-all or ring) + latency of
+  ``glm53_flash_1m``'s ``cluster.intra_node`` link (as the step-time model prices it).
 
 The rank is CP rank 0 of a zigzag layout (its rows: the first and the last quarter of the
 sequence); with ``--split sequence`` it is the last TP rank's share of that CP rank's rows as the
@@ -40,13 +42,13 @@ checkpointed forward, the recompute forward and the backward. The attention core
 has no backward, and the recompute attends with the forward's kept selection:
 ``train.keep_dsa_selection``; ``step_ms_reselecting`` adds the second indexer pass of a recompute
 that selects again). The projections' step is 2 x their forward + their backward + the indexer's
-projections once (they belong to the one indexer pass); the all-to-all pair runs three times
-(two forwards, one backward). ``layer_step_ms`` adds the three. Not included: the collectives
-around the projections that every TP layer has (per rank and pass: the all-gather of the input's
-SP rows before the down projections, 3.5 GiB received; the down projections' widths gathered and
-scattered to the SP rows, small; the all-gather of q up's input rows, 1.3 GiB; the output
-projection's reduce-scatter, 3.5 GiB), the KV latent's all-gathers over TP and CP, and the norms
-between the projections.
+projections once (they belong to the one indexer pass); the exchanges as above.
+``layer_step_ms`` adds the three. Not included: under ``heads`` the collectives of megatron's TP
+linears (per rank and pass: the all-gather of the input's SP rows before the down projections,
+3.5 GiB received; the down projections' widths gathered and scattered to the SP rows; the
+all-gather of q up's input rows, 1.3 GiB; the output projection's reduce-scatter, 3.5 GiB);
+for both splits the KV latent's all-gathers over TP and CP, and the norms between the
+projections.
 
 FLOPs, for TFLOP/s: a GEMM's forward 2 x M x N x K, its backward (input and weight gradients)
 twice that; the sparse attention, in the convention of megatron-core's 576-wide kernels
@@ -309,20 +311,26 @@ class Gemm:
         return 2.0 * self.rows * self.fan_in * self.fan_out
 
 
-def projection_gemms(cp_rows: int, own_rows: int, s: MLASizes = MLASizes()) -> list[Gemm]:
-    """The linear layers one rank runs for one DSA layer, in the layer's order: the column-parallel
-    down and up projections over its CP rank's ``cp_rows``, the frozen indexer's on the rows it
-    indexes (``own_rows``), and the row-parallel output projection."""
-    local_heads = s.heads // s.tp
+def projection_gemms(cp_rows: int, own_rows: int, s: MLASizes = MLASizes(),
+                     split: str = "heads") -> list[Gemm]:
+    """The linear layers one rank runs for one DSA layer, in the layer's order, and the frozen
+    indexer's on the rows it indexes (``own_rows``). ``heads``: megatron's column-parallel down
+    and up projections over the CP rank's ``cp_rows`` with 1/tp of the widths, and the
+    row-parallel output projection; ``sequence`` (``GlmDSASelfAttention.forward_by_rows``):
+    every projection with its whole weight on the rank's own rows (the same FLOPs)."""
+    if split == "sequence":
+        rows, heads, q_lora, kv_lora = own_rows, s.heads, s.q_lora, s.kv_lora
+    else:
+        rows, heads, q_lora, kv_lora = cp_rows, s.heads // s.tp, s.q_lora // s.tp, s.kv_lora // s.tp
     return [
-        Gemm("q_down", "hidden", cp_rows, s.hidden, s.q_lora // s.tp),
-        Gemm("kv_down", "hidden", cp_rows, s.hidden, s.kv_lora // s.tp),
-        Gemm("q_up", "q_compressed", cp_rows, s.q_lora, local_heads * s.qk),
+        Gemm("q_down", "hidden", rows, s.hidden, q_lora),
+        Gemm("kv_down", "hidden", rows, s.hidden, kv_lora),
+        Gemm("q_up", "q_compressed", rows, s.q_lora, heads * s.qk),
         Gemm("indexer_wq_b", "q_compressed", own_rows, s.q_lora, s.idx_heads * s.idx_dim, False),
         Gemm("indexer_wk", "hidden", own_rows, s.hidden, s.idx_dim, False),
         Gemm("indexer_kpool_gate", "hidden", own_rows, s.hidden, s.idx_dim, False),
         Gemm("indexer_weights", "hidden", own_rows, s.hidden, s.idx_heads, False),
-        Gemm("out", "attention_output", cp_rows, local_heads * s.v, s.hidden),
+        Gemm("out", "attention_output", rows, heads * s.v, s.hidden),
     ]
 
 
@@ -354,32 +362,36 @@ def time_projections(gemms: list[Gemm], dev) -> dict:
     return t
 
 
-def a2a_bytes(cp_rows: int, width: int, s: MLASizes = MLASizes()) -> float:
-    """Bytes one rank sends in one all-to-all of the sequence split: its CP rank's rows with its
-    heads at ``width`` per head (the queries, or the output), less the 1/tp it keeps."""
-    return cp_rows * (s.heads // s.tp) * width * BF16 * (s.tp - 1) / s.tp
-
-
-def indexer_a2a_bytes(cp_rows: int, s: MLASizes = MLASizes()) -> float:
-    """Bytes one rank receives in the indexer's all-to-all of the sequence split (its share's
-    [q latent | head weights], ``DSABatchRows.attention_share``), less the rows it already has:
-    at most (tp - 1) / tp of its 1/tp of the CP rank's rows."""
-    return cp_rows / s.tp * (s.q_lora + s.idx_heads) * BF16 * (s.tp - 1) / s.tp
+def exchange_bytes(cp_rows: int, s: MLASizes = MLASizes()) -> dict[str, float]:
+    """Bytes one rank receives inside TP in one pass of the sequence split's layer
+    (``GlmDSASelfAttention.forward_by_rows``): its share's q latent (``rows_in``) and the
+    output rows that come back to it (``rows_out``), each (tp - 1) / tp of its 1/tp of the CP
+    rank's rows; the whole weights of the layer's five trainable projections gathered
+    (``weights``, (tp - 1) / tp of each); and once per step the indexer's head weights of the
+    share (``index_weights``, the recompute keeps the selection)."""
+    share, remote = cp_rows / s.tp, (s.tp - 1) / s.tp
+    weights = (s.hidden * (s.q_lora + s.kv_lora) + s.q_lora * s.heads * s.qk
+               + s.kv_lora * s.heads * (s.qk + s.v) + s.heads * s.v * s.hidden)
+    return dict(rows_in=share * s.q_lora * BF16 * remote, rows_out=share * s.hidden * BF16 * remote,
+                weights=weights * BF16 * remote, index_weights=share * s.idx_heads * BF16 * remote)
 
 
 def all_to_all_model(cp_rows: int, split: str, link, s: MLASizes = MLASizes()) -> dict:
-    """The sequence split's all-to-alls per step, modelled: the queries in and the output back in
-    each of the two forwards, their gradients the other way in the backward, and the indexer's
-    queries once (the recompute keeps the selection); each one bytes /
-    ``link.a2a_bandwidth_gib_s`` + ``link.latency_us``. The heads split has none."""
+    """The sequence split's exchanges inside TP per step, modelled: in each of the two
+    forwards the q latent's all-to-all to the share, the output's back and the weights'
+    all-gathers; in the backward the same rows the other way and the weight gradients'
+    reduce-scatters (the same bytes); the indexer's head weights once. Each exchange costs
+    bytes / bandwidth (all-to-all or ring) + ``link.latency_us``. The heads split's
+    collectives are megatron's TP linears' (not counted here, as for every TP layer)."""
     if split == "heads":
         return dict(all_to_all_model_ms=0.0, all_to_all_gib=0.0)
-    pair = [a2a_bytes(cp_rows, width, s) for width in (s.qk, s.v)]
-    seconds = sum(b / (link.a2a_bandwidth_gib_s * 2**30) + link.latency_us * 1e-6 for b in pair)
-    index = indexer_a2a_bytes(cp_rows, s)
-    seconds_index = index / (link.a2a_bandwidth_gib_s * 2**30) + link.latency_us * 1e-6
-    return dict(all_to_all_model_ms=(PASSES * seconds + seconds_index) * 1e3,
-                all_to_all_gib=(PASSES * sum(pair) + index) / 2**30)
+    b = exchange_bytes(cp_rows, s)
+    a2a = lambda n: n / (link.a2a_bandwidth_gib_s * 2**30) + link.latency_us * 1e-6
+    ring = lambda n: n / (link.bandwidth_gib_s * 2**30) + link.latency_us * 1e-6
+    seconds = PASSES * (a2a(b["rows_in"]) + a2a(b["rows_out"]) + ring(b["weights"]))
+    seconds += a2a(b["index_weights"])
+    total = PASSES * (b["rows_in"] + b["rows_out"] + b["weights"]) + b["index_weights"]
+    return dict(all_to_all_model_ms=seconds * 1e3, all_to_all_gib=total / 2**30)
 
 
 def attention_flops(queries: int, heads: int, selected: float) -> tuple[float, float]:
@@ -421,7 +433,7 @@ STAGES = (  # printed name, key of its time
     ("projections backward", "proj_bwd_ms"),
     ("indexer projections", "indexer_proj_ms"),
     ("projections step", "projections_step_ms"),
-    ("all-to-all step (modelled)", "all_to_all_model_ms"),
+    ("TP exchanges step (modelled)", "all_to_all_model_ms"),
     ("layer step", "layer_step_ms"),
 )
 
@@ -599,7 +611,7 @@ def main():
                 x[k] = x[k][:a.queries].detach().requires_grad_(k == "q_nope")
         rows = x["pos"].numel()
         cp_rows = rows * TP if a.split == "sequence" else rows
-        gemms = projection_gemms(cp_rows, rows)
+        gemms = projection_gemms(cp_rows, rows, split=a.split)
         a2a = all_to_all_model(cp_rows, a.split, link)
         summaries += [run_kernel(x, a, name, forward, gemms, a2a, choice) for name in names
                       for forward in (forwards if name == "latent" else ["tilelang"])]

@@ -305,8 +305,8 @@ CASES = [
     Case(2, 2, "sbhd", kernel="torch"),
     Case(2, 2, "thd", kernel="torch"),
     Case(2, 2, "thd", "contiguous", kernel="torch"),
-    # Sequence-split TP (an all-to-all inside TP: every head on this rank's SP rows, indices for
-    # those rows only).
+    # Sequence-split TP (``forward_by_rows``: every projection with its whole weight, every
+    # head on a balanced share of the CP rank's rows, indices for those rows only).
     Case(2, 1, "sbhd", kernel="torch", tp_split="sequence"),
     Case(2, 2, "sbhd", kernel="torch", tp_split="sequence"),
     Case(2, 2, "thd", kernel="torch", tp_split="sequence"),
@@ -322,6 +322,8 @@ CONTROLS = [
     Case(2, 2, "thd", corrupt="no_reorder", kernel="torch"),
     # Sequence split whose indexer takes the first TP rank's rows on every TP rank.
     Case(2, 2, "sbhd", corrupt="first_rows", kernel="torch", tp_split="sequence"),
+    # Sequence split whose output stays in the share's rows instead of going back to the SP rows.
+    Case(2, 2, "sbhd", corrupt="share_not_returned", kernel="torch", tp_split="sequence"),
 ]
 
 
@@ -395,16 +397,20 @@ def _run_case(case, single):
     rows = rank_rows(batch.cu_seqlens, case.cp, case.tp, cp_group.rank(), tp_group.rank(),
                      case.sp, data_layout)
     saved_sort, saved_own = dsa.sort_index, dsa.DSABatchRows.attention_rows
+    saved_back = dsa.DSABatchRows.from_share
     if case.corrupt == "no_reorder":
         dsa.sort_index = lambda p: torch.arange(p.numel(), device=p.device)
     if case.corrupt == "first_rows":
         dsa.DSABatchRows.attention_rows = lambda self, t: t[:t.shape[0] // self.tp_group.size()]
+    if case.corrupt == "share_not_returned":
+        dsa.DSABatchRows.from_share = lambda self, t: t
     try:
         x = batch.x[rows].clone().requires_grad_()
         out, _ = layer(x, attention_mask=None, packed_seq_params=batch.packed)
         (out * batch.grad_out[rows]).sum().backward()
     finally:
         dsa.sort_index, dsa.DSABatchRows.attention_rows = saved_sort, saved_own
+        dsa.DSABatchRows.from_share = saved_back
 
     errors = {"out": relative_error(out.detach(), out_ref.detach()[rows]),
               "dx": relative_error(x.grad, x_ref.grad[rows])}

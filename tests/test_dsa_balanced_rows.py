@@ -2,7 +2,7 @@
 indexer queries sit, on average, where the CP rank's do, so no TP rank scores twice the pools of
 another; contiguous TP slices (what SP holds) are the control. And the all-to-all that brings
 each rank its share from the SP slices (``share_exchange``), played out here rank by rank; the
-layer's mesh tests in ``test_dsa.py`` run it over gloo."""
+layer's mesh tests in ``test_dsa.py`` run it over gloo, both ways."""
 
 from __future__ import annotations
 
@@ -40,17 +40,26 @@ def test_every_tp_rank_indexes_the_cp_ranks_mean_position(layout):
 
 def _exchange(rows: torch.Tensor, order: torch.Tensor, tp: int, arrange: bool = True):
     """Every TP rank's received share when rank t holds the t-th contiguous slice of ``rows``
-    (SP), as ``DSABatchRows.attention_share`` moves them: what rank s sends to rank t is its
-    ``send`` rows' chunk t, and rank t takes its chunks in rank order."""
+    (SP), as ``ShareExchange.to_share`` moves them: what rank s sends to rank t is chunk t of
+    its rows in ``send`` order, and rank t takes its chunks in rank order."""
     plans = [share_exchange(order, tp, r) for r in range(tp)]
     own = rows.view(tp, -1, *rows.shape[1:])
-    chunks = [own[r][p.send].split(p.send_counts) for r, p in enumerate(plans)]
+    chunks = [own[r][p.send.index].split(p.send_counts) for r, p in enumerate(plans)]
     out = []
     for t, plan in enumerate(plans):
         got = torch.cat([chunks[s][t] for s in range(tp)])
         assert [chunks[s][t].shape[0] for s in range(tp)] == plan.recv_counts
-        out.append(got[plan.arrange] if arrange else got)
+        out.append(got[plan.arrange.index] if arrange else got)
     return out
+
+
+def _exchange_back(shares: list[torch.Tensor], order: torch.Tensor, tp: int) -> torch.Tensor:
+    """``ShareExchange.from_share`` on every rank: the shares' rows back to their SP slices."""
+    plans = [share_exchange(order, tp, r) for r in range(tp)]
+    chunks = [share[p.arrange.inverse].split(p.recv_counts) for share, p in zip(shares, plans)]
+    own = [torch.cat([chunks[t][s] for t in range(tp)])[p.send.inverse]
+           for s, p in enumerate(plans)]
+    return torch.cat(own)
 
 
 @pytest.mark.parametrize("rows,tp", [(16, 2), (24, 4), (30, 3), (40, 8)])
@@ -58,8 +67,8 @@ def _exchange(rows: torch.Tensor, order: torch.Tensor, tp: int, arrange: bool = 
 def test_the_exchange_brings_each_rank_its_share(rows, tp, kind):
     """Each rank ends with exactly ``order.view(tp, -1)[t]`` of the rows, in that order, and
     receives only that: for the balanced order (pieces from two SP slices) and for a random
-    permutation, whose shares draw from every slice out of order. Leaving the received rows in
-    arrival order is caught on the random one."""
+    permutation, whose shares draw from every slice out of order; the way back restores every
+    rank's rows. Leaving the received rows in arrival order is caught on the random one."""
     gen = torch.Generator().manual_seed(rows * tp)
     order = balanced_row_order(rows, tp) if kind == "balanced" else torch.randperm(rows, generator=gen)
     data = torch.randn(rows, 2, 3, generator=gen)
@@ -67,6 +76,7 @@ def test_the_exchange_brings_each_rank_its_share(rows, tp, kind):
     got = _exchange(data, order, tp)
     for t in range(tp):
         assert torch.equal(got[t], data[shares[t]])
+    assert torch.equal(_exchange_back(got, order, tp), data)
     if kind == "random":
         unarranged = _exchange(data, order, tp, arrange=False)
         assert any(not torch.equal(u, data[s]) for u, s in zip(unarranged, shares))

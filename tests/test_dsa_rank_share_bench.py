@@ -43,19 +43,35 @@ def test_sizes_are_the_recipes(bench):
 
 
 def test_projection_gemms_at_the_share(bench):
-    """The sequence split's rank: its CP rank's 524,288 rows, its own 65,536 for the indexer."""
-    shapes = [(g.name, g.rows, g.fan_in, g.fan_out, g.trainable)
-              for g in bench.projection_gemms(524288, 65536)]
-    assert shapes == [
-        ("q_down", 524288, 4096, 192, True),
-        ("kv_down", 524288, 4096, 64, True),
-        ("q_up", 524288, 1536, 2048, True),
+    """The heads split's rank: its CP rank's 524,288 rows with 1/8 of the widths; the sequence
+    split's: its own 65,536 rows with the whole weights, the same FLOPs; the indexer on its
+    own 65,536 rows either way (the caller passes the CP rank's under heads)."""
+    shapes = {split: [(g.name, g.rows, g.fan_in, g.fan_out, g.trainable)
+                      for g in bench.projection_gemms(524288, 65536, split=split)]
+              for split in ("heads", "sequence")}
+    indexer = [
         ("indexer_wq_b", 65536, 1536, 4096, False),
         ("indexer_wk", 65536, 4096, 128, False),
         ("indexer_kpool_gate", 65536, 4096, 128, False),
         ("indexer_weights", 65536, 4096, 32, False),
+    ]
+    assert shapes["heads"] == [
+        ("q_down", 524288, 4096, 192, True),
+        ("kv_down", 524288, 4096, 64, True),
+        ("q_up", 524288, 1536, 2048, True),
+        *indexer,
         ("out", 524288, 2048, 4096, True),
     ]
+    assert shapes["sequence"] == [
+        ("q_down", 65536, 4096, 1536, True),
+        ("kv_down", 65536, 4096, 512, True),
+        ("q_up", 65536, 1536, 16384, True),
+        *indexer,
+        ("out", 65536, 16384, 4096, True),
+    ]
+    flops = {split: bench.stage_flops((0.0, 0.0), 0.0, bench.projection_gemms(524288, 65536, split=split))
+             for split in shapes}
+    assert flops["heads"] == flops["sequence"]
 
 
 def test_projection_flops_by_hand(bench):
@@ -81,26 +97,31 @@ def test_projection_stage_runs_on_cpu(bench):
     assert all(t > 0 for t in times.values()), times
 
 
-def test_all_to_all_bytes_and_model(bench):
-    # 7/8 of 524,288 rows x 8 heads x 256 x 2 bytes (2 GiB) leave the rank: 1.75 GiB.
-    assert bench.a2a_bytes(524288, 256) == 1.75 * 2**30
-    # The indexer's: 7/8 of the share's 65,536 rows x (1536 + 32) x 2 bytes.
-    index = bench.indexer_a2a_bytes(524288)
-    assert index == 65536 * 1568 * 2 * 7 / 8
-    # At 1.75 GiB/s and 1 ms each, six all-to-alls (queries and output; 2 forwards, 1 backward)
-    # and the indexer's once.
-    link = SimpleNamespace(a2a_bandwidth_gib_s=1.75, latency_us=1000.0)
+def test_exchange_bytes_and_model(bench):
+    b = bench.exchange_bytes(524288)
+    # 7/8 of the share's 65,536 rows: the q latent (1536) in, the output (4096) back, the
+    # indexer's 32 head weights; 7/8 of the five whole weights.
+    assert b["rows_in"] == 65536 * 1536 * 2 * 7 / 8
+    assert b["rows_out"] == 65536 * 4096 * 2 * 7 / 8
+    assert b["index_weights"] == 65536 * 32 * 2 * 7 / 8
+    weights = 4096 * 1536 + 4096 * 512 + 1536 * 64 * 256 + 512 * 64 * 512 + 64 * 256 * 4096
+    assert b["weights"] == weights * 2 * 7 / 8
+    # Each exchange costs bytes / its bandwidth + 1 ms; three passes of rows and weights, the
+    # indexer's once.
+    link = SimpleNamespace(a2a_bandwidth_gib_s=1.75, bandwidth_gib_s=3.5, latency_us=1000.0)
+    gib = 2**30
+    expected = (3 * ((b["rows_in"] + b["rows_out"]) / (1.75 * gib) + b["weights"] / (3.5 * gib)
+                     + 3e-3) + b["index_weights"] / (1.75 * gib) + 1e-3) * 1e3
     model = bench.all_to_all_model(524288, "sequence", link)
-    index_ms = (index / (1.75 * 2**30) + 1e-3) * 1e3
-    assert model["all_to_all_model_ms"] == pytest.approx(6 * 1001.0 + index_ms)
-    assert model["all_to_all_gib"] == pytest.approx(6 * 1.75 + index / 2**30)
+    assert model["all_to_all_model_ms"] == pytest.approx(expected)
+    assert model["all_to_all_gib"] == pytest.approx(
+        (3 * (b["rows_in"] + b["rows_out"] + b["weights"]) + b["index_weights"]) / gib)
     assert bench.all_to_all_model(524288, "heads", link) == dict(all_to_all_model_ms=0.0,
                                                                  all_to_all_gib=0.0)
+    # On the recipe's NVLink: under 1 GiB a step, against 10.5 GiB for the queries' and
+    # outputs' all-to-alls of every head the layer ran before.
     nvlink = load_recipe("glm53_flash_1m", []).recipe.cluster.intra_node
-    per_gib = 1 / nvlink.a2a_bandwidth_gib_s
-    assert bench.all_to_all_model(524288, "sequence", nvlink)["all_to_all_model_ms"] == (
-        pytest.approx((6 * (1.75 * per_gib + nvlink.latency_us * 1e-6)
-                       + index / 2**30 * per_gib + nvlink.latency_us * 1e-6) * 1e3))
+    assert bench.all_to_all_model(524288, "sequence", nvlink)["all_to_all_gib"] < 2.5
 
 
 def test_attention_and_indexer_flops(bench):
@@ -128,7 +149,7 @@ def test_stage_table_compares_kernel_sets(bench):
     assert "latent+flashmla/latent" in lines[0]
     assert lines[1].split()[-8:] == ["100.0", "2.0", "150.0", "2.0", "80.0", "2.0", "1.500",
                                      "0.800"]
-    a2a = next(line for line in lines if line.startswith("all-to-all"))
+    a2a = next(line for line in lines if line.startswith("TP exchanges"))
     assert a2a.split()[-8:] == ["100.0", "-", "150.0", "-", "80.0", "-", "1.500", "0.800"]
 
 

@@ -9,7 +9,8 @@ compare it with the unfused layer on every mesh and with transformers):
   whole-sequence keys/values and [queries x pools] scores, not saved tensors), equal memory/dsa.py's
   torch term at the test's sizes, and are over 3x smaller than the unfused path's; growing the top-k
   adds 4 bytes (one int32 index) per selected key and query, where megatron's unfused path adds
-  the gathered fp32 key and value of every local head (and more);
+  the gathered fp32 key and value of every local head (and more); at TP2 + SP with the sequence
+  split each rank keeps what memory/dsa.py says, the projections' gathered weights included;
 * the kernel's settings are refused with one-line errors when they are not valid.
 """
 
@@ -98,22 +99,33 @@ def _census(rank, world, cases):
     return out
 
 
-def _formula_per_query(kernel: str, topk: int) -> int:
-    """memory/dsa.py's DSA term per token for the test layer's sizes (fp32, TP1/CP1), without the
-    layer input (the census leaves the input tensor out)."""
-    from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes
+def _recipe(kernel: str = "torch", topk: int = 8, tokens: int = 64, tp: int = 1):
+    """The tiny recipe at the test layer's sizes (fp32), TP1 or TP2 + SP with the sequence
+    split, CP1."""
     from skyrl_megatron_kda.config import DSAConfig
     from skyrl_megatron_kda.recipes import load_recipe
 
-    tiny = load_recipe("glm53_flash_tiny", ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1",
-                                            "parallel.sequence_parallel=false", "run.num_workers=1",
-                                            "data.seq_len=64"]).recipe
+    mesh = [f"parallel.tp={tp}", "parallel.cp=1", "parallel.ep=1", f"run.num_workers={tp}",
+            f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}", f"data.seq_len={tokens}"]
+    tiny = load_recipe("glm53_flash_tiny", mesh).recipe
     dsa = DSAConfig(num_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
                     v_head_dim=16, index_num_heads=8, index_head_dim=16, index_topk=topk,
-                    index_kpool=4, kernel=kernel)
-    recipe = tiny.model_copy(update={"model": tiny.model.model_copy(
+                    index_kpool=4, kernel=kernel, tp_split="sequence" if tp > 1 else "heads")
+    return tiny.model_copy(update={"model": tiny.model.model_copy(
         update={"hidden_size": H, "dsa": dsa})})
-    return dsa_activation_bytes(recipe) // 64 - H * 4
+
+
+def _formula(tokens: int, kernel: str = "torch", topk: int = 8, tp: int = 1) -> int:
+    """memory/dsa.py's DSA term of one rank for the test layer."""
+    from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes
+
+    return dsa_activation_bytes(_recipe(kernel, topk, tokens, tp))
+
+
+def _formula_per_query(kernel: str, topk: int) -> int:
+    """memory/dsa.py's DSA term per token for the test layer's sizes (fp32, TP1/CP1), without the
+    layer input (the census leaves the input tensor out)."""
+    return _formula(64, kernel, topk) // 64 - H * 4
 
 
 def test_kept_bytes_per_query_do_not_grow_with_t():
@@ -139,6 +151,40 @@ def test_kept_bytes_per_query_do_not_grow_with_t():
     heads, dq, dv = 4, 16, 16
     assert grow_unfused >= wider * heads * 4 * (dq + dv), grow_unfused
     assert per_query[("unfused", 48, 8)][0] > 3 * per_query[("torch", 48, 8)][0]
+
+
+def _census_by_rows(rank, world, tokens):
+    """What one TP2 + SP rank of the sequence split keeps (``forward_by_rows``), less its
+    input rows."""
+    from megatron.core import parallel_state
+
+    from skyrl_megatron_kda.kda.parity import make_batch
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    layer = _ours(_config(4, tp=2, sp=True), 4, kernel="torch", tp_split="sequence")
+    _randomize(layer, seed=7)
+    tp = parallel_state.get_tensor_model_parallel_group()
+    x = make_batch(H, tokens=tokens, batch=1).x
+    own = x.chunk(2)[tp.rank()].clone().requires_grad_()
+    _, nbytes = saved_bytes(lambda: layer(own, attention_mask=None), [*layer.parameters(), own])
+    return nbytes
+
+
+def test_the_sequence_split_keeps_what_the_plan_says():
+    """TP2 + SP, ``tp_split=sequence``, 48 and 96 tokens: each rank's saved tensors equal
+    memory/dsa.py's term to the byte (with the projections' whole weights, gathered over TP),
+    and grow by exactly the per-row term with T (the weights are the constant)."""
+    from skyrl_megatron_kda.memory.dsa import dsa_projection_weights
+
+    sizes = {}
+    for tokens in (48, 96):
+        kept = run_ranks(2, _census_by_rows, tokens)
+        assert kept[0] == kept[1], kept
+        sizes[tokens] = kept[0]
+        assert kept[0] == _formula(tokens, tp=2) - tokens // 2 * H * 4, (tokens, kept)
+    recipe = _recipe(tp=2)
+    per_row = sizes[96] - sizes[48]
+    assert sizes[48] - per_row == dsa_projection_weights(recipe) * 4
 
 
 @pytest.mark.parametrize("kwargs, message", [

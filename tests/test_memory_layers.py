@@ -33,7 +33,7 @@ def test_recompute_keeps_what_the_plan_says(census, variant):
 
 def test_activations_linear_in_sequence_length():
     """Every kept term doubles with seq_len, except KDA's concatenated projection weights and
-    the DSA attention's gathered kv up-projection weight (tp_split=sequence), both constants:
+    the DSA projections' whole weights gathered over TP (tp_split=sequence), both constants:
     affine there, exactly linear elsewhere."""
     a, b, c = (estimate_memory(full_recipe("train.recompute=none", "kda.cp_exchange=a2a", f"data.seq_len={t}"))
                for t in (131072, 262144, 524288))

@@ -12,7 +12,7 @@ from skyrl_megatron_kda.memory import GiB, estimate_memory
 from skyrl_megatron_kda.memory.blocks import (
     dense_mlp_activation_bytes, dense_mlp_backward_bytes, mhc_activation_bytes,
     norm_activation_bytes)
-from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes
+from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes, dsa_projection_weights
 from skyrl_megatron_kda.memory.head import head_activation_bytes
 from skyrl_megatron_kda.memory.kda import kda_activation_bytes, kda_backward_bytes
 from skyrl_megatron_kda.memory.moe import moe_activation_bytes, moe_routed_bytes
@@ -65,7 +65,7 @@ def test_moe_chunks_keep_only_the_router_and_the_chunk_inputs(census):
 def test_cp_halves_sequence_sharded_terms():
     """Doubling CP halves every per-token term; what stays is the part independent of the
     tokens (KDA's concatenated projection weights; nothing elsewhere) and DSA's whole-sequence
-    KV latent and gathered kv up-projection weight."""
+    KV latent and (tp_split=sequence) the projections' whole weights, gathered over TP."""
     def recipe(cp, seq_len):
         return full_recipe("train.recompute=none", "kda.cp_exchange=a2a", f"data.seq_len={seq_len}",
                      f"parallel.cp={cp}")
@@ -79,8 +79,8 @@ def test_cp_halves_sequence_sharded_terms():
         one, two = fn(recipe(1, 262144)) - fixed[0], fn(recipe(2, 262144)) - fixed[0]
         assert one == 2 * two, fn.__name__
     a = full_recipe().model.dsa
-    # Independent of CP: the whole-sequence latent and (tp_split=sequence) the gathered weight.
-    fixed = 262144 * a.kv_lora_rank * 2 + a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank * 2
+    # Independent of CP: the whole-sequence latent and (tp_split=sequence) the gathered weights.
+    fixed = 262144 * a.kv_lora_rank * 2 + dsa_projection_weights(full_recipe()) * 2
     dsa = dsa_activation_bytes
     assert a.tp_split == "sequence"
     assert dsa(recipe(1, 262144)) - fixed == 2 * (dsa(recipe(2, 262144)) - fixed)

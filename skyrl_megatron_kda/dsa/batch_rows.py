@@ -43,15 +43,52 @@ def balanced_row_order(rows: int, tp: int, device=None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ShareExchange:
-    """One TP rank's part of the all-to-all that brings every rank the rows of its share
-    (``share_exchange``)."""
+    """One TP rank's part of the all-to-all between the SP slices and the attention shares
+    (``share_exchange``); ``to_share`` and ``from_share`` run it either way."""
 
-    send: torch.Tensor
-    """This rank's own (SP) rows to send, grouped by the rank that attends them, in rank order."""
+    send: RowOrder
+    """This rank's own (SP) rows grouped by the rank that attends them, in rank order."""
     send_counts: list[int]
     recv_counts: list[int]
-    arrange: torch.Tensor
-    """The received rows (grouped by the rank that sent them) -> the rank's share in its order."""
+    arrange: RowOrder
+    """The received rows (grouped by the rank that sent them) in the rank's share order."""
+
+    def to_share(self, t: torch.Tensor, group) -> torch.Tensor:
+        """[r, ...] this rank's own rows -> [r', ...] its share, differentiable (the backward
+        sends the gradients back the other way)."""
+        return _Exchange.apply(t, self, group, True)
+
+    def from_share(self, t: torch.Tensor, group) -> torch.Tensor:
+        """The inverse of ``to_share``: the share's rows back to the ranks whose SP slices hold
+        them."""
+        return _Exchange.apply(t, self, group, False)
+
+    def move(self, t: torch.Tensor, group, to_share: bool) -> torch.Tensor:
+        """One all-to-all: this rank's own rows to its share, or the share's rows back."""
+        if to_share:
+            take, place = self.send.index, self.arrange.index
+            sent, received = self.send_counts, self.recv_counts
+        else:
+            take, place = self.arrange.inverse, self.send.inverse
+            sent, received = self.recv_counts, self.send_counts
+        rows = t.index_select(0, take)
+        got = rows.new_empty(sum(received), *t.shape[1:])
+        torch.distributed.all_to_all_single(got, rows, received, sent, group=group)
+        return got.index_select(0, place)
+
+
+class _Exchange(torch.autograd.Function):
+    """``ShareExchange.move``, whose backward moves the gradient rows the other way (the
+    exchange only moves rows, so its transpose is its inverse)."""
+
+    @staticmethod
+    def forward(ctx, t, plan: ShareExchange, group, to_share: bool):
+        ctx.plan, ctx.group, ctx.to_share = plan, group, to_share
+        return plan.move(t, group, to_share)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.plan.move(grad.contiguous(), ctx.group, not ctx.to_share), None, None, None
 
 
 def share_exchange(order: torch.Tensor, tp: int, rank: int) -> ShareExchange:
@@ -64,10 +101,11 @@ def share_exchange(order: torch.Tensor, tp: int, rank: int) -> ShareExchange:
     shares = order.view(tp, per)
     owner = shares.div(per, rounding_mode="floor")
     sends = [shares[t][owner[t] == rank] - rank * per for t in range(tp)]
+    send = torch.cat(sends)
     arrival = torch.sort(owner[rank], stable=True).indices  # received row k is share row arrival[k]
-    return ShareExchange(torch.cat(sends), [s.numel() for s in sends],
+    return ShareExchange(RowOrder(send, inverse_permutation(send)), [s.numel() for s in sends],
                          torch.bincount(owner[rank], minlength=tp).tolist(),
-                         inverse_permutation(arrival))
+                         RowOrder(inverse_permutation(arrival), arrival))
 
 
 @dataclass(frozen=True)
@@ -123,20 +161,26 @@ class DSABatchRows:
         mine = self.attention_order().index.view(self.tp_group.size(), -1)[self.tp_group.rank()]
         return t.index_select(0, mine)
 
-    def attention_share(self, t: torch.Tensor) -> torch.Tensor:
+    def share_exchange(self) -> ShareExchange:
+        """This rank's part of the all-to-all between its SP rows and its share under the
+        sequence split (``attention_rows``), built once per batch."""
+        tp, rank = self.tp_group.size(), self.tp_group.rank()
+        return self.maps.derived(("dsa share exchange", rank),
+                                 lambda: share_exchange(self.attention_order().index, tp, rank))
+
+    def to_share(self, t: torch.Tensor) -> torch.Tensor:
         """[r, b, ...] this rank's own rows -> ``attention_rows`` of its CP rank's rows, by one
-        all-to-all inside TP (``share_exchange``) instead of a gather of all of them; without
-        gradient (the indexer's inputs). The rows themselves without SP."""
+        all-to-all inside TP instead of a gather of all of them; differentiable. The rows
+        themselves without SP."""
         if not self.splits_sequence:
             return t
-        tp, rank = self.tp_group.size(), self.tp_group.rank()
-        plan = self.maps.derived(("dsa share exchange", rank),
-                                 lambda: share_exchange(self.attention_order().index, tp, rank))
-        sent = t.index_select(0, plan.send)
-        got = sent.new_empty(sum(plan.recv_counts), *t.shape[1:])
-        torch.distributed.all_to_all_single(got, sent, plan.recv_counts, plan.send_counts,
-                                            group=self.tp_group)
-        return got.index_select(0, plan.arrange)
+        return self.share_exchange().to_share(t, self.tp_group)
+
+    def from_share(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_share``: this rank's share -> its own rows."""
+        if not self.splits_sequence:
+            return t
+        return self.share_exchange().from_share(t, self.tp_group)
 
     def cp_rank_rows(self, t: torch.Tensor) -> torch.Tensor:
         """[r, b, ...] rows of this rank -> all rows of its CP rank: under SP the TP all-gather,

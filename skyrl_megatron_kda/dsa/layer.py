@@ -2,8 +2,9 @@
 
 What is megatron-core's own (configured, not copied):
   * ``MLASelfAttention`` builds q_lora/kv_lora MLA: down projections, RMS norms, up projections,
-    the row-parallel output projection, and its ``forward`` (which hands ``x`` and ``qr`` to a
-    core attention that ``requires_dsa_inputs``). Heads are split over TP by its parallel linears.
+    the row-parallel output projection, and its ``forward`` under ``tp_split=heads`` (which
+    hands ``x`` and ``qr`` to a core attention that ``requires_dsa_inputs``). Heads are split
+    over TP by its parallel linears, whose parameters (shards) every split keeps.
   * ``DSAttention`` / ``DSAIndexer`` (subclassed) give the core-attention slot, the ``indexer``
     submodule with wq_b / wk / k_norm / weights_proj, and the top-k sharing bookkeeping.
   * ``unfused_dsa_fn`` runs the sparse softmax attention over the selected key indices
@@ -34,10 +35,12 @@ What is ours, and why (megatron-core 0.19.2 has no equivalent):
     ``pools.pool_token_indices``, int32) and the attention runs in the absorbed MLA layout over
     the gathered KV latent (``fused_sparse_mla`` on megatron-core's TileLang kernels,
     ``sparse_mla`` in torch), keeping O(queries) tensors for backward.
-  * ``model.dsa.tp_split=sequence``: an all-to-all inside TP gives each rank every head for a
-    balanced 1/tp of its CP rank's rows (megatron's ``all_to_all_hp2sp``/``sp2hp`` on the rows
-    in ``DSABatchRows.attention_order``), so the indexer runs once per row instead of once per
-    TP rank, and no TP rank holds all the latest rows.
+  * ``model.dsa.tp_split=sequence``: each rank attends with every head for a balanced 1/tp of
+    its CP rank's rows (``DSABatchRows.attention_order``), so the indexer runs once per row
+    instead of once per TP rank, and no TP rank holds all the latest rows; the whole layer then
+    runs on rows (``GlmDSASelfAttention.forward_by_rows``: every projection with its whole
+    weight gathered over TP, the q latent to the share and the output back by all-to-all),
+    instead of megatron's row gathers around head-split linears.
   * ``DuplicatedLinear`` / ``IndexerKNorm`` / ``LatentRMSNorm``: the local backend has no TE
     duplicated linear or TE norm; torch's norm refuses SP, ours tags its weights for the TP sum.
 
@@ -55,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -135,8 +139,9 @@ class GlmKPoolIndexer(DSAIndexer):
 
     @torch.no_grad()
     def forward(self, x, qr, layout: DSABatchRows):
-        """x [r, b, hidden], qr [r, b, q_lora] (this rank's rows) -> natural key positions
-        [b, s, index_topk + kpool - 1] for the query rows of this rank's share."""
+        """x [r, b, hidden] (this rank's rows), qr [r', b, q_lora] (the q latent of the rows its
+        attention takes: its own, or under the sequence split its share) -> natural key
+        positions [b, s, index_topk + kpool - 1] for the query rows of this rank's share."""
         k, _ = self.linear_wk(x)
         if self.config.dsa_indexer_k_norm_fp32:
             k = self.k_norm(k.float()).to(k.dtype)
@@ -154,11 +159,9 @@ class GlmKPoolIndexer(DSAIndexer):
         q, _ = self.linear_wq_b(qr)
         return q.view(*q.shape[:2], self.index_n_heads, self.index_head_dim)
 
-    def indexed_queries(self, qr, weights, move_rows):
-        """This rank's [q latent | head weights] -> those of the rows it indexes, in one
-        collective ``move_rows``: all its CP rank's rows (``DSABatchRows.cp_rank_rows``) or its
-        share of them under the sequence split (``DSABatchRows.attention_share``)."""
-        return move_rows(torch.cat([qr, weights], -1)).split(
+    def cp_rank_queries(self, qr, weights, layout: DSABatchRows):
+        """This rank's [q latent | head weights] -> those of all its CP rank's rows (one gather)."""
+        return layout.cp_rank_rows(torch.cat([qr, weights], -1)).split(
             [qr.shape[-1], self.index_n_heads], dim=-1)
 
 
@@ -217,6 +220,65 @@ class GlmDSASelfAttention(MLASelfAttention):
         self.cp_layout = cp_layout
         self.kernel = kernel
 
+    def forward(self, hidden_states, attention_mask, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, position_ids=None, sequence_len_offset=None, *,
+                inference_params=None):
+        """megatron's MLA forward, or under ``model.dsa.tp_split=sequence`` (TP > 1 with SP)
+        ``forward_by_rows``."""
+        tp = self.pg_collection.tp.size()
+        if not self.kernel.dsa.attends_by_rows(tp, self.config.sequence_parallel):
+            return super().forward(hidden_states, attention_mask, key_value_states,
+                                   inference_context, rotary_pos_emb, rotary_pos_cos,
+                                   rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
+                                   packed_seq_params, position_ids, sequence_len_offset,
+                                   inference_params=inference_params)
+        unsupported = (key_value_states, inference_context, inference_params, rotary_pos_emb,
+                       rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias)
+        if any(v is not None for v in unsupported):
+            raise NotImplementedError("GlmDSASelfAttention: self-attention training only")
+        return self.forward_by_rows(hidden_states, attention_mask, packed_seq_params)
+
+    def forward_by_rows(self, hidden_states, attention_mask, packed_seq_params=None):
+        """The layer on rows instead of heads: hidden_states [r, b, hidden] (this rank's SP
+        rows) -> ([r, b, hidden], bias), as megatron's forward returns it.
+
+        megatron's parallel linears split heads over TP and gather rows around each one: the
+        input rows before the down projections, their outputs' widths, the q latent rows before
+        the q up projection, and a reduce-scatter after the output projection. Under the
+        sequence split the attention already runs on rows (each rank every head of a share of
+        its CP rank's rows), so every projection runs there too, on whole weights gathered
+        over TP (their gradients reduce-scattered back to the shards): the down projections and
+        norms on this rank's own rows, then one all-to-all of the q latent to the share
+        (``DSABatchRows.to_share``), the q up projection, the attention and the output
+        projection on the share, and one all-to-all of the output back to the rank's rows. The
+        rows move as latents (1,536 values) and outputs (hidden), not as every head's queries
+        and outputs; the FLOPs are the same. The KV latent is gathered as in ``forward``."""
+        x, tp = hidden_states, self.tp_group
+        layout = dsa_batch_rows(x, packed_seq_params, self.pg_collection.tp,
+                                self.pg_collection.cp, self.config.sequence_parallel, self.cp_layout)
+        qr = self.q_layernorm(_whole_linear(self.linear_q_down_proj, x, tp))
+        kv_latent = self.kv_layernorm(_whole_linear(self.linear_kv_down_proj, x, tp))
+        qr = layout.to_share(qr)
+        q = _whole_linear(self.linear_q_up_proj, qr, tp)
+        heads = self.config.num_attention_heads
+        query = q.view(*q.shape[:2], heads, self.q_head_dim)
+        kv_up_weight = gather_from_sequence_parallel_region(self.linear_kv_up_proj.weight, group=tp)
+        dims = KVDims(heads, self.config.qk_head_dim, self.config.v_head_dim)
+        key, value = self.kernel.kv_inputs(layout.whole_sequence(kv_latent), kv_up_weight, dims)
+        out = self.core_attention(query, key, value, attention_mask, x=x, qr=qr,
+                                  packed_seq_params=packed_seq_params, kv_up_weight=kv_up_weight)
+        # The row-parallel output projection's weight [hidden, heads/tp * v] gathered along its
+        # input width: the transpose's rows.
+        proj = self.linear_proj
+        out = out.reshape(*out.shape[:2], -1) @ gather_from_sequence_parallel_region(
+            proj.weight.t(), group=tp)
+        out = layout.from_share(out)
+        if proj.bias is not None and not proj.skip_bias_add:
+            return out + proj.bias, None
+        return out, proj.bias
+
     def _run_core_attention(self, query, key, value, attention_mask, packed_seq_params=None,
                             attn_mask_type=None, **extra_kwargs):
         """megatron's, plus the kv up-projection weight (an absorbed kernel applies it to the
@@ -251,6 +313,17 @@ class GlmDSASelfAttention(MLASelfAttention):
         key, value = self.kernel.kv_inputs(layout.whole_sequence(kv_latent),
                                            self.linear_kv_up_proj.weight, dims)
         return query, key, value, qr, kv_latent
+
+
+def _whole_linear(linear: ColumnParallelLinear, x: torch.Tensor, group) -> torch.Tensor:
+    """A column-parallel linear layer on rows with its whole weight (and bias), gathered over
+    TP; the gather's backward reduce-scatters the weight's gradient to the shards. megatron's
+    MLA drops a bias it was asked to skip, so this does too."""
+    weight = gather_from_sequence_parallel_region(linear.weight, group=group)
+    bias = linear.bias
+    if bias is not None:
+        bias = None if linear.skip_bias_add else gather_from_sequence_parallel_region(bias, group=group)
+    return F.linear(x, weight, bias)
 
 
 def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, dsa: DSAConfig) -> ModuleSpec:

@@ -14,15 +14,14 @@ from .rows import act_bytes, rows_of
 def dsa_shape(recipe: Recipe) -> DSAShape:
     """One rank's DSA layer for the kernel's memory terms. Its attention share
     (``model.dsa.tp_split``): heads: the CP rank's rows with heads/tp; sequence (TP > 1 under
-    SP): the rank's own rows with every head, the kv up-projection weight of every head
-    gathered."""
+    SP): a balanced share of the CP rank's rows, as many as its own, with every head."""
     p, a, r = recipe.parallel, recipe.model.dsa, rows_of(recipe)
     by_rows = a.attends_by_rows(p.tp, p.sequence_parallel)
     rows = r.sp if by_rows else r.cp
     return DSAShape(dsa=a, whole=r.whole, cp_rows=r.cp, sp_rows=r.sp, tp=p.tp, cp=p.cp,
                     act_bytes=act_bytes(recipe), rows=rows,
                     heads=a.num_heads if by_rows else a.num_heads // p.tp, index_rows=rows,
-                    gathers_weight=by_rows)
+                    by_rows=by_rows)
 
 
 def dsa_kernel(recipe: Recipe) -> type[dsa_kernels.DSAKernel]:
@@ -34,9 +33,12 @@ def dsa_activation_bytes(recipe: Recipe) -> int:
     """One DSA layer (dsa/layer.py on megatron's MLA), per rank.
 
     Every kernel keeps: the layer input [s, D]; the q and KV latent norms; the q latent
-    [s, q_lora]; the normalised KV latent of the whole sequence [T, kv_lora]; the output
-    [S, heads/tp * v_head_dim] the output projection reads. The indexer runs without gradient:
-    nothing kept but the token indices the attention saves. Then what the kernel keeps
+    [s, q_lora] (under the sequence split the share's, as many rows); the normalised KV latent
+    of the whole sequence [T, kv_lora]; the output [S, heads/tp * v_head_dim] the output
+    projection reads (the share's rows with every head: the same bytes); under the sequence
+    split the projections' whole weights (``dsa_projection_weights``, gathered over TP by
+    ``GlmDSASelfAttention.forward_by_rows``). The indexer runs without gradient: nothing kept
+    but the token indices the attention saves. Then what the kernel keeps
     (``DSAKernel.kept_bytes``)."""
     m, p, w = recipe.model, recipe.parallel, act_bytes(recipe)
     a, r = m.dsa, rows_of(recipe)
@@ -46,7 +48,33 @@ def dsa_activation_bytes(recipe: Recipe) -> int:
     total += r.sp * (8 * a.kv_lora_rank + 4)
     total += r.whole * a.kv_lora_rank * w
     total += r.cp * (a.num_heads // p.tp) * a.v_head_dim * w
+    if a.attends_by_rows(p.tp, p.sequence_parallel):
+        total += dsa_projection_weights(recipe) * w
     return total + dsa_kernel(recipe).kept_bytes(dsa_shape(recipe))
+
+
+def dsa_projection_weights(recipe: Recipe) -> int:
+    """Elements of one DSA layer's five trainable projections, whole (not TP-sharded): q and kv
+    down, q and kv up, the output projection."""
+    m, a = recipe.model, recipe.model.dsa
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    return (m.hidden_size * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim)
+            + a.num_heads * (a.q_lora_rank * qk + a.kv_lora_rank * (a.qk_nope_head_dim + a.v_head_dim))
+            + a.num_heads * a.v_head_dim * m.hidden_size)
+
+
+ROW_EXCHANGE_LABEL = "row all-to-alls"
+
+
+def dsa_row_exchange_bytes(recipe: Recipe) -> int:
+    """Under the sequence split, the layer's all-to-alls between the rank's rows and its share
+    (``DSABatchRows.to_share`` / ``from_share``): the largest, the output's [rows, hidden],
+    alive four times (the projection's output, its send order, the rows received, their
+    arrangement; the backward moves the gradient the same way). 0 under the heads split."""
+    p, a = recipe.parallel, recipe.model.dsa
+    if not a.attends_by_rows(p.tp, p.sequence_parallel):
+        return 0
+    return 4 * rows_of(recipe).sp * max(a.q_lora_rank, recipe.model.hidden_size) * act_bytes(recipe)
 
 
 SELECTION_LABEL = "DSA selections (kept for the recompute)"
@@ -66,5 +94,7 @@ def dsa_kept_selection_bytes(recipe: Recipe) -> int:
 
 def dsa_transient_bytes(recipe: Recipe) -> int:
     """Working set of one DSA layer that is not kept between forward and backward, per rank:
-    the largest stage of the kernel's (``DSAKernel.working_sets``)."""
-    return max(dsa_kernel(recipe).working_sets(dsa_shape(recipe)).values())
+    its largest stage, the kernel's (``DSAKernel.working_sets``) or the layer's row all-to-alls
+    (``dsa_row_exchange_bytes``)."""
+    stages = dsa_kernel(recipe).working_sets(dsa_shape(recipe))
+    return max(*stages.values(), dsa_row_exchange_bytes(recipe))

@@ -28,6 +28,7 @@ from ..kda.cost import kda_kernel_s
 from ..kda import exchanges
 from ..kda.exchanges import ExchangeShape
 from ..memory.census import rank_parameters
+from ..memory.dsa import dsa_projection_weights
 from ..memory.offload import offloaded_tensor_bytes
 from ..memory.rows import act_bytes, rows_of
 from ..memory.states import grad_bytes, optimizer_shards
@@ -253,9 +254,12 @@ def dsa_rate_kernel(recipe: Recipe) -> str:
 def dsa_part(recipe: Recipe) -> Part:
     """The DSA layers: the attention core (``dsa_core_s``), the MLA projections (the rank's
     projection weights over its CP rank's rows: forward in each pass, backward 2x), and the
-    collectives: q in and the output back by all-to-all inside TP (the sequence split), the KV
-    latent gathered over TP and CP, and under SP the input rows gathered over TP before the
-    projections and the output reduce-scattered after them (as every TP layer)."""
+    collectives: the KV latent gathered over TP and CP, and inside TP either (the sequence
+    split, ``GlmDSASelfAttention.forward_by_rows``) the q latent's all-to-all to the rank's
+    share and the output's back, the projections' whole weights gathered (their gradients
+    reduce-scattered) and the indexer's head weights once per pass, or (the heads split) under
+    SP the input rows gathered before the projections, the output reduce-scattered after them
+    (as every TP layer) and the indexer's [q latent | head weights] gathered once per pass."""
     m, p, a = recipe.model, recipe.parallel, recipe.model.dsa
     n = m.layer_types().count("dsa")
     if n == 0:
@@ -267,27 +271,31 @@ def dsa_part(recipe: Recipe) -> Part:
     indexer_proj = 2 * rows.cp * _layer_params(recipe, "dsa_indexer", n) * passes  # frozen
     compute = core + _gemm_s(proj + indexer_proj) + cal.DSA_OTHER_S_PER_ROW * rows.cp * (passes + 2) / 4
     e = act_bytes(recipe)
-    q = rows.sp if p.sequence_parallel else rows.cp
     comm = 0.0
     tp_link = _group_link(recipe, 1, p.tp)
     cp_link = _group_link(recipe, p.tp, p.cp)
-    if p.tp > 1:
-        a2a = q * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * e
-        comm += (passes + 1) * _seconds(a2a * (p.tp - 1) / p.tp, tp_link, a2a=True)
+    remote = (p.tp - 1) / p.tp  # of what a TP collective brings, what comes from other ranks
     latent = (a.kv_lora_rank + a.qk_rope_head_dim + a.index_head_dim) * e
     if p.tp > 1:
-        comm += (passes + 1) * _seconds(rows.cp * latent * (p.tp - 1) / p.tp, tp_link)
+        comm += (passes + 1) * _seconds(rows.cp * latent * remote, tp_link)
     if p.cp > 1:
         comm += (passes + 1) * _seconds(rows.whole * latent * (p.cp - 1) / p.cp, cp_link)
-    if p.tp > 1 and p.sequence_parallel:  # the SP gather before the projections, the reduce-scatter after
-        comm += (passes + 1) * 2 * _seconds(rows.cp * m.hidden_size * e * (p.tp - 1) / p.tp, tp_link)
-        # The indexer's [q latent | head weights], once per indexer pass: the CP rank's rows
-        # gathered (heads split) or this rank's share by all-to-all (sequence split).
-        by_rows = a.attends_by_rows(p.tp, p.sequence_parallel)
-        queries = (rows.sp if by_rows else rows.cp) * (a.q_lora_rank + a.index_num_heads) * e
-        comm += _indexer_runs(recipe) * _seconds(queries * (p.tp - 1) / p.tp, tp_link, a2a=by_rows)
-    return Part("DSA attention", n, n * compute, n * comm,
-                "all-to-alls inside TP; KV latent gathered; SP gather + reduce-scatter in TP")
+    if a.attends_by_rows(p.tp, p.sequence_parallel):
+        to_share, back = rows.sp * a.q_lora_rank * e, rows.sp * m.hidden_size * e
+        comm += (passes + 1) * (_seconds(to_share * remote, tp_link, a2a=True)
+                                + _seconds(back * remote, tp_link, a2a=True)
+                                + _seconds(dsa_projection_weights(recipe) * e * remote, tp_link))
+        weights = rows.sp * a.index_num_heads * e
+        comm += _indexer_runs(recipe) * _seconds(weights * remote, tp_link, a2a=True)
+        what = "q latent and output by all-to-all inside TP, whole weights gathered"
+    elif p.tp > 1 and p.sequence_parallel:
+        comm += (passes + 1) * 2 * _seconds(rows.cp * m.hidden_size * e * remote, tp_link)
+        queries = rows.cp * (a.q_lora_rank + a.index_num_heads) * e
+        comm += _indexer_runs(recipe) * _seconds(queries * remote, tp_link)
+        what = "SP gather + reduce-scatter in TP, indexer queries gathered"
+    else:
+        what = "no TP collectives"
+    return Part("DSA attention", n, n * compute, n * comm, f"KV latent gathered; {what}")
 
 
 def moe_pairs(recipe: Recipe) -> float:

@@ -45,8 +45,8 @@ class DSAShape:
 
     ``whole``: tokens of the sequence (T); ``cp_rows`` / ``sp_rows``: rows of the rank's CP rank
     and of the rank itself; ``rows`` queries with ``heads`` heads each are the rank's attention
-    share (``model.dsa.tp_split``), ``index_rows`` its indexer's queries, ``gathers_weight``
-    whether it gathers every head's kv up-projection weight (attending by rows);
+    share (``model.dsa.tp_split``), ``index_rows`` its indexer's queries, ``by_rows`` whether
+    the layer attends by rows (the sequence split: the share's q latent comes by all-to-all);
     ``act_bytes``: bytes of one activation value."""
 
     dsa: DSAConfig
@@ -59,7 +59,7 @@ class DSAShape:
     rows: int
     heads: int
     index_rows: int
-    gathers_weight: bool
+    by_rows: bool
 
 
 class DSAKernel(ABC):
@@ -108,7 +108,8 @@ class DSAKernel(ABC):
     def indices(self, indexer, qr: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                 gate: torch.Tensor, layout: DSABatchRows) -> torch.Tensor:
         """The selection of ``indexer`` (``layer.GlmKPoolIndexer``) for this rank's query rows,
-        from its q latent ``qr`` and head ``weights`` [r, b, ...] (this rank's rows) and the
+        from their q latent ``qr`` (this rank's own rows; under ``tp_split=sequence`` its share,
+        ``DSABatchRows.attention_rows``), the head ``weights`` of this rank's own rows and the
         whole sequence's indexer ``keys`` and pool ``gate`` [T, b, d] in natural order."""
 
     @abstractmethod
@@ -116,8 +117,9 @@ class DSAKernel(ABC):
                   kv_up_weight: torch.Tensor, indices: torch.Tensor,
                   layout: DSABatchRows) -> torch.Tensor:
         """The sparse attention of ``core`` (``layer.GlmDSAttention``: its softmax scale and
-        config): query [s, b, n, d] of this CP rank's rows and this TP rank's heads -> [s, b,
-        n * dv]."""
+        config): query [s, b, n, d] of this CP rank's rows and this TP rank's heads (under
+        ``tp_split=sequence``: this rank's share of the rows and every head), with the kv
+        up-projection weight of those heads -> [s, b, n * dv]."""
 
     # -- what plan reads --------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from ..fused_sparse_mla import (
 from ..index_scores import GROUP
 from ..pool_topk import LAG, fused_block_topk
 from ..threshold_topk import CANDIDATES_PER_PICK
-from .absorbed import AbsorbedKernel, indexer_inputs_bytes, query_exchange_bytes
+from .absorbed import AbsorbedKernel, indexer_inputs_bytes
 from .base import DSAShape
 
 
@@ -89,8 +89,6 @@ class FusedKernel(AbsorbedKernel):
           indexer queries, head weights and int64 pool ids; under ``model.dsa.indexer_scores=fp8``
           the pass's FP8 pool keys and their fp32 scales [P] (quantised once, before the
           blocks) and a block's FP8 queries and scales.
-        * ``query all-to-all``: attending by rows, the queries in their attention order and
-          the rows received (``absorbed.query_exchange_bytes``).
         * ``attention forward``: the latent in the kernels' width (``width``: 576, zero-padded,
           for megatron-core's; 512 for ours) [T, width] w; per call: the absorbed queries
           [f, n, width] w, the kernel's output and (``masks_empty_queries``) its masked copy [f,
@@ -129,5 +127,4 @@ class FusedKernel(AbsorbedKernel):
         outputs = (1 if a.keep_attention_output else 2) + masked
         kernel_dkv = 0 if cls.backward_adds_dkv else T * width * (4 + w)
         backward = (latent + T * R * 4 + kernel_dkv + f * n * (2 * width + outputs * value) * w)
-        return {"indexer": indexer, "query all-to-all": query_exchange_bytes(shape),
-                "attention forward": forward, "attention backward": backward}
+        return {"indexer": indexer, "attention forward": forward, "attention backward": backward}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..pool_topk import blocked_pool_topk
 from ..sparse_mla import absorbed_sparse_mla
-from .absorbed import AbsorbedKernel, indexer_inputs_bytes, query_exchange_bytes
+from .absorbed import AbsorbedKernel, indexer_inputs_bytes
 from .base import DSAShape
 
 
@@ -35,8 +35,6 @@ class TorchKernel(AbsorbedKernel):
           indexer_query_block queries against indexer_pool_block pools: its indexer queries,
           fp32 einsum and relu scores (index heads), and the running top-k merge (fp32 score,
           int64 id, and the stable sort's values and indices).
-        * ``query all-to-all``: attending by rows, the queries in their attention order and
-          the rows received (``absorbed.query_exchange_bytes``).
         * ``attention forward``: one block's gathered latent rows [b, K, R] (w, and fp32 when w
           is not 4), its fp32 absorbed queries and latent-space output [b, n, R], and three fp32
           [b, n, K] score/probability tensors.
@@ -59,7 +57,6 @@ class TorchKernel(AbsorbedKernel):
         weights = 2 * n * (a.qk_nope_head_dim + a.v_head_dim) * R * 4
         return {
             "indexer": indexer_inputs_bytes(shape) + block,
-            "query all-to-all": query_exchange_bytes(shape),
             "attention forward": rows + 2 * b * n * R * 4 + 3 * b * n * K * 4,
             "attention backward": T * R * 4 + weights + max(
                 T * R * w if up else 0,

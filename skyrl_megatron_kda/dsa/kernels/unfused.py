@@ -31,7 +31,7 @@ class UnfusedKernel(DSAKernel):
         return key.contiguous(), value.contiguous()
 
     def indices(self, indexer, qr, weights, keys, gate, layout):
-        qr, weights = indexer.indexed_queries(qr, weights, layout.cp_rank_rows)
+        qr, weights = indexer.cp_rank_queries(qr, weights, layout)
         return select_pools(indexer.query_heads(qr), weights, keys, gate,
                             indexer.kpool_compress_ape, layout.query_positions,
                             layout.query_document_starts, layout.maps.cu_seqlens,
