@@ -362,6 +362,22 @@ def time_projections(gemms: list[Gemm], dev) -> dict:
     return t
 
 
+def projection_shapes(cp_rows: int, own_rows: int, dev, s: MLASizes = MLASizes(),
+                      repeats: int = 2) -> dict:
+    """The projections' step (2 x forward + backward + the indexer's once) at megatron's
+    head-split shapes and at the shapes of the layer on rows, the same FLOPs; each the last of
+    ``repeats`` runs (the first warms up cuBLAS's choices)."""
+    out = {}
+    for split in ("heads", "sequence"):
+        gemms = projection_gemms(cp_rows, own_rows, s, split)
+        for _ in range(repeats):
+            t = time_projections(gemms, dev)
+        out[split] = dict(t, projections_step_ms=projections_step(t))
+    out["sequence_over_heads"] = (out["sequence"]["projections_step_ms"]
+                                  / out["heads"]["projections_step_ms"])
+    return out
+
+
 def exchange_bytes(cp_rows: int, s: MLASizes = MLASizes()) -> dict[str, float]:
     """Bytes one rank receives inside TP in one pass of the sequence split's layer
     (``GlmDSASelfAttention.forward_by_rows``): its share's q latent (``rows_in``) and the
@@ -438,11 +454,16 @@ STAGES = (  # printed name, key of its time
 )
 
 
+def projections_step(proj: dict) -> float:
+    """The projections' step under full recompute: their forward twice, their backward and the
+    indexer's projections once (the one indexer pass)."""
+    return 2 * proj["proj_fwd_ms"] + proj["proj_bwd_ms"] + proj["indexer_proj_ms"]
+
+
 def layer_step(core: dict, proj: dict, a2a: dict) -> dict:
     """The projections' and the layer's step under full recompute, from one iteration's times:
-    the projections' forward twice, their backward and the indexer's projections once (the one
-    indexer pass), the modelled all-to-alls and the attention core's step."""
-    projections = 2 * proj["proj_fwd_ms"] + proj["proj_bwd_ms"] + proj["indexer_proj_ms"]
+    ``projections_step``, the modelled TP exchanges and the attention core's step."""
+    projections = projections_step(proj)
     return dict(projections_step_ms=projections, layer_step_ms=projections
                 + a2a["all_to_all_model_ms"] + core["step_ms_full_recompute"])
 
@@ -576,7 +597,17 @@ def main():
                         "its contiguous SP slice (slice, the layer before), or both in turn")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--json", default="")
+    p.add_argument("--projection-shapes", action="store_true",
+                   help="only the projections' step at the heads split's shapes and at the "
+                        "sequence split's (the layer on rows), then stop")
     a = p.parse_args()
+    if a.projection_shapes:
+        result = projection_shapes(TP * (1 << 16), 1 << 16, torch.device("cuda"))
+        log("projection shapes " + json.dumps(result))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     names = a.kernel.split(",")
     forwards = a.attention_forward.split(",")
     if unknown := set(forwards) - {"tilelang", "flashmla"}:

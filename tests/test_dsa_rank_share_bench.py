@@ -74,6 +74,17 @@ def test_projection_gemms_at_the_share(bench):
     assert flops["heads"] == flops["sequence"]
 
 
+def test_projection_shapes_run_on_cpu(bench):
+    """``--projection-shapes``: both splits' projection steps, and their ratio."""
+    result = bench.projection_shapes(10, 5, torch.device("cpu"), bench.MLASizes(**TINY), repeats=1)
+    for split in ("heads", "sequence"):
+        t = result[split]
+        assert t["projections_step_ms"] == pytest.approx(
+            2 * t["proj_fwd_ms"] + t["proj_bwd_ms"] + t["indexer_proj_ms"])
+    assert result["sequence_over_heads"] == pytest.approx(
+        result["sequence"]["projections_step_ms"] / result["heads"]["projections_step_ms"])
+
+
 def test_projection_flops_by_hand(bench):
     gemms = bench.projection_gemms(10, 5, bench.MLASizes(**TINY))
     # 2 x rows x in x out: q down 10x8x3, kv down 10x8x2, q up 10x6x(2 heads x 3), out 10x(2 x 5)x8
