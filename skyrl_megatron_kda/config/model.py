@@ -113,7 +113,9 @@ class DSAConfig(ConfigSection):
     TP rank); sequence: an all-to-all inside the TP group gives each TP rank all heads for a
     balanced 1/tp of its CP rank's rows (Ulysses; a piece from each end, so that every TP rank's
     queries see as many earlier keys on average), so each selected latent row serves every head
-    and the indexer runs once per row. Needs kernel fused, latent or torch. The default by measurement: at the
+    and the indexer runs once per row; the whole layer then runs on rows (every projection with
+    its whole weight, the q latent and the output moved by all-to-all; dsa/layer.py's
+    ``forward_by_rows``). Needs kernel fused, latent or torch. The default by measurement: at the
     1M recipe's per-rank share, sequence took 3.8x less time per step and less memory
     (docs/benchmarks.md); with a kernel that cannot attend by rows (unfused) the default is heads
     (``recipe_rules.kernel_split``)."""

@@ -70,7 +70,8 @@ class DSAKernel(ABC):
     name: ClassVar[str]
     """The ``model.dsa.kernel`` value that selects it."""
     splits_rows: ClassVar[bool]
-    """Whether it can attend with every head on the rank's own rows (``tp_split=sequence``)."""
+    """Whether it can attend with every head on a share of its CP rank's rows
+    (``tp_split=sequence``)."""
     auto_candidate: ClassVar[bool] = True
     """Whether ``model.dsa.kernel=auto`` may pick it (first unrefused in registration order)."""
     working_set_label: ClassVar[str]
