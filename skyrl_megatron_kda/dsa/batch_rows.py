@@ -161,7 +161,7 @@ class DSABatchRows:
         mine = self.attention_order().index.view(self.tp_group.size(), -1)[self.tp_group.rank()]
         return t.index_select(0, mine)
 
-    def share_exchange(self) -> ShareExchange:
+    def share_plan(self) -> ShareExchange:
         """This rank's part of the all-to-all between its SP rows and its share under the
         sequence split (``attention_rows``), built once per batch."""
         tp, rank = self.tp_group.size(), self.tp_group.rank()
@@ -174,13 +174,13 @@ class DSABatchRows:
         themselves without SP."""
         if not self.splits_sequence:
             return t
-        return self.share_exchange().to_share(t, self.tp_group)
+        return self.share_plan().to_share(t, self.tp_group)
 
     def from_share(self, t: torch.Tensor) -> torch.Tensor:
         """The inverse of ``to_share``: this rank's share -> its own rows."""
         if not self.splits_sequence:
             return t
-        return self.share_exchange().from_share(t, self.tp_group)
+        return self.share_plan().from_share(t, self.tp_group)
 
     def cp_rank_rows(self, t: torch.Tensor) -> torch.Tensor:
         """[r, b, ...] rows of this rank -> all rows of its CP rank: under SP the TP all-gather,
