@@ -79,9 +79,13 @@ and ``--deterministic`` runs our backward with its latent gradient summed in a f
 
 ``--tp-rows balanced,slice`` runs every set on both row choices in turn (``@slice`` labels).
 
+``--projection-shapes`` times only the projections' step, at megatron's head-split shapes and at
+those of the layer on rows (``projection_shapes``), and stops.
+
 Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--kernel latent,fused]
                           [--keep-output] [--whole-row-topk] [--indexer-scores fp8] [--deterministic]
                           [--attention-forward tilelang,flashmla] [--tp-rows balanced,slice]
+                          python3 bench/dsa_rank_share.py --projection-shapes [--json FILE]
 """
 
 from __future__ import annotations
