@@ -605,6 +605,8 @@ def main():
                    help="only the projections' step at the heads split's shapes and at the "
                         "sequence split's (the layer on rows), then stop")
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (the kernels and the timings are the GPU's)")
     if a.projection_shapes:
         result = projection_shapes(TP * (1 << 16), 1 << 16, torch.device("cuda"))
         log("projection shapes " + json.dumps(result))

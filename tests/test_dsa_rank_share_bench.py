@@ -226,3 +226,16 @@ def test_the_sequence_split_rank_holds_the_layers_balanced_rows(bench):
     assert balanced.double().mean() == cp_rows.double().mean() == keys / 2 - 0.5
     assert torch.equal(last, torch.arange(keys - last.numel(), keys))
     assert int(balanced.min()) < keys // 4 <= int(balanced.max()) < keys - last.numel()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_a_gpu_the_bench_says_so_in_one_line():
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(BENCH), "--projection-shapes"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].endswith("needs a CUDA GPU (the kernels and the "
+                                                         "timings are the GPU's)")
+    assert "Traceback" not in done.stderr
+

@@ -19,7 +19,7 @@ from ..config import DSAConfig
 from ..distributed.cp_layout import (
     BatchIndexMaps,
     RowOrder,
-    batch_sequences,
+    batch_index_maps,
     inverse_permutation,
     sort_index,
 )
@@ -203,12 +203,13 @@ class DSABatchRows:
 def dsa_batch_rows(hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None,
                    tp_group, cp_group, sequence_parallel: bool, kind: str) -> DSABatchRows:
     """The rows of a batch from this rank's input rows: [s, b, h] (every batch row one
-    sequence) or packed THD (b = 1, global natural ``cu_seqlens``, padded ones if given)."""
-    sp = tp_group.size() if sequence_parallel else 1
+    sequence) or packed THD (b = 1, global natural ``cu_seqlens``, padded ones if given). The
+    index maps are the batch's (``batch_index_maps``), so what the layer derives from them (its
+    balanced shares, their exchange plan) is built once per batch, not at every call."""
     if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
         raise ValueError(f"DSA supports packed qkv_format 'thd' only, got {packed_seq_params.qkv_format!r}")
-    cu, _ = batch_sequences(hidden_states, packed_seq_params, hidden_states.shape[0] * sp * cp_group.size())
     cp = cp_group.size()
     kind = kind if cp > 1 else "contiguous"  # one CP rank: every layout is the identity
-    maps = BatchIndexMaps.build(cu, cp, sp, packed_seq_params is not None, kind)
+    maps = batch_index_maps(hidden_states, packed_seq_params, cp, tp_group.size(),
+                            sequence_parallel, kind)
     return DSABatchRows(maps, tp_group, cp_group, sequence_parallel)
