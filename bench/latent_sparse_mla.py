@@ -16,10 +16,13 @@ Frobenius error); on a small shape with -1 holes, a query with no key, 8 heads (
 and 64 heads, both against the fp32 torch attention (``sparse_mla.sparse_latent_attention``);
 and whether two backward calls give bitwise equal dkv (fp32 atomics: expected not).
 
-``--flashmla`` adds FlashMLA's sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
+``--forward-configs`` times more tunings of our forward (``forward_program``'s keywords: key
+block, pipeline stages, threads), each with the default backward. ``--flashmla`` adds FlashMLA's
+sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
 build) with our backward on its log-sum-exp.
 
-Usage (CUDA + tilelang):  python3 bench/latent_sparse_mla.py [--queries 65536] [--flashmla] [--json out.json]
+Usage (CUDA + tilelang):  python3 bench/latent_sparse_mla.py [--queries 65536] [--flashmla]
+                              [--forward-configs '[{"key_block": 32, "num_stages": 3}]'] [--json out.json]
 """
 
 from __future__ import annotations
@@ -113,12 +116,17 @@ class Megatron:
 
 
 class Ours:
-    def __init__(self, q, kv, idx, **config):
+    """Our kernels with ``backward_program``'s keywords ``config`` and ``forward_program``'s
+    ``forward_config``."""
+
+    def __init__(self, q, kv, idx, forward_config=None, **config):
         self.q, self.kv, self.idx, self.config = q, kv, idx, config
-        self.name = "ours " + (json.dumps(config) if config else "(defaults)")
+        self.forward_config = forward_config or {}
+        named = {**({"forward": self.forward_config} if self.forward_config else {}), **config}
+        self.name = "ours " + (json.dumps(named) if named else "(defaults)")
 
     def forward(self):
-        return latent.latent_forward(self.q, self.kv, self.idx, SCALE)
+        return latent.latent_forward(self.q, self.kv, self.idx, SCALE, **self.forward_config)
 
     def backward(self, out, lse, grad):
         delta = (out.float() * grad.float()).sum(-1)
@@ -176,6 +184,9 @@ def main():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--backward-configs", default='[{}, {"num_stages": 1, "store_split": 4}, {"num_stages": 2, "store_split": 4}]',
                    help="JSON list of backward_program keyword sets to time")
+    p.add_argument("--forward-configs", default="[]",
+                   help="JSON list of forward_program keyword sets to time besides the default "
+                        "(each with the default backward)")
     p.add_argument("--flashmla", action="store_true",
                    help="also FlashMLA's forward (needs vLLM's FlashMLA build)")
     p.add_argument("--json", default="")
@@ -195,7 +206,8 @@ def main():
     bwd_tflop = 2 * HEADS * TOPK * (2 * R + 3 * WIDTH) * a.queries / 1e12
     runs, reference = [], None
     configs = json.loads(a.backward_configs)
-    impls = [Megatron(q, kv, idx)] + [Ours(q, kv, idx, **c) for c in configs]
+    impls = ([Megatron(q, kv, idx)] + [Ours(q, kv, idx, **c) for c in configs]
+             + [Ours(q, kv, idx, forward_config=c) for c in json.loads(a.forward_configs)])
     for impl in impls + ([FlashMLAForward(q, kv, idx)] if a.flashmla else []):
         out, lse = impl.forward()                                   # compiles
         fwd_ms = timed(impl.forward, 0, a.iters)[0]

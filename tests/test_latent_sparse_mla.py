@@ -21,6 +21,7 @@ import torch
 from skyrl_megatron_kda.dsa import kernels as dsa_kernels
 from skyrl_megatron_kda.dsa.latent_sparse_mla import (
     backward_program,
+    forward_program,
     latent_backward,
     latent_dsa_kernels,
     latent_forward,
@@ -55,6 +56,11 @@ def test_the_backward_refuses_key_blocks_that_do_not_tile_its_keys():
             backward_program(64, 512, 2080, SCALE, **bad)
 
 
+def test_the_forward_refuses_key_blocks_that_do_not_tile_its_keys():
+    with pytest.raises(ValueError, match="multiple of the key block"):
+        forward_program(64, 512, 2080, SCALE, key_block=64)
+
+
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -70,12 +76,12 @@ def _case(heads, gen, dev, tq=300, tk=2000, topk=130):
     return q.bfloat16(), kv.bfloat16(), idx.to(torch.int32), grad.bfloat16()
 
 
-def _kernel_errors(q, kv, idx, grad, kernel_idx=None, **config):
+def _kernel_errors(q, kv, idx, grad, kernel_idx=None, forward_config=None, **config):
     qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
     ref = sparse_latent_attention(qr, kvr, idx, SCALE)
     ref.backward(grad.float())
     kidx = idx if kernel_idx is None else kernel_idx
-    out, lse = latent_forward(q, kv, kidx, SCALE)
+    out, lse = latent_forward(q, kv, kidx, SCALE, **(forward_config or {}))
     delta = (out.float() * grad.float()).sum(-1)
     dq, dkv = latent_backward(q, kv, grad, kidx, lse, delta, SCALE, **config)
     assert torch.isfinite(out).all() and torch.isfinite(dq).all() and torch.isfinite(dkv).all()
@@ -91,6 +97,19 @@ def test_kernels_match_the_fp32_attention(heads, config):
     gen = torch.Generator(device="cuda").manual_seed(heads)
     errors = _kernel_errors(*_case(heads, gen, torch.device("cuda")), **config)
     print(heads, config, errors)
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("forward_config", [{"num_stages": 1}, {"key_block": 32, "num_stages": 3},
+                                            {"key_block": 128, "num_stages": 1}])
+def test_forward_tunings_match_the_fp32_attention(forward_config):
+    """The forward's other key blocks and pipeline depths (``bench/latent_sparse_mla.py
+    --forward-configs`` times them) compute the same attention."""
+    gen = torch.Generator(device="cuda").manual_seed(64)
+    errors = _kernel_errors(*_case(64, gen, torch.device("cuda")), forward_config=forward_config)
+    print(forward_config, errors)
     assert max(errors.values()) < TOL, errors
 
 

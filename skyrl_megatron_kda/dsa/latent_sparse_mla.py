@@ -103,13 +103,16 @@ FORWARD_PASS_CONFIGS = ("TL_DISABLE_TMA_LOWER", "TL_DISABLE_WARP_SPECIALIZED")
 
 
 def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
-                    num_stages: int = 2):
+                    num_stages: int = 2, key_block: int = FORWARD_KEY_BLOCK):
     """The forward for ``heads`` (as ``padded_heads`` gives), latent width ``dim`` and a top-k
-    width ``topk`` (a multiple of FORWARD_KEY_BLOCK): one thread block per (query, head group)
-    runs an online softmax over the selected keys, FORWARD_KEY_BLOCK at a time, gathering their
-    latent rows into shared memory (pipelined against the previous block's MMAs)."""
+    width ``topk`` (a multiple of ``key_block``): one thread block per (query, head group) runs
+    an online softmax over the selected keys, ``key_block`` at a time, gathering their latent
+    rows into shared memory (pipelined against the previous block's MMAs)."""
+    if topk % key_block:
+        raise ValueError(f"the top-k width ({topk}) must be a multiple of the key block "
+                         f"({key_block})")
     tilelang, T = _tilelang()
-    BH, BK = min(heads, HEAD_BLOCK), FORWARD_KEY_BLOCK
+    BH, BK = min(heads, HEAD_BLOCK), key_block
     threads = threads or _threads(BH)
     groups, steps = heads // BH, topk // BK
     log2_scale = scale * LOG2E
@@ -290,7 +293,8 @@ def latent_forward(q, kv, indices, scale, **config):
     ``config``: ``forward_program``'s tuning keywords."""
     S, H, D = q.shape
     heads = padded_heads(H)
-    idx = _pad_keys(indices.to(torch.int32), FORWARD_KEY_BLOCK).contiguous()
+    idx = _pad_keys(indices.to(torch.int32),
+                    config.get("key_block", FORWARD_KEY_BLOCK)).contiguous()
     kernel = forward_kernel(heads, D, idx.shape[1], float(scale), **config)
     out, lse = kernel(_pad_heads(q, heads).contiguous(), kv.contiguous(), idx)
     return out[:, :H], lse[:, :H]
