@@ -103,6 +103,7 @@ def test_kernels_match_the_fp32_attention(heads, config):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("forward_config", [{"num_stages": 1}, {"key_block": 32, "num_stages": 3},
+                                            {"key_block": 48, "num_stages": 3},
                                             {"key_block": 128, "num_stages": 1}])
 def test_forward_tunings_match_the_fp32_attention(forward_config):
     """The forward's other key blocks and pipeline depths (``bench/latent_sparse_mla.py
