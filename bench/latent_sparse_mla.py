@@ -17,7 +17,8 @@ and 64 heads, both against the fp32 torch attention (``sparse_mla.sparse_latent_
 and whether two backward calls give bitwise equal dkv (fp32 atomics: expected not).
 
 ``--forward-configs`` times more tunings of our forward (``forward_program``'s keywords: key
-block, pipeline stages, threads), each with the default backward. ``--flashmla`` adds FlashMLA's
+block, pipeline stages, indices in shared memory, deferred sums), each with the default
+backward; ``--forward-only`` leaves every backward out. ``--flashmla`` adds FlashMLA's
 sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
 build) with our backward on its log-sum-exp.
 
@@ -187,6 +188,8 @@ def main():
     p.add_argument("--forward-configs", default="[]",
                    help="JSON list of forward_program keyword sets to time besides the default "
                         "(each with the default backward)")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time and check the forwards only (no backward runs)")
     p.add_argument("--flashmla", action="store_true",
                    help="also FlashMLA's forward (needs vLLM's FlashMLA build)")
     p.add_argument("--json", default="")
@@ -211,21 +214,22 @@ def main():
     for impl in impls + ([FlashMLAForward(q, kv, idx)] if a.flashmla else []):
         out, lse = impl.forward()                                   # compiles
         fwd_ms = timed(impl.forward, 0, a.iters)[0]
-        dq, dkv = impl.backward(out, lse, grad)                     # compiles
-        bwd_ms = timed(lambda: impl.backward(out, lse, grad), 0, a.iters)[0]
-        r = dict(kernel=impl.name, forward_ms=fwd_ms, backward_ms=bwd_ms,
-                 forward_tflops=fwd_tflop / fwd_ms * 1e3, backward_tflops=bwd_tflop / bwd_ms * 1e3)
+        r = dict(kernel=impl.name, forward_ms=fwd_ms, forward_tflops=fwd_tflop / fwd_ms * 1e3)
+        found = dict(out=out, lse=impl.natural_lse(lse))
+        if not a.forward_only:
+            found["dq"], found["dkv"] = impl.backward(out, lse, grad)  # compiles
+            bwd_ms = timed(lambda: impl.backward(out, lse, grad), 0, a.iters)[0]
+            r.update(backward_ms=bwd_ms, backward_tflops=bwd_tflop / bwd_ms * 1e3)
         if reference is None:
-            reference = dict(out=out, lse=impl.natural_lse(lse), dq=dq, dkv=dkv)
+            reference = found
         else:
-            r["vs_megatron"] = dict(out=rel(out, reference["out"]),
-                                    lse=rel(impl.natural_lse(lse), reference["lse"]),
-                                    dq=rel(dq, reference["dq"]), dkv=rel(dkv, reference["dkv"]))
-            again = impl.backward(out, lse, grad)[1]
-            r["dkv_bitwise_repeatable"] = bool(torch.equal(again, dkv))
+            r["vs_megatron"] = {name: rel(found[name], reference[name]) for name in found}
+            if not a.forward_only:
+                again = impl.backward(out, lse, grad)[1]
+                r["dkv_bitwise_repeatable"] = bool(torch.equal(again, found["dkv"]))
         log(json.dumps(r))
         runs.append(r)
-        del out, lse, dq, dkv
+        del out, lse, found
     summary = dict(queries=a.queries, keys=a.keys, heads=HEADS, indices=idx.shape[1],
                    forward_tflop=fwd_tflop, backward_tflop=bwd_tflop, small_checks=checks,
                    runs=runs)
