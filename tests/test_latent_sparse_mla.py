@@ -105,9 +105,9 @@ def test_kernels_match_the_fp32_attention(heads, config):
 @pytest.mark.parametrize("forward_config", [{"num_stages": 1}, {"key_block": 32, "num_stages": 3},
                                             {"key_block": 48, "num_stages": 3},
                                             {"key_block": 128, "num_stages": 1},
-                                            {"shared_indices": True}, {"deferred_sum": True},
-                                            {"shared_indices": True, "deferred_sum": True,
-                                             "key_block": 32, "num_stages": 4}])
+                                            {"deferred_sum": True},
+                                            {"deferred_sum": True, "key_block": 32,
+                                             "num_stages": 4}])
 def test_forward_tunings_match_the_fp32_attention(forward_config):
     """The forward's other key blocks and pipeline depths (``bench/latent_sparse_mla.py
     --forward-configs`` times them) compute the same attention."""

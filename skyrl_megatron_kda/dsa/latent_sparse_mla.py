@@ -104,18 +104,16 @@ FORWARD_PASS_CONFIGS = ("TL_DISABLE_TMA_LOWER", "TL_DISABLE_WARP_SPECIALIZED")
 
 def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
                     num_stages: int = 2, key_block: int = FORWARD_KEY_BLOCK,
-                    shared_indices: bool = False, deferred_sum: bool = False):
+                    deferred_sum: bool = False):
     """The forward for ``heads`` (as ``padded_heads`` gives), latent width ``dim`` and a top-k
     width ``topk`` (a multiple of ``key_block``): one thread block per (query, head group) runs
     an online softmax over the selected keys, ``key_block`` at a time, gathering their latent
     rows into shared memory (pipelined against the previous block's MMAs).
 
-    Two tunings ``bench/latent_sparse_mla.py --forward-configs`` times: ``shared_indices``
-    copies the query's indices to shared memory once, so a block's gathers do not first wait
-    for their indices from global memory; ``deferred_sum`` keeps the softmax denominators as
-    running sums per score element (rescaled with the output) and adds them over the keys once
-    at the end, so a block needs one exchange between the warpgroups (the maximum) instead of
-    two."""
+    ``deferred_sum`` (a tuning ``bench/latent_sparse_mla.py --forward-configs`` times) keeps
+    the softmax denominators as running sums per score element (rescaled with the output) and
+    adds them over the keys once at the end, so a block needs one exchange between the
+    warpgroups (the maximum) instead of two."""
     if topk % key_block:
         raise ValueError(f"the top-k width ({topk}) must be a multiple of the key block "
                          f"({key_block})")
@@ -151,26 +149,17 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
             row_sum = T.alloc_fragment([BH], f32)
             # deferred_sum: each score element's running sum; else one block's sums per head
             sums = T.alloc_fragment([BH, BK] if deferred_sum else [BH], f32)
-            idx_s = T.alloc_shared([topk if shared_indices else 1], i32)
             T.fill(acc_o, 0)
             T.fill(row_sum, 0)
             if deferred_sum:
                 T.fill(sums, 0)
             T.fill(row_max, -(2.0**30))  # finite: a first all-masked block gives exp2(-inf)
             T.copy(Q[s, h0:h0 + BH, :], q_s)
-            if shared_indices:
-                T.copy(Indices[s, :], idx_s)
             for kb in T.Pipelined(steps, num_stages=num_stages):
-                if shared_indices:
-                    for k in T.Parallel(BK):
-                        valid[k] = idx_s[kb * BK + k] >= 0
-                    for k, d in T.Parallel(BK, dim):
-                        kv_s[k, d] = KV[T.max(idx_s[kb * BK + k], 0), d]
-                else:
-                    for k in T.Parallel(BK):
-                        valid[k] = Indices[s, kb * BK + k] >= 0
-                    for k, d in T.Parallel(BK, dim):
-                        kv_s[k, d] = KV[T.max(Indices[s, kb * BK + k], 0), d]
+                for k in T.Parallel(BK):
+                    valid[k] = Indices[s, kb * BK + k] >= 0
+                for k, d in T.Parallel(BK, dim):
+                    kv_s[k, d] = KV[T.max(Indices[s, kb * BK + k], 0), d]
                 for h, k in T.Parallel(BH, BK):
                     acc_s[h, k] = T.if_then_else(valid[k], 0, -T.infinity(f32))
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
