@@ -17,7 +17,7 @@ and 64 heads, both against the fp32 torch attention (``sparse_mla.sparse_latent_
 and whether two backward calls give bitwise equal dkv (fp32 atomics: expected not).
 
 ``--forward-configs`` times more tunings of our forward (``forward_program``'s keywords: key
-block, pipeline stages, indices in shared memory, deferred sums), each with the default
+block, pipeline stages, deferred sums), each with the default
 backward; ``--forward-only`` leaves every backward out. ``--flashmla`` adds FlashMLA's
 sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
 build) with our backward on its log-sum-exp.

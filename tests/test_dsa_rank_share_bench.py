@@ -238,4 +238,3 @@ def test_without_a_gpu_the_bench_says_so_in_one_line():
     assert done.stderr.strip().splitlines()[-1].endswith("needs a CUDA GPU (the kernels and the "
                                                          "timings are the GPU's)")
     assert "Traceback" not in done.stderr
-
