@@ -177,8 +177,10 @@ def make_inputs(keys: int, split: str, dev, tp_rows: str = "balanced") -> dict:
     )
 
 
-def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tensor:
-    """The layer's indexer loop (``AbsorbedKernel.indices``) on the share's inputs."""
+def indexer(x: dict, keys: int, kernel: str, block: int, kernels,
+            widest_first: bool = True) -> torch.Tensor:
+    """The layer's indexer loop (``AbsorbedKernel.indices``) on the share's inputs (its blocks
+    in row order unless ``widest_first``, the layer's)."""
     dev = x["pos"].device
     cu = torch.tensor([0, keys], device=dev)
     starts = pool_starts(cu, KPOOL)
@@ -189,8 +191,7 @@ def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tenso
     n, n_select = x["pos"].numel(), TOPK // KPOOL
     out = torch.empty(n, TOPK + KPOOL - 1, dtype=torch.int32, device=dev)
     later = DeferredRows()
-    for q0 in range(0, n, block):
-        rows = slice(q0, min(q0 + block, n))
+    for rows in candidates.blocks(block, widest_first):
         q, w = x["idx_q"][rows], x["idx_w"][rows]
         pools = torch.empty(q.shape[0], n_select, dtype=torch.long, device=dev)
         if kernel != "torch":

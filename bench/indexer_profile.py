@@ -2,9 +2,13 @@
 pass of ``dsa_rank_share.py``'s indexer (65,536 queries, 64 blocks of 1,024 over 262,144 pools)
 after a warm-up pass, per score precision, the CUDA kernels sorted by their total time. Then the
 pass's wall time (synchronised, outside the profiler) against the sum of its kernels' times: the
-difference is the time the GPU waits for the host. The FP8 pass runs twice: with the pool keys
-quantised once per pass (``DSAKernels.index_keys``, the layer's way) and, for comparison, once
-per query block inside the score kernel's call. ``--gluon`` adds passes with the Gluon score
+difference is the time the GPU waits for the host. The FP8 pass runs more times: with the pool
+keys quantised per query block inside the score kernel's call instead of once per pass
+(``DSAKernels.index_keys``, the layer's way); with its top-k's floor and final pick by
+``torch.topk`` (``threshold_topk``'s way before its own selection kernels), its blocks in row
+order and two blocks of lag (``pool_topk.LAG``), the indexer as it was; with the selection
+kernels but that schedule; and with the widest blocks first (``PoolCandidates.blocks``, the
+layer's way) but two blocks of lag; then as the layer runs it again. ``--gluon`` adds passes with the Gluon score
 kernel of ``bench/index_scores_gluon.py`` in place of the Triton one (each precision; its
 overlapped variant with groups of 32 and of 16 pools, the top-k then taking groups of 16, and
 its plain variant).
@@ -24,8 +28,15 @@ from dsa_rank_share import indexer, make_inputs  # bench/ is on sys.path when ru
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from skyrl_megatron_kda.dsa import pool_topk
+from skyrl_megatron_kda.dsa.pool_topk import LAG
 from skyrl_megatron_kda.dsa.index_scores import keys_as_they_are
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
+from skyrl_megatron_kda.dsa.threshold_topk import (
+    CANDIDATES_PER_PICK,
+    floor_topk,
+    grouped_compact_kernel,
+)
 
 KEYS, BLOCK, WALL_PASSES = 1 << 20, 1024, 3
 GLUON_VARIANTS = (dict(group=32, stages=4, overlap=True, query_tile=4),
@@ -43,6 +54,17 @@ def wall_ms(fn) -> float:
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) * 1e3)
     return best
+
+
+def floor_topk_by_torch(scores, group_max, group, k, capacity=None):
+    """``threshold_topk.floor_topk`` with its floor and its final pick by ``torch.topk``."""
+    capacity = capacity or CANDIDATES_PER_PICK * k
+    if k > group_max.shape[1] or scores.shape[1] <= capacity:
+        return floor_topk(scores, group_max, group, k, capacity)
+    floor = group_max.topk(k, dim=-1).values[:, -1]
+    values, ids, count = grouped_compact_kernel(scores, group_max, group, floor, capacity)
+    best, slot = values.topk(k, dim=-1, sorted=False)
+    return best, ids.gather(1, slot).long(), count > capacity
 
 
 def gluon_variants(kernels: dict) -> dict:
@@ -65,12 +87,18 @@ def main() -> None:
     base = {precision: latent_dsa_kernels(indexer_scores=precision) for precision in ("bf16", "fp8")}
     variants = {**base, "fp8, keys quantised per block": replace(base["fp8"],
                                                                  index_keys=keys_as_they_are)}
+    schedules = {"fp8, torch.topk's floor and pick, row order, lag 2": (False, 2),
+                 "fp8, row order, lag 2": (False, 2), "fp8, lag 2": (True, 2),
+                 "fp8 again": (True, LAG)}
+    variants.update({name: base["fp8"] for name in schedules})
     if a.gluon:
         variants.update(gluon_variants(base))
     for name, kernels in variants.items():
+        pool_topk.floor_topk = floor_topk_by_torch if "torch.topk" in name else floor_topk
+        widest_first, pool_topk.LAG = schedules.get(name, (True, LAG))
         with torch.no_grad():
             def one_pass():
-                indexer(x, KEYS, "latent", BLOCK, kernels)
+                indexer(x, KEYS, "latent", BLOCK, kernels, widest_first)
             one_pass()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -18,6 +18,10 @@ from skyrl_megatron_kda.dsa.threshold_topk import (
     compact_reference,
     group_maxima,
     grouped_compact_kernel,
+    kth_largest_kernel,
+    kth_largest_reference,
+    pick_kernel,
+    pick_reference,
     threshold_topk,
 )
 
@@ -87,6 +91,35 @@ def test_compact_reference_keeps_column_order_and_counts_all():
     assert count.tolist() == [4, 4]
 
 
+def test_the_pick_keeps_every_value_above_the_kth_and_the_first_ties():
+    values = torch.tensor([[1.0, 3.0, 5.0, 3.0, 3.0, float("-inf")],
+                           [0.0, -0.0, 2.0, 0.0, -1.0, float("-inf")]])
+    ids = torch.tensor([[10, 11, 12, 13, 14, -1], [20, 21, 22, 23, 24, -1]], dtype=torch.int32)
+    best, picked = pick_reference(values, ids, 3)
+    assert best.tolist() == [[3.0, 5.0, 3.0], [0.0, -0.0, 2.0]]
+    assert picked.tolist() == [[11, 12, 13], [20, 21, 22]] and picked.dtype == torch.int64
+
+
+def test_ties_at_the_kth_score_keep_the_first_columns():
+    """Scores tied at the k-th go to the earliest columns (the stable torch path's rule), on
+    rows the floor settles. Control: the ties' last columns are not picked."""
+    scores = torch.randn(4, 4000, generator=torch.Generator().manual_seed(3)) - 10.0
+    scores[:, 100:110] = 5.0  # 10 best
+    tied = torch.tensor([700, 1500, 2300, 3100, 3900])
+    scores[:, tied] = 4.0  # 5 tied at the 12th best: 2 of them picked
+    _, ids = threshold_topk(scores, group_maxima(scores, 8), 8, 12, capacity=320)
+    picked = set(ids[0].tolist())
+    assert all(set(row.tolist()) == picked for row in ids)
+    assert picked == set(range(100, 110)) | {700, 1500}
+
+
+def test_the_kth_largest_counts_nan_as_minus_inf_and_zeros_as_one():
+    rows = torch.tensor([[float("nan"), 1.0, 2.0, -0.0], [0.0, -0.0, -0.0, -1.0]])
+    assert kth_largest_reference(rows, 3).tolist() == [0.0, 0.0]
+    assert str(kth_largest_reference(rows, 3)[0].item()) == "0.0"  # +0, not -0
+    assert kth_largest_reference(rows, 4).tolist() == [float("-inf"), -1.0]
+
+
 def test_maxima_of_the_wrong_shape_are_refused():
     scores = _scores("normal")
     with pytest.raises(ValueError, match="maxima"):
@@ -96,9 +129,27 @@ def test_maxima_of_the_wrong_shape_are_refused():
 _INTERPRETED = """
 import json
 import torch
-from skyrl_megatron_kda.dsa.threshold_topk import (compact_kernel, compact_reference,
-                                                   group_maxima, grouped_compact_kernel)
+from skyrl_megatron_kda.dsa.threshold_topk import (
+    compact_kernel, compact_reference, group_maxima, grouped_compact_kernel, kth_largest_kernel,
+    kth_largest_reference, pick_kernel, pick_reference)
 g = torch.Generator().manual_seed(1)
+rows = torch.randn(8, 3000, generator=g)
+rows[1] = rows[1].relu()  # exact zeros tie
+rows[2, 50:] = float("-inf")
+rows[3, ::2] = -0.0
+rows[3, 1::2] = 0.0
+rows[4] = rows[4].round()  # few distinct values
+rows[5, 10] = float("nan")
+rows[6] = -rows[6].abs()
+kth = {k: torch.equal(kth_largest_kernel(rows, k), kth_largest_reference(rows, k))
+       for k in (1, 40, 1000, 3000)}
+kth_wrong = torch.equal(kth_largest_kernel(rows, 41), kth_largest_reference(rows, 40))
+values = torch.randn(5, 320, generator=g).round()
+ids = torch.randperm(320, generator=g).int().repeat(5, 1)
+values[2, 200:], ids[2, 200:] = float("-inf"), -1  # a row's unused slots
+pick = {k: [torch.equal(a, b) for a, b in zip(pick_kernel(values, ids, k),
+                                              pick_reference(values, ids, k))]
+        for k in (1, 40, 200)}
 scores = torch.randn(6, 9000, generator=g)
 scores[1, 100:] = float("-inf")
 floor = torch.tensor([2.0, float("-inf"), 1.5, 3.0, 10.0, 2.5])
@@ -106,14 +157,18 @@ ref = compact_reference(scores, floor, 400)
 whole = compact_kernel(scores, floor, 400)
 grouped = grouped_compact_kernel(scores, group_maxima(scores, 32), 32, floor, 400)
 fits = ref[2] <= 400
-print(json.dumps({"whole": [torch.equal(a, b) for a, b in zip(whole, ref)],
+print(json.dumps({"kth": kth, "kth_wrong": kth_wrong, "pick": pick,
+                  "whole": [torch.equal(a, b) for a, b in zip(whole, ref)],
                   "grouped": [torch.equal(a[fits], b[fits]) for a, b in zip(grouped, ref)],
                   "over": torch.equal(grouped[2] > 400, ~fits), "counts": ref[2].tolist()}))
 """
 
 
-def test_the_triton_compactions_equal_their_reference_interpreted():
-    """The Triton kernels under Triton's CPU interpreter: the whole-row compaction equals the
+def test_the_triton_kernels_equal_their_references_interpreted():
+    """The Triton kernels under Triton's CPU interpreter. The k-th largest equals its reference
+    on rows of ties, exact zeros of both signs, NaN and -inf, for k from 1 to the whole row
+    (control: the 41st is not the 40th); the pick equals its reference, values and ids, on
+    rounded (tied) candidates and a row with unused slots. The whole-row compaction equals the
     torch reference in every slot, id and count (rows over and under the buffer's 400, a row
     with a -inf floor, a row that 4,096-score steps do not divide); the grouped one equals it on
     every row that fits, and reports the others as over."""
@@ -121,6 +176,8 @@ def test_the_triton_compactions_equal_their_reference_interpreted():
     out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
                          text=True, check=True).stdout.strip().splitlines()[-1]
     got = json.loads(out)
+    assert all(got["kth"].values()) and len(got["kth"]) == 4 and not got["kth_wrong"], got
+    assert got["pick"] == {k: [True, True] for k in ("1", "40", "200")}, got
     assert got["whole"] == got["grouped"] == [True] * 3 and got["over"], got
     counts = got["counts"]
     assert counts[1] == 9000 and counts[4] == 0 and any(0 < c <= 400 for c in counts), counts
@@ -129,17 +186,22 @@ def test_the_triton_compactions_equal_their_reference_interpreted():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs CUDA")
 def test_threshold_topk_on_the_gpu_equals_torch_topk():
-    """On CUDA: the grouped compaction equals its reference on the rows that fit, and the top-k
-    equals ``torch.topk`` at the indexer's block shape (1,024 queries, 262,144 pools, k = 512,
-    maxima of 32)."""
+    """On CUDA: the floor's k-th largest and the grouped compaction equal their references
+    (the compaction on the rows that fit), the pick equals its reference on the compacted
+    candidates, and the top-k equals ``torch.topk`` at the indexer's block shape (1,024 queries,
+    262,144 pools, k = 512, maxima of 32)."""
     dev = torch.device("cuda")
     for kind in ("normal", "relu", "crowded", "flat"):
         scores = _scores(kind, n=1024, width=262144).to(dev)
         maxima = group_maxima(scores, 32)
-        floor = maxima.topk(512, dim=-1).values[:, -1]
+        floor = kth_largest_reference(maxima, 512)
+        assert torch.equal(kth_largest_kernel(maxima, 512), floor), kind
         ref = compact_reference(scores, floor, 4096)
         got = grouped_compact_kernel(scores, maxima, 32, floor, 4096)
         fits = ref[2] <= 4096
         assert all(torch.equal(a[fits], b[fits]) for a, b in zip(got, ref)), kind
         assert torch.equal(got[2] > 4096, ~fits), kind
+        picks = pick_kernel(got[0][fits], got[1][fits], 512)
+        assert all(torch.equal(a, b) for a, b in zip(picks, pick_reference(got[0][fits],
+                                                                           got[1][fits], 512)))
         _same_topk(threshold_topk(scores, maxima, 32, 512), scores, 512)

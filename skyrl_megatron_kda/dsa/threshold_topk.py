@@ -15,13 +15,22 @@ those groups (``_gather_at_least``); on random scores that is about k groups of 
 or scores (its floor is -inf when fewer than k groups hold a visible pool; or ties crowd at the
 floor) gets ``torch.topk`` over its whole row: the same answer, at the old speed.
 ``floor_topk`` leaves those rows to its caller (flagged) instead of finding them with a host
-sync: the fused indexer (``pool_topk.fused_block_topk``) reads the flags two blocks later
+sync: the fused indexer (``pool_topk.fused_block_topk``) reads the flags some blocks later
 (``pool_topk.DeferredRows``) and redoes those rows, so its blocks queue on the GPU without
 waiting for the host.
 
-On CPU tensors the compaction is the torch reference of the kernels (``compact_reference``),
-so the CPU suite checks the same selection, and the kernels themselves are checked against the
-reference under Triton's interpreter.
+The floor (the k-th largest group maximum) and the final pick among the kept scores are one
+Triton program per row each (``_kth_largest``, ``_pick``): the row sits in registers, its
+values mapped to int32 keys of the same order, and the k-th largest key is built bit by bit
+from the top (32 counts over the row). ``torch.topk`` takes a radix select of many small
+kernels per call, and those launches were most of the host's time per query block. The pick
+keeps every value above the k-th and the first of the values equal to it in column order, so
+ties resolve the same way on every run.
+
+On CPU tensors the floor, the compaction and the pick are the kernels' torch references
+(``kth_largest_reference``, ``compact_reference``, ``pick_reference``), so the CPU suite
+checks the same selection, and the kernels themselves are checked against the references
+under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -139,12 +148,113 @@ def grouped_compact_kernel(scores: torch.Tensor, group_max: torch.Tensor, group:
     return values, ids, torch.where(n_groups > capacity, n_groups, count)
 
 
+MAX_SELECT_WIDTH = 16384
+"""The widest row (group maxima, or a row's compacted candidates) that ``kth_largest_kernel`` and
+``pick_kernel`` hold in one program's registers; wider rows take ``torch.topk``."""
+
+
+@triton.jit
+def _order_keys(x):
+    """fp32 -> int32 keys in the same order (NaN as -inf, -0 as +0, so that equal values get
+    equal keys)."""
+    x = tl.where(x == x, x, float("-inf"))
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _kth_key(keys, k):
+    """The k-th largest of int32 ``keys``: the largest key t with at least k keys >= t, built
+    bit by bit from the top in unsigned order (flipping the sign bit maps int32's order onto
+    it)."""
+    chosen = tl.zeros((), dtype=tl.int32)
+    for i in tl.static_range(32):
+        bit = tl.full((), 1, tl.int32) << (31 - i)
+        trial = chosen | bit
+        enough = tl.sum((keys >= (trial ^ -2147483648)).to(tl.int32), axis=0) >= k
+        chosen = tl.where(enough, trial, chosen)
+    return chosen ^ -2147483648
+
+
+@triton.jit
+def _kth_largest(x_ptr, out_ptr, n_cols, k, WIDTH: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, WIDTH)
+    x = tl.load(x_ptr + row.to(tl.int64) * n_cols + cols, mask=cols < n_cols,
+                other=float("-inf"))
+    key = _kth_key(_order_keys(x), k)
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    tl.store(out_ptr + row, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _pick(values_ptr, ids_ptr, best_ptr, picked_ptr, capacity, k, WIDTH: tl.constexpr):
+    row = tl.program_id(0)
+    slots = tl.arange(0, WIDTH)
+    src = row.to(tl.int64) * capacity + slots
+    values = tl.load(values_ptr + src, mask=slots < capacity, other=float("-inf"))
+    ids = tl.load(ids_ptr + src, mask=slots < capacity, other=-1)
+    keys = _order_keys(values)
+    kth = _kth_key(keys, k)
+    above = keys > kth
+    tied = keys == kth
+    room = k - tl.sum(above.to(tl.int32), axis=0)
+    keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= room))
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    dst = row.to(tl.int64) * k + slot
+    tl.store(best_ptr + dst, values, mask=keep)
+    tl.store(picked_ptr + dst, ids.to(tl.int64), mask=keep)
+
+
+def kth_largest_reference(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k-th largest value [n] (NaN counted as -inf; a zero is +0)."""
+    rows = rows.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    return rows.topk(k, dim=-1).values[:, -1] + 0.0
+
+
+def kth_largest_kernel(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """``kth_largest_reference`` as one Triton program per row of fp32 ``rows`` [n, width]
+    (width at most ``MAX_SELECT_WIDTH``), without ``torch.topk``'s passes over the row."""
+    n, width = rows.shape
+    out = torch.empty(n, dtype=torch.float32, device=rows.device)
+    if n:
+        _kth_largest[(n,)](rows.contiguous(), out, width, k,
+                           WIDTH=triton.next_power_of_2(width), num_warps=8)
+    return out
+
+
+def pick_reference(values: torch.Tensor, ids: torch.Tensor, k: int):
+    """The k largest of each row of compacted candidates (values [n, c] fp32 in column order,
+    their int32 ids) in that order: every value above the k-th largest, then the first of the
+    values equal to it -> values [n, k], int64 ids [n, k]."""
+    kth = kth_largest_reference(values, k)[:, None]
+    above = values > kth
+    tied = values == kth
+    room = k - above.sum(1, keepdim=True)
+    keep = above | (tied & (tied.cumsum(1) <= room))
+    return values[keep].view(-1, k), ids[keep].view(-1, k).long()
+
+
+def pick_kernel(values: torch.Tensor, ids: torch.Tensor, k: int):
+    """``pick_reference`` as one Triton program per row (at most ``MAX_SELECT_WIDTH``
+    candidates a row)."""
+    n, capacity = values.shape
+    best = values.new_empty(n, k)
+    picked = torch.empty(n, k, dtype=torch.int64, device=values.device)
+    if n:
+        _pick[(n,)](values.contiguous(), ids.contiguous(), best, picked, capacity, k,
+                    WIDTH=triton.next_power_of_2(capacity), num_warps=8)
+    return best, picked
+
+
 def threshold_topk(scores: torch.Tensor, group_max: torch.Tensor, group: int, k: int,
                    capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scores.topk(k, dim=-1, sorted=False)``'s values and ids (int64) for fp32 scores [n, P]
-    whose maxima over consecutive groups of ``group`` columns are ``group_max`` [n, ceil(P /
-    group)]; ``capacity`` candidates per row (default ``CANDIDATES_PER_PICK * k``). NaN scores
-    are never picked."""
+    """``scores.topk(k, dim=-1, sorted=False)``'s values and ids (int64; of scores tied at the
+    k-th, the first in column order, unless ``torch.topk`` takes the whole row) for fp32 scores
+    [n, P] whose maxima over consecutive groups of ``group`` columns are ``group_max`` [n,
+    ceil(P / group)]; ``capacity`` candidates per row (default ``CANDIDATES_PER_PICK * k``). NaN
+    scores are never picked."""
     best, picked, crowded = floor_topk(scores, group_max, group, k, capacity)
     crowded = crowded.nonzero(as_tuple=True)[0]
     if crowded.numel():  # (a host sync: rare rows, exact either way)
@@ -167,10 +277,14 @@ def floor_topk(scores: torch.Tensor, group_max: torch.Tensor, group: int, k: int
     if k > group_max.shape[1] or width <= capacity:  # no floor to take, or nothing to save
         best, picked = scores.topk(k, dim=-1, sorted=False)
         return best, picked, torch.zeros(n, dtype=torch.bool, device=scores.device)
-    floor = group_max.topk(k, dim=-1).values[:, -1]
-    if scores.is_cuda:
+    kernels = scores.is_cuda and max(group_max.shape[1], capacity) <= MAX_SELECT_WIDTH
+    if kernels:
+        floor = kth_largest_kernel(group_max, k)
         values, ids, count = grouped_compact_kernel(scores, group_max, group, floor, capacity)
+        best, picked = pick_kernel(values, ids, k)
     else:
-        values, ids, count = compact_reference(scores, floor, capacity)
-    best, slot = values.topk(k, dim=-1, sorted=False)
-    return best, ids.gather(1, slot).long(), count > capacity
+        floor = kth_largest_reference(group_max, k)
+        values, ids, count = (grouped_compact_kernel(scores, group_max, group, floor, capacity)
+                              if scores.is_cuda else compact_reference(scores, floor, capacity))
+        best, picked = pick_reference(values, ids, k)
+    return best, picked, count > capacity
