@@ -177,10 +177,8 @@ def make_inputs(keys: int, split: str, dev, tp_rows: str = "balanced") -> dict:
     )
 
 
-def indexer(x: dict, keys: int, kernel: str, block: int, kernels,
-            widest_first: bool = True) -> torch.Tensor:
-    """The layer's indexer loop (``AbsorbedKernel.indices``) on the share's inputs (its blocks
-    in row order unless ``widest_first``, the layer's)."""
+def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tensor:
+    """The layer's indexer loop (``AbsorbedKernel.indices``) on the share's inputs."""
     dev = x["pos"].device
     cu = torch.tensor([0, keys], device=dev)
     starts = pool_starts(cu, KPOOL)
@@ -191,7 +189,8 @@ def indexer(x: dict, keys: int, kernel: str, block: int, kernels,
     n, n_select = x["pos"].numel(), TOPK // KPOOL
     out = torch.empty(n, TOPK + KPOOL - 1, dtype=torch.int32, device=dev)
     later = DeferredRows()
-    for rows in candidates.blocks(block, widest_first):
+    for q0 in range(0, n, block):
+        rows = slice(q0, min(q0 + block, n))
         q, w = x["idx_q"][rows], x["idx_w"][rows]
         pools = torch.empty(q.shape[0], n_select, dtype=torch.long, device=dev)
         if kernel != "torch":

@@ -2,13 +2,10 @@
 pass of ``dsa_rank_share.py``'s indexer (65,536 queries, 64 blocks of 1,024 over 262,144 pools)
 after a warm-up pass, per score precision, the CUDA kernels sorted by their total time. Then the
 pass's wall time (synchronised, outside the profiler) against the sum of its kernels' times: the
-difference is the time the GPU waits for the host. The FP8 pass runs more times: with the pool
-keys quantised per query block inside the score kernel's call instead of once per pass
-(``DSAKernels.index_keys``, the layer's way); with its top-k's floor and final pick by
-``torch.topk`` (``threshold_topk``'s way before its own selection kernels), its blocks in row
-order and two blocks of lag (``pool_topk.LAG``), the indexer as it was; with the selection
-kernels but that schedule; and with the widest blocks first (``PoolCandidates.blocks``, the
-layer's way) but two blocks of lag; then as the layer runs it again. ``--gluon`` adds passes with the Gluon score
+difference is the time the GPU waits for the host. The FP8 pass runs three times: with the pool
+keys quantised once per pass (``DSAKernels.index_keys``, the layer's way); for comparison, once
+per query block inside the score kernel's call; and with the top-k's floor and final pick by
+``torch.topk`` (``threshold_topk``'s way before its own selection kernels). ``--gluon`` adds passes with the Gluon score
 kernel of ``bench/index_scores_gluon.py`` in place of the Triton one (each precision; its
 overlapped variant with groups of 32 and of 16 pools, the top-k then taking groups of 16, and
 its plain variant).
@@ -29,7 +26,6 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from skyrl_megatron_kda.dsa import pool_topk
-from skyrl_megatron_kda.dsa.pool_topk import LAG
 from skyrl_megatron_kda.dsa.index_scores import keys_as_they_are
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.threshold_topk import (
@@ -87,18 +83,14 @@ def main() -> None:
     base = {precision: latent_dsa_kernels(indexer_scores=precision) for precision in ("bf16", "fp8")}
     variants = {**base, "fp8, keys quantised per block": replace(base["fp8"],
                                                                  index_keys=keys_as_they_are)}
-    schedules = {"fp8, torch.topk's floor and pick, row order, lag 2": (False, 2),
-                 "fp8, row order, lag 2": (False, 2), "fp8, lag 2": (True, 2),
-                 "fp8 again": (True, LAG)}
-    variants.update({name: base["fp8"] for name in schedules})
+    variants["fp8, torch.topk's floor and pick"] = base["fp8"]
     if a.gluon:
         variants.update(gluon_variants(base))
     for name, kernels in variants.items():
         pool_topk.floor_topk = floor_topk_by_torch if "torch.topk" in name else floor_topk
-        widest_first, pool_topk.LAG = schedules.get(name, (True, LAG))
         with torch.no_grad():
             def one_pass():
-                indexer(x, KEYS, "latent", BLOCK, kernels, widest_first)
+                indexer(x, KEYS, "latent", BLOCK, kernels)
             one_pass()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -24,11 +24,10 @@ import torch.nn.functional as F
 from .pools import pool_token_indices
 from .threshold_topk import floor_topk
 
-LAG = 16
+LAG = 2
 """Query blocks the indexer queues on the GPU before the host reads a block's crowded rows
-(``DeferredRows``). The blocks run widest first (``PoolCandidates.blocks``), so the queue is
-deepest when they are narrow, the GPU's time per block shorter than the host's: a few blocks
-of lag would leave the GPU waiting for the host through the narrow half of the pass."""
+(``DeferredRows``): one keeps the GPU busy while the host reads; two leave room for the
+host's own time per block."""
 
 
 def select_pools(q, weights, keys, gate, ape, q_pos, doc_start, cu_seqlens, kpool: int, topk: int):
@@ -131,19 +130,6 @@ class PoolCandidates:
         first, end = self._host[0, rows], self._host[1, rows]
         return (int(first.min()), int(end.max())) if first.numel() else (0, 0)
 
-    def blocks(self, block: int, widest_first: bool = True) -> list[slice]:
-        """The rank's queries in blocks of ``block``, in the order the indexer runs them: the
-        widest pool window first (the GPU's longest blocks queue while the host launches the
-        short ones), or in row order."""
-        n = self._host.shape[1]
-        blocks = [slice(q0, min(q0 + block, n)) for q0 in range(0, n, block)]
-        if widest_first:
-            def width(rows: slice) -> int:
-                lo, hi = self.window(rows)
-                return hi - lo
-            blocks.sort(key=width, reverse=True)
-        return blocks
-
     def write_tokens(self, out: torch.Tensor, pools: torch.Tensor, rows: slice) -> None:
         """``rows``' selected pool ids [n, k] as token indices into ``out`` (their range is
         not checked: the ids come from a top-k over these candidates)."""
@@ -158,8 +144,8 @@ class DeferredRows:
     queued after it keep the GPU busy. ``then`` queues an action that runs after every fix
     queued before it; ``finish`` runs what is left."""
 
-    def __init__(self, lag: int | None = None):
-        self.lag, self._queue = LAG if lag is None else lag, deque()
+    def __init__(self, lag: int = LAG):
+        self.lag, self._queue = lag, deque()
 
     def fix(self, flags: torch.Tensor, action) -> None:
         """``action(rows)`` with the flagged rows of bool ``flags`` [n] as CPU ids, if any."""
@@ -262,7 +248,8 @@ def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor
     candidates = PoolCandidates(starts, q_pos, doc_start, kpool)
     result = torch.empty(q.shape[0], n_select, dtype=torch.long, device=q.device)
     later = DeferredRows()
-    for rows in candidates.blocks(query_block):
+    for q0 in range(0, q.shape[0], query_block):
+        rows = slice(q0, min(q0 + query_block, q.shape[0]))
         fused_block_topk(q[rows], weights[rows], pool_k, candidates, rows, n_select, scorer, group,
                          result[rows], later)
     later.finish()

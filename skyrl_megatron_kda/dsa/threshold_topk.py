@@ -15,7 +15,7 @@ those groups (``_gather_at_least``); on random scores that is about k groups of 
 or scores (its floor is -inf when fewer than k groups hold a visible pool; or ties crowd at the
 floor) gets ``torch.topk`` over its whole row: the same answer, at the old speed.
 ``floor_topk`` leaves those rows to its caller (flagged) instead of finding them with a host
-sync: the fused indexer (``pool_topk.fused_block_topk``) reads the flags some blocks later
+sync: the fused indexer (``pool_topk.fused_block_topk``) reads the flags two blocks later
 (``pool_topk.DeferredRows``) and redoes those rows, so its blocks queue on the GPU without
 waiting for the host.
 

@@ -58,7 +58,8 @@ class AbsorbedKernel(DSAKernel):
         n_select, block = indexer.index_topk // P, self.dsa.indexer_query_block
         candidates = PoolCandidates(starts, q_pos, doc_start, P)
         later = DeferredRows()
-        for rows in candidates.blocks(block):
+        for q0 in range(0, s, block):
+            rows = slice(q0, min(q0 + block, s))
             q = indexer.query_heads(qr[rows])
             for i in range(b):
                 pools = torch.empty(q.shape[0], n_select, dtype=torch.long, device=qr.device)
