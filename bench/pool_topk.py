@@ -17,7 +17,12 @@ a warm-up. ``row_topk_ids`` and ``chunked_topk`` are compared with a stable desc
 ``torch.topk`` and the two-stage top-k by their pool sets per query (they order equal scores in
 any way).
 
-Usage (CUDA):  python3 bench/pool_topk.py [--json out.json]
+Each ``threshold_topk`` row also times its steps: the floor and the final pick by our Triton
+programs against ``torch.topk``, and the grouped compaction; ``--gather-sweep`` times that
+compaction at other scores per step and warp counts (maxima of 32, the layer's), and
+``--threshold-only`` leaves out the variants that lost.
+
+Usage (CUDA):  python3 bench/pool_topk.py [--threshold-only] [--gather-sweep] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from skyrl_megatron_kda.dsa.threshold_topk import (
     compact_kernel,
     group_maxima,
     grouped_compact_kernel,
+    kth_largest_kernel,
+    kth_largest_reference,
+    pick_kernel,
     threshold_topk,
 )
 
@@ -101,6 +109,10 @@ def main():
     p.add_argument("--k", type=int, default=512)
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--json", default="")
+    p.add_argument("--threshold-only", action="store_true",
+                   help="only torch.topk and threshold_topk")
+    p.add_argument("--gather-sweep", action="store_true",
+                   help="the grouped compaction at other scores per step and warp counts")
     a = p.parse_args()
     runs = []
     for kind in ("relu", "sum"):
@@ -109,56 +121,92 @@ def main():
         ref_values, ref_ids = stable.values[:, : a.k], stable.indices[:, : a.k]
         ref_sets = ref_ids.sort(-1).values
         del stable
-        ms = timed(lambda: scores.topk(a.k, dim=-1), 1, a.iters)[0]
-        got = scores.topk(a.k, dim=-1).indices.sort(-1).values
-        runs.append({"scores": kind, "variant": "torch.topk", "ms": ms,
-                     "same_pool_sets": float((got == ref_sets).all(-1).float().mean())})
-        ms = timed(lambda: row_topk_ids(scores, a.k), 1, a.iters)[0]
-        runs.append({"scores": kind, "variant": "row_topk_ids (radix select)", "ms": ms,
-                     "equals_stable_sort": bool(torch.equal(row_topk_ids(scores, a.k),
-                                                            reference_row_topk_ids(scores, a.k)))})
-        ms = timed(lambda: scores.topk(a.k, dim=-1, sorted=False), 1, a.iters)[0]
-        got = scores.topk(a.k, dim=-1, sorted=False).indices.sort(-1).values
-        runs.append({"scores": kind, "variant": "torch.topk, sorted=False", "ms": ms,
-                     "same_pool_sets": float((got == ref_sets).all(-1).float().mean())})
-        for chunk in (16, 32, 64):
-            values, ids = chunked_topk(scores, a.k, chunk)
-            ms = timed(lambda: chunked_topk(scores, a.k, chunk), 1, a.iters)[0]
-            runs.append({"scores": kind, "variant": f"chunked_topk, chunks of {chunk}", "ms": ms,
-                         "equals_stable_sort": bool(torch.equal(ids, ref_ids)
-                                                    and torch.equal(values, ref_values))})
-        for chunk in (4096, 16384):
-            _, ids = per_chunk_topk(scores, a.k, chunk)
-            ms = timed(lambda: per_chunk_topk(scores, a.k, chunk), 1, a.iters)[0]
-            runs.append({"scores": kind, "variant": f"two-stage, chunks of {chunk}", "ms": ms,
-                         "same_pool_sets": float((ids.sort(-1).values == ref_sets)
-                                                 .all(-1).float().mean())})
-        for group in (16, 32, 64, 128):  # the score kernel writes the maxima: not timed here
-            maxima = group_maxima(scores, group)
-            values, ids = threshold_topk(scores, maxima, group, a.k)
-            ms = timed(lambda: threshold_topk(scores, maxima, group, a.k), 1, a.iters)[0]
-            cap = CANDIDATES_PER_PICK * a.k
-            floor = maxima.topk(a.k, dim=-1).values[:, -1]
-            floor_ms = timed(lambda: maxima.topk(a.k, dim=-1).values[:, -1], 1, a.iters)[0]
-            kept = grouped_compact_kernel(scores, maxima, group, floor, cap)
-            kept_ms = timed(lambda: grouped_compact_kernel(scores, maxima, group, floor, cap), 1,
-                            a.iters)[0]
-            whole_ms = timed(lambda: compact_kernel(scores, floor, cap), 1, a.iters)[0]
-            final_ms = timed(lambda: kept[0].topk(a.k, dim=-1, sorted=False), 1, a.iters)[0]
-            runs.append({"scores": kind, "variant": f"threshold_topk, maxima of {group}",
-                         "ms": ms, "same_pool_sets": float((ids.sort(-1).values == ref_sets)
-                                                           .all(-1).float().mean()),
-                         "same_values": bool(torch.equal(values.sort(-1, descending=True).values,
-                                                         ref_values)),
-                         "floor_ms": floor_ms, "grouped_compaction_ms": kept_ms,
-                         "whole_row_compaction_ms": whole_ms, "final_topk_ms": final_ms,
-                         "candidates_mean": float(kept[2].float().mean()),
-                         "candidates_max": float(kept[2].max())})
-        for r in runs[-12:]:
+        first = len(runs)
+        if not a.threshold_only:
+            losers(a, scores, kind, ref_values, ref_ids, ref_sets, runs)
+        else:
+            ms = timed(lambda: scores.topk(a.k, dim=-1, sorted=False), 1, a.iters)[0]
+            runs.append({"scores": kind, "variant": "torch.topk, sorted=False", "ms": ms})
+        threshold_rows(a, scores, kind, ref_values, ref_sets, runs)
+        for r in runs[first:]:
             print(json.dumps(r), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"queries": a.queries, "pools": a.pools, "k": a.k, "runs": runs}, f, indent=1)
+
+
+def losers(a, scores, kind, ref_values, ref_ids, ref_sets, runs) -> None:
+    """``torch.topk`` and the exact top-ks that lost to it."""
+    ms = timed(lambda: scores.topk(a.k, dim=-1), 1, a.iters)[0]
+    got = scores.topk(a.k, dim=-1).indices.sort(-1).values
+    runs.append({"scores": kind, "variant": "torch.topk", "ms": ms,
+                 "same_pool_sets": float((got == ref_sets).all(-1).float().mean())})
+    ms = timed(lambda: row_topk_ids(scores, a.k), 1, a.iters)[0]
+    runs.append({"scores": kind, "variant": "row_topk_ids (radix select)", "ms": ms,
+                 "equals_stable_sort": bool(torch.equal(row_topk_ids(scores, a.k),
+                                                        reference_row_topk_ids(scores, a.k)))})
+    ms = timed(lambda: scores.topk(a.k, dim=-1, sorted=False), 1, a.iters)[0]
+    got = scores.topk(a.k, dim=-1, sorted=False).indices.sort(-1).values
+    runs.append({"scores": kind, "variant": "torch.topk, sorted=False", "ms": ms,
+                 "same_pool_sets": float((got == ref_sets).all(-1).float().mean())})
+    for chunk in (16, 32, 64):
+        values, ids = chunked_topk(scores, a.k, chunk)
+        ms = timed(lambda: chunked_topk(scores, a.k, chunk), 1, a.iters)[0]
+        runs.append({"scores": kind, "variant": f"chunked_topk, chunks of {chunk}", "ms": ms,
+                     "equals_stable_sort": bool(torch.equal(ids, ref_ids)
+                                                and torch.equal(values, ref_values))})
+    for chunk in (4096, 16384):
+        _, ids = per_chunk_topk(scores, a.k, chunk)
+        ms = timed(lambda: per_chunk_topk(scores, a.k, chunk), 1, a.iters)[0]
+        runs.append({"scores": kind, "variant": f"two-stage, chunks of {chunk}", "ms": ms,
+                     "same_pool_sets": float((ids.sort(-1).values == ref_sets)
+                                             .all(-1).float().mean())})
+
+
+def threshold_rows(a, scores, kind, ref_values, ref_sets, runs) -> None:
+    """``threshold_topk`` at four group widths, its steps timed, and the gather sweep."""
+    for group in (16, 32, 64, 128):  # the score kernel writes the maxima: not timed here
+        maxima = group_maxima(scores, group)
+        values, ids = threshold_topk(scores, maxima, group, a.k)
+        ms = timed(lambda: threshold_topk(scores, maxima, group, a.k), 1, a.iters)[0]
+        cap = CANDIDATES_PER_PICK * a.k
+        floor = maxima.topk(a.k, dim=-1).values[:, -1]
+        floor_ms = timed(lambda: maxima.topk(a.k, dim=-1).values[:, -1], 1, a.iters)[0]
+        kept = grouped_compact_kernel(scores, maxima, group, floor, cap)
+        kept_ms = timed(lambda: grouped_compact_kernel(scores, maxima, group, floor, cap), 1,
+                        a.iters)[0]
+        whole_ms = timed(lambda: compact_kernel(scores, floor, cap), 1, a.iters)[0]
+        final_ms = timed(lambda: kept[0].topk(a.k, dim=-1, sorted=False), 1, a.iters)[0]
+        floor_kernel_ms = timed(lambda: kth_largest_kernel(maxima, a.k), 1, a.iters)[0]
+        pick_ms = timed(lambda: pick_kernel(kept[0], kept[1], a.k), 1, a.iters)[0]
+        runs.append({"scores": kind, "variant": f"threshold_topk, maxima of {group}",
+                     "ms": ms, "same_pool_sets": float((ids.sort(-1).values == ref_sets)
+                                                       .all(-1).float().mean()),
+                     "same_values": bool(torch.equal(values.sort(-1, descending=True).values,
+                                                     ref_values)),
+                     "floor_ms": floor_ms, "grouped_compaction_ms": kept_ms,
+                     "whole_row_compaction_ms": whole_ms, "final_topk_ms": final_ms,
+                     "floor_kernel_ms": floor_kernel_ms, "pick_kernel_ms": pick_ms,
+                     "floor_kernel_equal": bool(torch.equal(
+                         kth_largest_kernel(maxima, a.k), kth_largest_reference(maxima, a.k))),
+                     "candidates_mean": float(kept[2].float().mean()),
+                     "candidates_max": float(kept[2].max())})
+        if group == 32 and a.gather_sweep:
+            gather_sweep(a, scores, maxima, floor, kept, kind, runs)
+
+
+def gather_sweep(a, scores, maxima, floor, kept, kind, runs) -> None:
+    """The grouped compaction at maxima of 32 with other scores per step and warp counts, each
+    against the default's output."""
+    cap = CANDIDATES_PER_PICK * a.k
+    for block in (1024, 2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            def compact():
+                return grouped_compact_kernel(scores, maxima, 32, floor, cap, block, warps)
+            got = compact()
+            runs.append({"scores": kind, "variant": f"grouped compaction, {block} scores a step, "
+                         f"{warps} warps", "ms": timed(compact, 1, a.iters)[0],
+                         "equal": all(torch.equal(x, y) for x, y in zip(got, kept))})
 
 
 if __name__ == "__main__":

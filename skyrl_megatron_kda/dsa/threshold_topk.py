@@ -132,10 +132,12 @@ def compact_kernel(scores: torch.Tensor, floor: torch.Tensor, capacity: int):
 
 
 def grouped_compact_kernel(scores: torch.Tensor, group_max: torch.Tensor, group: int,
-                           floor: torch.Tensor, capacity: int):
+                           floor: torch.Tensor, capacity: int, gather_block: int = GATHER_BLOCK,
+                           num_warps: int = 8):
     """``compact_reference`` for the rows whose groups of ``group`` columns with a maximum
     (``group_max``) at or above the floor number at most ``capacity``; the others' count is that
-    number of groups (above ``capacity``, a lower bound of theirs), their scores partial."""
+    number of groups (above ``capacity``, a lower bound of theirs), their scores partial.
+    ``gather_block`` scores per step and ``num_warps`` tune the second program."""
     n, width = scores.shape
     _, group_ids, n_groups = compact_kernel(group_max, floor, capacity)
     values = scores.new_full((n, capacity), float("-inf"))
@@ -144,7 +146,7 @@ def grouped_compact_kernel(scores: torch.Tensor, group_max: torch.Tensor, group:
     if n:
         _gather_at_least[(n,)](scores.contiguous(), floor.float().contiguous(), group_ids,
                                n_groups, values, ids, count, width, CAP=capacity, GROUP=group,
-                               GROUPS=max(1, GATHER_BLOCK // group), num_warps=8)
+                               GROUPS=max(1, gather_block // group), num_warps=num_warps)
     return values, ids, torch.where(n_groups > capacity, n_groups, count)
 
 
