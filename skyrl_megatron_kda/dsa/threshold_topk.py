@@ -44,8 +44,10 @@ CANDIDATES_PER_PICK = 8
 of 32 pools, random scores leave 528 candidates per row, at most 544 (bench/pool_topk.py)."""
 COMPACT_BLOCK = 4096
 """Scores per step of a whole row's compaction (the group maxima's)."""
-GATHER_BLOCK = 4096
-"""Scores per step of the compaction over the listed groups."""
+GATHER_BLOCK = 1024
+"""Scores per step of the compaction over the listed groups: the fastest of
+``bench/pool_topk.py --gather-sweep`` on an H100 (0.27 against 0.36 ms a block of 1,024 queries
+at 4,096; bench/results/h100_indexer_selection)."""
 
 
 def group_maxima(scores: torch.Tensor, group: int) -> torch.Tensor:
