@@ -120,6 +120,14 @@ def test_the_kth_largest_counts_nan_as_minus_inf_and_zeros_as_one():
     assert kth_largest_reference(rows, 4).tolist() == [float("-inf"), -1.0]
 
 
+def test_selection_kernels_refuse_rows_they_cannot_hold():
+    wide = torch.zeros(2, 16385)
+    with pytest.raises(ValueError, match="at most 16384"):
+        kth_largest_kernel(wide, 5)
+    with pytest.raises(ValueError, match="k in"):
+        pick_kernel(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.int32), 9)
+
+
 def test_maxima_of_the_wrong_shape_are_refused():
     scores = _scores("normal")
     with pytest.raises(ValueError, match="maxima"):

@@ -217,10 +217,17 @@ def kth_largest_reference(rows: torch.Tensor, k: int) -> torch.Tensor:
     return rows.topk(k, dim=-1).values[:, -1] + 0.0
 
 
+def _check_selection(width: int, k: int) -> None:
+    if not 0 < k <= width <= MAX_SELECT_WIDTH:
+        raise ValueError(f"a row of {width} values (at most {MAX_SELECT_WIDTH}) and k in [1, "
+                         f"width], got k = {k}")
+
+
 def kth_largest_kernel(rows: torch.Tensor, k: int) -> torch.Tensor:
     """``kth_largest_reference`` as one Triton program per row of fp32 ``rows`` [n, width]
     (width at most ``MAX_SELECT_WIDTH``), without ``torch.topk``'s passes over the row."""
     n, width = rows.shape
+    _check_selection(width, k)
     out = torch.empty(n, dtype=torch.float32, device=rows.device)
     if n:
         _kth_largest[(n,)](rows.contiguous(), out, width, k,
@@ -244,6 +251,7 @@ def pick_kernel(values: torch.Tensor, ids: torch.Tensor, k: int):
     """``pick_reference`` as one Triton program per row (at most ``MAX_SELECT_WIDTH``
     candidates a row)."""
     n, capacity = values.shape
+    _check_selection(capacity, k)
     best = values.new_empty(n, k)
     picked = torch.empty(n, k, dtype=torch.int64, device=values.device)
     if n:
