@@ -5,10 +5,10 @@ pass's wall time (synchronised, outside the profiler) against the sum of its ker
 difference is the time the GPU waits for the host. The FP8 pass runs three times: with the pool
 keys quantised once per pass (``DSAKernels.index_keys``, the layer's way); for comparison, once
 per query block inside the score kernel's call; and with the top-k's floor and final pick by
-``torch.topk`` (``threshold_topk``'s way before its own selection kernels). ``--gluon`` adds passes with the Gluon score
-kernel of ``bench/index_scores_gluon.py`` in place of the Triton one (each precision; its
-overlapped variant with groups of 32 and of 16 pools, the top-k then taking groups of 16, and
-its plain variant).
+``torch.topk`` (``threshold_topk``'s way before its own selection kernels). ``--gluon`` adds
+passes with the Gluon score kernel of ``bench/index_scores_gluon.py`` in place of the Triton
+one (each precision; its overlapped variant with groups of 32 and of 16 pools, the top-k then
+taking groups of 16, and its plain variant).
 
 Usage (CUDA + tilelang):  python3 bench/indexer_profile.py [--gluon]
 """

@@ -195,8 +195,9 @@ def fused_block_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tenso
     of ``group`` pools [n, ceil(P / group)]. ``rows``: the block's queries among
     ``candidates``'; the logits cover only the pools the block can see. The top-k is
     ``threshold_topk.floor_topk``'s (``torch.topk``'s values; ties at its floor are not always
-    resolved as the stable torch path does); its rare crowded rows are scored again with a whole-row top-k by
-    ``later``, so the blocks queue on the GPU without waiting for the host."""
+    resolved as the stable torch path does); its rare crowded rows are scored again with a
+    whole-row top-k by ``later``, so the blocks queue on the GPU without waiting for the
+    host."""
     first, end = candidates.first[rows], candidates.end[rows]
     crowded = _select(q, weights, pool_k, first, end, candidates.window(rows), n_select, scorer,
                       group, out, whole_rows=False)

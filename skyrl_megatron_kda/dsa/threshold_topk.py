@@ -289,14 +289,9 @@ def floor_topk(scores: torch.Tensor, group_max: torch.Tensor, group: int, k: int
     if k > group_max.shape[1] or width <= capacity:  # no floor to take, or nothing to save
         best, picked = scores.topk(k, dim=-1, sorted=False)
         return best, picked, torch.zeros(n, dtype=torch.bool, device=scores.device)
-    kernels = scores.is_cuda and max(group_max.shape[1], capacity) <= MAX_SELECT_WIDTH
-    if kernels:
-        floor = kth_largest_kernel(group_max, k)
-        values, ids, count = grouped_compact_kernel(scores, group_max, group, floor, capacity)
-        best, picked = pick_kernel(values, ids, k)
-    else:
-        floor = kth_largest_reference(group_max, k)
-        values, ids, count = (grouped_compact_kernel(scores, group_max, group, floor, capacity)
-                              if scores.is_cuda else compact_reference(scores, floor, capacity))
-        best, picked = pick_reference(values, ids, k)
+    in_registers = scores.is_cuda and max(group_max.shape[1], capacity) <= MAX_SELECT_WIDTH
+    floor = (kth_largest_kernel if in_registers else kth_largest_reference)(group_max, k)
+    values, ids, count = (grouped_compact_kernel(scores, group_max, group, floor, capacity)
+                          if scores.is_cuda else compact_reference(scores, floor, capacity))
+    best, picked = (pick_kernel if in_registers else pick_reference)(values, ids, k)
     return best, picked, count > capacity
