@@ -61,6 +61,14 @@ def test_the_forward_refuses_key_blocks_that_do_not_tile_its_keys():
         forward_program(64, 512, 2080, SCALE, key_block=64)
 
 
+def test_the_warp_specialised_forward_refuses_shapes_it_does_not_cover():
+    """Checked before TileLang is needed: 64-head groups, pairs of key blocks, two stages."""
+    for heads, topk, config in ((32, 2176, {}), (64, 2112, {}), (64, 2176, {"num_stages": 3}),
+                                (64, 2176, {"deferred_sum": True})):
+        with pytest.raises(ValueError, match="warp-specialised"):
+            forward_program(heads, 512, topk, SCALE, warp_specialized=True, **config)
+
+
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -107,7 +115,9 @@ def test_kernels_match_the_fp32_attention(heads, config):
                                             {"key_block": 128, "num_stages": 1},
                                             {"deferred_sum": True},
                                             {"deferred_sum": True, "key_block": 32,
-                                             "num_stages": 4}])
+                                             "num_stages": 4},
+                                            {"warp_specialized": True},
+                                            {"warp_specialized": True, "key_block": 32}])
 def test_forward_tunings_match_the_fp32_attention(forward_config):
     """The forward's other key blocks and pipeline depths (``bench/latent_sparse_mla.py
     --forward-configs`` times them) compute the same attention."""

@@ -104,7 +104,7 @@ FORWARD_PASS_CONFIGS = ("TL_DISABLE_TMA_LOWER", "TL_DISABLE_WARP_SPECIALIZED")
 
 def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
                     num_stages: int = 2, key_block: int = FORWARD_KEY_BLOCK,
-                    deferred_sum: bool = False):
+                    deferred_sum: bool = False, warp_specialized: bool = False):
     """The forward for ``heads`` (as ``padded_heads`` gives), latent width ``dim`` and a top-k
     width ``topk`` (a multiple of ``key_block``): one thread block per (query, head group) runs
     an online softmax over the selected keys, ``key_block`` at a time, gathering their latent
@@ -113,10 +113,16 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
     ``deferred_sum`` (a tuning ``bench/latent_sparse_mla.py --forward-configs`` times) keeps
     the softmax denominators as running sums per score element (rescaled with the output) and
     adds them over the keys once at the end, so a block needs one exchange between the
-    warpgroups (the maximum) instead of two."""
+    warpgroups (the maximum) instead of two. ``warp_specialized``: ``_warp_specialized_forward``
+    instead (64-head groups, two stages, a top-k width of whole pairs of key blocks)."""
     if topk % key_block:
         raise ValueError(f"the top-k width ({topk}) must be a multiple of the key block "
                          f"({key_block})")
+    if warp_specialized:
+        if threads is not None or num_stages != 2 or deferred_sum:
+            raise ValueError("the warp-specialised forward has its own threads (384), two "
+                             "stages and no deferred sums")
+        return _warp_specialized_forward(heads, dim, topk, scale, key_block)
     tilelang, T = _tilelang()
     BH, BK = min(heads, HEAD_BLOCK), key_block
     threads = threads or _threads(BH)
@@ -286,6 +292,151 @@ def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int
     return sparse_latent_bwd
 
 
+def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key_block: int):
+    """``forward_program``'s attention with its three jobs on three warpgroups (384 threads),
+    so a block's gathers, score product and softmax, and value product overlap: warpgroup 0
+    takes the score product, the online softmax and the left half of the value product,
+    warpgroup 1 the right half, warpgroup 2 gathers the latent rows of the next key blocks
+    into two stages with cp.async. mbarriers hand the stages, the probabilities and their
+    rescale between them; the queries come by one TMA copy. Our default forward runs those
+    jobs one after the other in every warp (its lowered source: 6 barriers and 4 all-reduce
+    steps a block)."""
+    BH, BK, S2 = HEAD_BLOCK, key_block, 2
+    if heads % BH or dim % 128 or BK % 16 or topk % (S2 * BK):
+        raise ValueError(f"the warp-specialised forward takes heads in groups of {BH}, a width "
+                         f"that 128 divides, a key block that 16 divides and a top-k width of pairs of key "
+                         f"blocks, got {heads}, {dim}, {topk} (key block {BK})")
+    tilelang, T = _tilelang()
+    groups, steps = heads // BH, topk // BK
+    pairs = steps // S2
+    half = dim // 2
+    log2_scale = scale * LOG2E
+    ln2 = math.log(2.0)
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    S, Tk = T.dynamic("S"), T.dynamic("Tk")
+    chunk = 8  # bf16 per 16-byte cp.async
+    threads_per_row = 8  # the producer's 128 threads gather 16 rows at a time
+    row_passes = BK // (128 // threads_per_row)
+    per_thread = dim // (threads_per_row * chunk)
+
+    @T.prim_func
+    def sparse_latent_fwd_ws(
+        Q: T.Tensor([S, heads, dim], bf16),
+        KV: T.Tensor([Tk, dim], bf16),
+        Indices: T.Tensor([S, topk], i32),
+        Out: T.Tensor([S, heads, dim], bf16),
+        Lse: T.Tensor([S, heads], f32),
+    ):
+        with T.Kernel(S * groups, threads=384) as bx:
+            s = bx // groups
+            h0 = (bx % groups) * BH
+            q_s = T.alloc_shared([BH, dim], bf16)
+            kv_s = T.alloc_shared([S2, BK, dim], bf16)
+            valid = T.alloc_shared([S2, BK], "bool", scope="shared")
+            p_s = T.alloc_shared([BH, BK], bf16)
+            rescale_s = T.alloc_shared([BH], f32, scope="shared")
+            sum_s = T.alloc_shared([BH], f32, scope="shared")
+            acc_s = T.alloc_fragment([BH, BK], f32)
+            acc_l = T.alloc_fragment([BH, half], f32)
+            acc_r = T.alloc_fragment([BH, half], f32)
+            row_max = T.alloc_fragment([BH], f32)
+            prev_max = T.alloc_fragment([BH], f32)
+            rescale = T.alloc_fragment([BH], f32)
+            block_sum = T.alloc_fragment([BH], f32)
+            row_sum = T.alloc_fragment([BH], f32)
+            index = T.alloc_var(i32)
+
+            bar_q = T.alloc_barrier(arrive_count=384)
+            bar_kv_ready = T.alloc_barrier(arrive_count=[128] * S2)
+            bar_kv_free = T.alloc_barrier(arrive_count=[256] * S2)
+            bar_p_ready = T.alloc_barrier(arrive_count=256)
+            bar_p_free = T.alloc_barrier(arrive_count=256)
+            bar_sums = T.alloc_barrier(arrive_count=256)
+
+            tx = T.get_thread_binding()
+            T.tma_copy(Q[s, h0:h0 + BH, :], q_s, barrier=bar_q)
+            T.barrier_arrive(bar_q)
+
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(acc_l, 0)
+                T.fill(row_sum, 0)
+                T.fill(row_max, -(2.0**30))
+                T.barrier_wait(bar_q, 0)
+                for i in T.serial(pairs):
+                    for st in T.unroll(S2):
+                        T.barrier_wait(bar_kv_ready[st], i & 1)
+                        T.fence_proxy_async()  # the gathered rows, for the async-proxy MMAs
+                        for h, k in T.Parallel(BH, BK):
+                            acc_s[h, k] = T.if_then_else(valid[st, k], 0, -T.infinity(f32))
+                        T.wgmma_gemm(q_s, kv_s[st, :, :], acc_s, transpose_B=True)
+                        T.wait_wgmma(0)
+                        if i != 0 or st != 0:  # warpgroup 1 is done with the last p_s
+                            T.barrier_arrive(bar_p_free)
+                            T.barrier_wait(bar_p_free, ((i * S2 + st) & 1) ^ 1)
+                        T.copy(row_max, prev_max)
+                        T.reduce_max(acc_s, row_max, dim=1, clear=False)
+                        for h in T.Parallel(BH):
+                            rescale[h] = T.exp2((prev_max[h] - row_max[h]) * log2_scale)
+                        for h, k in T.Parallel(BH, BK):
+                            acc_s[h, k] = T.exp2((acc_s[h, k] - row_max[h]) * log2_scale)
+                        T.reduce_sum(acc_s, block_sum, dim=1)
+                        for h in T.Parallel(BH):
+                            row_sum[h] = row_sum[h] * rescale[h] + block_sum[h]
+                        for h, d in T.Parallel(BH, half):
+                            acc_l[h, d] *= rescale[h]
+                        T.copy(rescale, rescale_s)
+                        T.copy(acc_s, p_s)
+                        T.gemm(p_s, kv_s[st, :, 0:half], acc_l)
+                        T.barrier_arrive(bar_p_ready)
+                        T.barrier_arrive(bar_kv_free[st])
+                T.copy(row_sum, sum_s)
+                T.barrier_arrive(bar_sums)
+                for h, d in T.Parallel(BH, half):
+                    acc_l[h, d] = T.if_then_else(row_sum[h] > 0, acc_l[h, d] / row_sum[h], 0)
+                for h in T.Parallel(BH):
+                    row_sum[h] = T.if_then_else(
+                        row_sum[h] > 0, (T.log2(row_sum[h]) + row_max[h] * log2_scale) * ln2, 0)
+                T.copy(acc_l, Out[s, h0:h0 + BH, 0:half])
+                T.copy(row_sum, Lse[s, h0:h0 + BH])
+            elif tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_r, 0)
+                for i in T.serial(pairs):
+                    for st in T.unroll(S2):
+                        T.barrier_arrive(bar_p_ready)
+                        T.barrier_wait(bar_p_ready, (i * S2 + st) & 1)
+                        T.fence_proxy_async()
+                        for h, d in T.Parallel(BH, half):
+                            acc_r[h, d] *= rescale_s[h]
+                        T.gemm(p_s, kv_s[st, :, half:dim], acc_r)
+                        T.barrier_arrive(bar_kv_free[st])
+                        if st != S2 - 1 or i != pairs - 1:
+                            T.barrier_arrive(bar_p_free)
+                T.barrier_arrive(bar_sums)  # warpgroup 0's row sums are in sum_s
+                T.barrier_wait(bar_sums, 0)
+                for h, d in T.Parallel(BH, half):
+                    acc_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_r[h, d] / sum_s[h], 0)
+                T.copy(acc_r, Out[s, h0:h0 + BH, half:dim])
+            else:
+                T.set_max_nreg(80, 0)
+                for i in T.serial(pairs):
+                    for st in T.unroll(S2):
+                        T.barrier_wait(bar_kv_free[st], (i & 1) ^ 1)
+                        for r in T.serial(row_passes):
+                            row = r * (128 // threads_per_row) + (tx - 256) // threads_per_row
+                            index = Indices[s, (i * S2 + st) * BK + row]
+                            valid[st, row] = index >= 0
+                            for u in T.serial(per_thread):
+                                col = (u * threads_per_row + (tx - 256) % threads_per_row) * chunk
+                                T.ptx_cp_async(
+                                    T.access_ptr(kv_s[st, row, col], "w", chunk),
+                                    T.access_ptr(KV[T.max(index, 0), col], "r", chunk), chunk)
+                        T.cp_async_barrier_noinc(bar_kv_ready[st])
+
+    return sparse_latent_fwd_ws
+
+
 @lru_cache(maxsize=None)
 def forward_kernel(heads: int, dim: int, topk: int, scale: float, **config):
     tilelang, _ = _tilelang()
@@ -308,8 +459,9 @@ def latent_forward(q, kv, indices, scale, **config):
     ``config``: ``forward_program``'s tuning keywords."""
     S, H, D = q.shape
     heads = padded_heads(H)
+    block = config.get("key_block", FORWARD_KEY_BLOCK)
     idx = _pad_keys(indices.to(torch.int32),
-                    config.get("key_block", FORWARD_KEY_BLOCK)).contiguous()
+                    2 * block if config.get("warp_specialized") else block).contiguous()
     kernel = forward_kernel(heads, D, idx.shape[1], float(scale), **config)
     out, lse = kernel(_pad_heads(q, heads).contiguous(), kv.contiguous(), idx)
     return out[:, :H], lse[:, :H]
