@@ -16,9 +16,10 @@ Frobenius error); on a small shape with -1 holes, a query with no key, 8 heads (
 and 64 heads, both against the fp32 torch attention (``sparse_mla.sparse_latent_attention``);
 and whether two backward calls give bitwise equal dkv (fp32 atomics: expected not).
 
+``ours (defaults)`` is ``latent_forward``'s default (at 64 heads the warp-specialised forward);
 ``--forward-configs`` times more tunings of our forward (``forward_program``'s keywords: key
-block, pipeline stages, deferred sums), each with the default
-backward; ``--forward-only`` leaves every backward out. ``--flashmla`` adds FlashMLA's
+block, pipeline stages, deferred sums; ``{"warp_specialized": false}`` is the pipelined one),
+each with the default backward; ``--forward-only`` leaves every backward out. ``--flashmla`` adds FlashMLA's
 sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
 build) with our backward on its log-sum-exp.
 

@@ -300,9 +300,11 @@ def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeyp
 
 def test_the_latent_kernel_loads_flashmla_and_plans_its_forward(monkeypatch):
     """model.dsa.attention_forward=flashmla reaches the latent kernel set, and plan's forward
-    working set grows by what FlashMLA's contract adds per call at the 1M recipe's share: the
-    indices padded to 2,176 instead of 2,112 (int32) with one length per query, the rows' maxima
-    and the log-sum-exp's copy (8,192 queries x 64 heads fp32 each); nothing else moves."""
+    working set grows by what FlashMLA's contract adds per call at the 1M recipe's share: one
+    int32 length per query, the rows' maxima and the log-sum-exp's copy (8,192 queries x 64
+    heads fp32 each); both pad the indices to 2,176 (FlashMLA's 128-key blocks; our
+    warp-specialised forward's pairs of 64-key blocks), 64 more than one 64-key block would;
+    nothing else moves."""
     from skyrl_megatron_kda.dsa.kernels.latent import LatentKernel
     from skyrl_megatron_kda.memory.dsa import dsa_shape
     from skyrl_megatron_kda.recipes import load_recipe
@@ -319,8 +321,14 @@ def test_the_latent_kernel_loads_flashmla_and_plans_its_forward(monkeypatch):
         shape = dsa_shape(recipe.model_copy(update={"model": recipe.model.model_copy(
             update={"dsa": dsa})}))
         sets[forward] = LatentKernel.working_sets(shape)
+        if forward == "tilelang":
+            with monkeypatch.context() as m:
+                m.setattr(LatentKernel, "forward_index_multiple", classmethod(lambda cls, s: 64))
+                one_block = LatentKernel.working_sets(shape)
     assert sets["flashmla"]["attention forward"] - sets["tilelang"]["attention forward"] == (
-        8192 * (2176 - 2112 + 1) * 4 + 2 * 8192 * 64 * 4)
+        8192 * 4 + 2 * 8192 * 64 * 4)
+    assert sets["tilelang"]["attention forward"] - one_block["attention forward"] == (
+        8192 * (2176 - 2112) * 4)
     for name in ("indexer", "attention backward"):
         assert sets["flashmla"][name] == sets["tilelang"][name]
 

@@ -69,6 +69,20 @@ def test_the_warp_specialised_forward_refuses_shapes_it_does_not_cover():
             forward_program(heads, 512, topk, SCALE, warp_specialized=True, **config)
 
 
+def test_whole_head_groups_take_the_warp_specialised_forward_by_default():
+    """64-head groups: the warp-specialised forward, its indices padded to a pair of key blocks
+    (2,051 -> 2,176); fewer heads: the pipelined forward (-> 2,112); a named tuning replaces
+    the default."""
+    from skyrl_megatron_kda.dsa.latent_sparse_mla import (default_forward_config,
+                                                          forward_index_multiple)
+
+    assert default_forward_config(64) == default_forward_config(128) == {"warp_specialized": True}
+    assert default_forward_config(16) == default_forward_config(32) == {}
+    assert [forward_index_multiple(h) for h in (16, 64, 128)] == [64, 128, 128]
+    assert forward_index_multiple(64, {"key_block": 32}) == 32
+    assert forward_index_multiple(64, {"warp_specialized": True, "key_block": 32}) == 64
+
+
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 

@@ -9,6 +9,8 @@ rows and each add their gradient. These kernels are written for GLM's shape inst
 * one width ``D`` (the latent, 512) for the scores and the values: no padding, no tail GEMMs;
 * every head of a query in one thread block (up to 64; more in groups of 64), so each selected
   latent row is gathered once per query and its gradient added once;
+* the forward, for whole 64-head groups, warp-specialised: one warpgroup gathers the selected
+  latent rows while two take the products and the softmax (``_warp_specialized_forward``);
 * the backward's gathers pipelined in two stages, its fp32 latent gradient staged through
   shared memory in parts for the atomics;
 * the forward writes the log-sum-exp and the backward takes it and ``delta = sum(dO * O)``
@@ -454,14 +456,31 @@ def backward_kernel(heads: int, dim: int, topk: int, scale: float, ordered: bool
                             out_idx=[-2, -1] if ordered else [-2])
 
 
+def default_forward_config(heads: int) -> dict:
+    """``forward_program``'s keywords for ``heads`` (as ``padded_heads`` gives) when the caller
+    names none: whole 64-head groups take the warp-specialised forward (1.28x faster at the 1M
+    share, bench/results/h200_ws_forward), fewer heads the pipelined one, whose smaller MMA
+    tiles they fit."""
+    return {"warp_specialized": True} if heads % HEAD_BLOCK == 0 else {}
+
+
+def forward_index_multiple(heads: int, config: dict | None = None) -> int:
+    """What ``latent_forward`` pads the top-k width to (with -1) for ``heads`` under
+    ``config`` (``default_forward_config`` when None): its key block, or a pair of them for the
+    warp-specialised forward, whose two stages take a pair per loop step."""
+    config = default_forward_config(heads) if config is None else config
+    block = config.get("key_block", FORWARD_KEY_BLOCK)
+    return 2 * block if config.get("warp_specialized") else block
+
+
 def latent_forward(q, kv, indices, scale, **config):
     """The forward kernel on the contract's tensors (padding heads and the top-k width);
-    ``config``: ``forward_program``'s tuning keywords."""
+    ``config``: ``forward_program``'s tuning keywords (``default_forward_config`` when none
+    are given)."""
     S, H, D = q.shape
     heads = padded_heads(H)
-    block = config.get("key_block", FORWARD_KEY_BLOCK)
-    idx = _pad_keys(indices.to(torch.int32),
-                    2 * block if config.get("warp_specialized") else block).contiguous()
+    config = config or default_forward_config(heads)
+    idx = _pad_keys(indices.to(torch.int32), forward_index_multiple(heads, config)).contiguous()
     kernel = forward_kernel(heads, D, idx.shape[1], float(scale), **config)
     out, lse = kernel(_pad_heads(q, heads).contiguous(), kv.contiguous(), idx)
     return out[:, :H], lse[:, :H]

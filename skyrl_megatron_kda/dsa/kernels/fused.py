@@ -75,6 +75,12 @@ class FusedKernel(AbsorbedKernel):
         return kept
 
     @classmethod
+    def forward_index_multiple(cls, shape: DSAShape) -> int:
+        """What the forward kernel's copy of the indices is padded to: megatron-core's kernel
+        takes its selected keys 64 at a time."""
+        return 64
+
+    @classmethod
     def working_sets(cls, shape: DSAShape) -> dict[str, int]:
         """As the code allocates them (q = indexer_query_block and f = fused_query_block queries
         per call, P = T / kpool pools, n the share's heads, w the activation bytes):
@@ -93,8 +99,8 @@ class FusedKernel(AbsorbedKernel):
           for megatron-core's; 512 for ours) [T, width] w; per call: the absorbed queries
           [f, n, width] w, the kernel's output and (``masks_empty_queries``) its masked copy [f,
           n, value_width] w each, less the one that ``model.dsa.keep_attention_output`` keeps
-          (in ``kept_bytes``), the int32 indices copy and the kernel's copy padded to a
-          multiple of 64.
+          (in ``kept_bytes``), the int32 indices copy and the kernel's copy padded to
+          ``forward_index_multiple``.
         * ``attention backward``: that latent, the fp32 latent gradient [T, R] and (unless the
           kernel adds into it, ``backward_adds_dkv``) the kernel's fp32 latent gradient [T,
           width] and its w copy; per call the absorbed queries, the recomputed output (not
@@ -106,7 +112,7 @@ class FusedKernel(AbsorbedKernel):
         w, a = shape.act_bytes, shape.dsa
         T, R, n = shape.whole, a.kv_lora_rank, shape.heads
         K = a.index_topk + a.index_kpool - 1
-        K64 = -(-K // 64) * 64
+        K_pad = -(-K // cls.forward_index_multiple(shape)) * cls.forward_index_multiple(shape)
         q = min(a.indexer_query_block, shape.index_rows)
         f = min(a.fused_query_block, shape.rows)
         hi, di = a.index_num_heads, a.index_head_dim
@@ -123,7 +129,7 @@ class FusedKernel(AbsorbedKernel):
             indexer += (pools + q * hi) * (di + 4)
         masked = 1 if cls.masks_empty_queries else 0
         transient = 1 + masked - (1 if a.keep_attention_output else 0)
-        forward = latent + f * n * (width + transient * value) * w + f * (K + K64) * 4
+        forward = latent + f * n * (width + transient * value) * w + f * (K + K_pad) * 4
         outputs = (1 if a.keep_attention_output else 2) + masked
         kernel_dkv = 0 if cls.backward_adds_dkv else T * width * (4 + w)
         backward = (latent + T * R * 4 + kernel_dkv + f * n * (2 * width + outputs * value) * w)

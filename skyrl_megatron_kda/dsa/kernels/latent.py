@@ -9,10 +9,11 @@ from __future__ import annotations
 from ..latent_sparse_mla import (
     BACKWARD_ADDS_DKV,
     BACKWARD_KEY_BLOCK,
-    FORWARD_KEY_BLOCK,
     LATENT_WIDTH,
     ORDERED_QUERY_BLOCK,
+    forward_index_multiple,
     latent_dsa_kernels,
+    padded_heads,
 )
 from ..flashmla_forward import KEY_BLOCK as FLASHMLA_KEY_BLOCK
 from .base import DSAShape
@@ -34,23 +35,33 @@ class LatentKernel(FusedKernel):
                 "attention_forward": dsa.attention_forward}
 
     @classmethod
+    def forward_index_multiple(cls, shape: DSAShape) -> int:
+        """FlashMLA's 128-key blocks, or ours (``latent_sparse_mla.forward_index_multiple``: a
+        pair of 64-key blocks for the warp-specialised forward that whole 64-head groups take,
+        else one)."""
+        if shape.dsa.attention_forward == "flashmla":
+            return FLASHMLA_KEY_BLOCK
+        return forward_index_multiple(padded_heads(shape.heads))
+
+    @classmethod
     def working_sets(cls, shape: DSAShape) -> dict[str, int]:
         """The fused kernel's (``FusedKernel.working_sets``); under
         ``model.dsa.deterministic_backward`` the backward also holds one ordered call's latent
         gradient rows [b, K32, R] fp32 (K32 the selection padded to the backward's key block,
-        b = ORDERED_QUERY_BLOCK queries or fewer where a call has fewer) and their sort: the pairs' int32 keys and int64 order, twice (the
-        sort's own buffers), the runs' int32 keys, int64 counts and int64 starts. Under
-        ``model.dsa.attention_forward=flashmla`` each forward call's indices are padded to a
-        multiple of 128 instead of 64, with an int32 length per query, and FlashMLA also returns
-        the rows' maxima [f, n] fp32 beside a copy of the log-sum-exp with +inf made 0."""
+        b = ORDERED_QUERY_BLOCK queries or fewer where a call has fewer) and their sort: the
+        pairs' int32 keys and int64 order, twice (the sort's own buffers), the runs' int32 keys,
+        int64 counts and int64 starts. Under
+        ``model.dsa.attention_forward=flashmla`` each forward call has an int32 length per
+        query, and FlashMLA also returns the rows' maxima [f, n] fp32
+        beside a copy of the log-sum-exp with +inf made 0 (the indices' padding:
+        ``forward_index_multiple``)."""
         sets = super().working_sets(shape)
         a = shape.dsa
         K = a.index_topk + a.index_kpool - 1
         padded = lambda block: -(-K // block) * block  # noqa: E731 - the selection's padded width
         if a.attention_forward == "flashmla":
             f = min(a.fused_query_block, shape.rows)
-            padding = padded(FLASHMLA_KEY_BLOCK) - padded(FORWARD_KEY_BLOCK)
-            sets["attention forward"] += f * (padding + 1) * 4 + 2 * f * shape.heads * 4
+            sets["attention forward"] += f * 4 + 2 * f * shape.heads * 4
         if a.deterministic_backward:
             queries = min(ORDERED_QUERY_BLOCK, a.fused_query_block, shape.rows)
             pairs = queries * padded(BACKWARD_KEY_BLOCK)
