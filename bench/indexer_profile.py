@@ -4,8 +4,10 @@ after a warm-up pass, per score precision, the CUDA kernels sorted by their tota
 pass's wall time (synchronised, outside the profiler) against the sum of its kernels' times: the
 difference is the time the GPU waits for the host. The FP8 pass runs three times: with the pool
 keys quantised once per pass (``DSAKernels.index_keys``, the layer's way); for comparison, once
-per query block inside the score kernel's call; and with the top-k's floor and final pick by
-``torch.topk`` (``threshold_topk``'s way before its own selection kernels). ``--gluon`` adds
+per query block inside the score kernel's call; with the top-k's floor and final pick by
+``torch.topk`` (``threshold_topk``'s way before its own selection kernels); and with each
+block's token indices by torch (``pools.pool_token_indices``: about fifteen small kernels a
+block, where our Triton program takes one). ``--gluon`` adds
 passes with the Gluon score kernel of ``bench/index_scores_gluon.py`` in place of the Triton
 one (each precision; its overlapped variant with groups of 32 and of 16 pools, the top-k then
 taking groups of 16, and its plain variant).
@@ -27,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from skyrl_megatron_kda.dsa import pool_topk
 from skyrl_megatron_kda.dsa.index_scores import keys_as_they_are
+from skyrl_megatron_kda.dsa.pools import pool_token_indices, write_pool_tokens
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.threshold_topk import (
     CANDIDATES_PER_PICK,
@@ -50,6 +53,11 @@ def wall_ms(fn) -> float:
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) * 1e3)
     return best
+
+
+def write_tokens_by_torch(out, pool_ids, starts, q_pos, doc_start, kpool):
+    """``pools.write_pool_tokens`` by the torch function on the GPU too."""
+    out.copy_(pool_token_indices(pool_ids, starts, q_pos, doc_start, kpool, checked=False))
 
 
 def floor_topk_by_torch(scores, group_max, group, k, capacity=None):
@@ -84,10 +92,13 @@ def main() -> None:
     variants = {**base, "fp8, keys quantised per block": replace(base["fp8"],
                                                                  index_keys=keys_as_they_are)}
     variants["fp8, torch.topk's floor and pick"] = base["fp8"]
+    variants["fp8, torch's token indices"] = base["fp8"]
     if a.gluon:
         variants.update(gluon_variants(base))
     for name, kernels in variants.items():
         pool_topk.floor_topk = floor_topk_by_torch if "torch.topk" in name else floor_topk
+        by_torch = "torch's token indices" in name
+        pool_topk.write_pool_tokens = write_tokens_by_torch if by_torch else write_pool_tokens
         with torch.no_grad():
             def one_pass():
                 indexer(x, KEYS, "latent", BLOCK, kernels)

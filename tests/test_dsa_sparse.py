@@ -50,18 +50,18 @@ def _controls(rank, world):
     good_out, good_dx = _run(layers["torch"], batch)
     errors = {"good": (relative_error(good_out, ref_out), relative_error(good_dx, ref_dx))}
 
-    split, build = sparse_mla.split_kv_up_weight, pool_topk.pool_token_indices
+    split, write = sparse_mla.split_kv_up_weight, pool_topk.write_pool_tokens
 
     def keys_then_values(weight, heads, dn, dv):  # rows as [all heads' keys; all values]
         w = weight.view(heads * (dn + dv), -1)
         return w[: heads * dn].view(heads, dn, -1), w[heads * dn:].view(heads, dv, -1)
 
-    def shifted(*args, **kwargs):  # every selected token one earlier (still causal)
-        idx = build(*args, **kwargs)
-        return torch.where(idx > 0, idx - 1, idx)
+    def shifted(out, *args, **kwargs):  # every selected token one earlier (still causal)
+        write(out, *args, **kwargs)
+        out.copy_(torch.where(out > 0, out - 1, out))
 
     for name, module, attr, fake in (("wrong_split", sparse_mla, "split_kv_up_weight", keys_then_values),
-                                     ("shifted_index", pool_topk, "pool_token_indices", shifted)):
+                                     ("shifted_index", pool_topk, "write_pool_tokens", shifted)):
         original = getattr(module, attr)
         setattr(module, attr, fake)
         try:
@@ -69,7 +69,7 @@ def _controls(rank, world):
         finally:
             setattr(module, attr, original)
         errors[name] = relative_error(out, ref_out)
-    assert sparse_mla.split_kv_up_weight is split and pool_topk.pool_token_indices is build
+    assert sparse_mla.split_kv_up_weight is split and pool_topk.write_pool_tokens is write
     return errors
 
 

@@ -572,3 +572,23 @@ def test_pool_scores_refuse_a_tile_the_product_cannot_take():
     for tiles in ((3, 64, 4, 2), (4, 64, 4, 2)):
         with pytest.raises(ValueError, match="queries per program must be a power of two"):
             pool_scores(q, keys, w, ks, ke, tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
+def test_the_pool_token_kernel_equals_pool_token_indices_on_the_gpu():
+    """On CUDA, at an indexer block's shape (1,024 queries, 512 pools each over 262,144 pools):
+    ``write_pool_tokens``'s Triton program gives ``pool_token_indices``'s tokens (the compiled
+    program, not only the interpreter's)."""
+    from skyrl_megatron_kda.dsa.pools import pool_token_indices, pool_starts, write_pool_tokens
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    kpool, keys = 4, 1 << 20
+    cu = torch.tensor([0, 5000, keys], device="cuda")
+    starts = pool_starts(cu, kpool)
+    pos = torch.arange(keys - 1024, keys, device="cuda")
+    doc = torch.full_like(pos, 5000)
+    ids = torch.randint(-1, starts.numel(), (1024, 512), generator=gen, device="cuda")
+    out = torch.empty(1024, 512 * kpool + kpool - 1, dtype=torch.int32, device="cuda")
+    write_pool_tokens(out, ids, starts, pos, doc, kpool)
+    assert torch.equal(out, pool_token_indices(ids, starts, pos, doc, kpool).int())

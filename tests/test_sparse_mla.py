@@ -299,3 +299,55 @@ def test_kept_bytes_per_query_do_not_grow_with_t_or_dims_times_topk():
     # the gathered rows too (rank * 4 bytes each, and more).
     assert core_q[(256, 128)] - core_q[(256, 32)] == 96 * 8
     assert gather_q[(256, 128)] - gather_q[(256, 32)] >= 96 * 32 * 4
+
+
+_POOL_TOKENS = """
+import json
+import torch
+from skyrl_megatron_kda.dsa.pools import (document_starts, pool_starts, pool_token_indices,
+                                          pool_tokens_kernel)
+g = torch.Generator().manual_seed(3)
+got = {}
+for kpool in (4, 3, 1):
+    cu = torch.tensor([0, 23, 24, 150, 161])  # tails of every length; a one-token document
+    starts = pool_starts(cu, kpool)
+    pos = torch.arange(int(cu[-1]))
+    doc = document_starts(cu, pos)
+    # 200 picks a query (two of the program's 128-pool steps, the second partial): any pool id,
+    # so many are past the query or in another document, and -1s
+    ids = torch.randint(-1, starts.numel(), (pos.numel(), 200), generator=g)
+    ref = pool_token_indices(ids, starts, pos, doc, kpool).to(torch.int32)
+    out = torch.full(ref.shape, 7, dtype=torch.int32)
+    pool_tokens_kernel(out, ids, starts, pos, doc, kpool)
+    strided = torch.full((pos.numel(), ref.shape[1] + 5), 7, dtype=torch.int32)
+    pool_tokens_kernel(strided[:, :ref.shape[1]], ids, starts, pos, doc, kpool)
+    other = pool_token_indices(ids.roll(1, 1), starts, pos, doc, kpool).to(torch.int32)
+    got[kpool] = {"equal": torch.equal(out, ref),
+                  "strided": torch.equal(strided[:, :ref.shape[1]], ref)
+                             and bool((strided[:, ref.shape[1]:] == 7).all()),
+                  "other_ids_differ": not torch.equal(out, other),
+                  "visible_share": float((ref[:, :200 * kpool] >= 0).float().mean())}
+print(json.dumps(got))
+"""
+
+
+def test_the_pool_token_kernel_equals_pool_token_indices_interpreted():
+    """``write_pool_tokens``'s Triton program under Triton's CPU interpreter equals
+    ``pool_token_indices`` for every query of five packed documents (tails of every length, a
+    one-token document), at pools of 4, 3 (a non-power-of-two) and 1 token, on random pool ids
+    and -1s (many invisible: past the query or another document's), into a contiguous and a
+    row-strided output (the columns past the row untouched); control: the same ids in another
+    order give other tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _POOL_TOKENS], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip().splitlines()[-1]
+    got = json.loads(out)
+    assert set(got) == {"4", "3", "1"}, got
+    for kpool, case in got.items():
+        assert case["equal"] and case["strided"] and case["other_ids_differ"], (kpool, case)
+        assert 0.05 < case["visible_share"] < 0.95, (kpool, case)

@@ -21,7 +21,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from .pools import pool_token_indices
+from .pools import write_pool_tokens
 from .threshold_topk import floor_topk
 
 LAG = 2
@@ -133,8 +133,8 @@ class PoolCandidates:
     def write_tokens(self, out: torch.Tensor, pools: torch.Tensor, rows: slice) -> None:
         """``rows``' selected pool ids [n, k] as token indices into ``out`` (their range is
         not checked: the ids come from a top-k over these candidates)."""
-        out.copy_(pool_token_indices(pools, self.starts, self.q_pos[rows], self.doc_start[rows],
-                                     self.kpool, checked=False))
+        write_pool_tokens(out, pools, self.starts, self.q_pos[rows], self.doc_start[rows],
+                          self.kpool)
 
 
 class DeferredRows:
@@ -221,7 +221,8 @@ def _select(q, weights, pool_k, first_pool, end_pool, window: tuple[int, int], n
     ``floor_topk``'s crowded rows (None for ``whole_rows``: ``torch.topk`` over each row)."""
     lo, hi = window
     k = min(n_select, hi - lo)
-    out.fill_(-1)
+    if k < n_select:
+        out.fill_(-1)
     if k <= 0:
         return None
     ks = (first_pool - lo).to(torch.int32)
@@ -233,7 +234,8 @@ def _select(q, weights, pool_k, first_pool, end_pool, window: tuple[int, int], n
         score, ids = logits.topk(k, dim=-1, sorted=False)
     else:  # the attention needs no order
         score, ids, crowded = floor_topk(logits, group_max, group, k)
-    out[:, :k] = (ids + lo).masked_fill(score == float("-inf"), -1)
+    picked = torch.add(ids, lo, out=out[:, :k])  # one launch each, written in place
+    picked.masked_fill_(score == float("-inf"), -1)
     return crowded
 
 

@@ -14,6 +14,8 @@ pool ids (``pool_topk``) and the sparse attention core (``sparse_mla``) share on
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def pool_starts(cu_seqlens: torch.Tensor, kpool: int) -> torch.Tensor:
@@ -70,6 +72,60 @@ def pool_token_indices(pool_ids: torch.Tensor, starts: torch.Tensor, q_pos: torc
     tail = (q_pos + 1 - tail_n)[:, None] + tail_offs
     tail = tail.masked_fill(tail_offs[None] >= tail_n[:, None], -1)
     return torch.cat([tokens, tail], dim=-1)
+
+
+POOL_BLOCK = 128
+"""Selected pools per step of ``write_pool_tokens``'s program."""
+
+
+@triton.jit
+def _pool_tokens(ids_ptr, starts_ptr, q_pos_ptr, doc_ptr, out_ptr, k, n_pools, out_stride,
+                 KPOOL: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
+    """One query's row of ``pool_token_indices``: its pools' tokens in selection order (-1 for
+    none, or a pool it may not see), then its tail, -1 padded."""
+    row = tl.program_id(0).to(tl.int64)
+    q = tl.load(q_pos_ptr + row)
+    d = tl.load(doc_ptr + row)
+    j = tl.arange(0, KP2)
+    out_row = out_ptr + row * out_stride
+    for c0 in range(0, k, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        pid = tl.load(ids_ptr + row * k + c, mask=c < k, other=-1)
+        chosen = (pid >= 0) & (pid < n_pools)
+        first = tl.load(starts_ptr + tl.where(chosen, pid, 0), mask=chosen, other=0)
+        visible = (pid >= 0) & (first >= d) & (first + KPOOL - 1 <= q)
+        tokens = tl.where(visible[:, None], first[:, None] + j[None, :], -1)
+        tl.store(out_row + c[:, None] * KPOOL + j[None, :], tokens.to(tl.int32),
+                 mask=(c < k)[:, None] & (j < KPOOL)[None, :])
+    tail_n = (q - d + 1) % KPOOL
+    tail = tl.where(j < tail_n, q + 1 - tail_n + j, -1)
+    tl.store(out_row + k * KPOOL + j, tail.to(tl.int32), mask=j < KPOOL - 1)
+
+
+def write_pool_tokens(out: torch.Tensor, pool_ids: torch.Tensor, starts: torch.Tensor,
+                      q_pos: torch.Tensor, doc_start: torch.Tensor, kpool: int) -> None:
+    """``pool_token_indices(pool_ids, ...)`` (ids not checked) written into ``out`` [s, k * kpool
+    + kpool - 1]: on CUDA one Triton program per query (int32 ``out`` whose rows are contiguous;
+    the torch function takes about fifteen launches per query block), elsewhere the torch
+    function."""
+    if out.is_cuda:
+        pool_tokens_kernel(out, pool_ids, starts, q_pos, doc_start, kpool)
+    else:
+        out.copy_(pool_token_indices(pool_ids, starts, q_pos, doc_start, kpool, checked=False))
+
+
+def pool_tokens_kernel(out: torch.Tensor, pool_ids: torch.Tensor, starts: torch.Tensor,
+                       q_pos: torch.Tensor, doc_start: torch.Tensor, kpool: int) -> None:
+    """``write_pool_tokens``'s Triton program, on any device Triton runs on."""
+    s, k = pool_ids.shape
+    if out.dtype != torch.int32 or out.shape != (s, k * kpool + kpool - 1) or out.stride(1) != 1:
+        raise ValueError(f"out must be int32 [{s}, {k * kpool + kpool - 1}] with contiguous "
+                         f"rows, got {out.dtype} {list(out.shape)} strides {out.stride()}")
+    if s:
+        _pool_tokens[(s,)](pool_ids.long().contiguous(), starts.long().contiguous(),
+                           q_pos.long().contiguous(), doc_start.long().contiguous(), out, k,
+                           starts.numel(), out.stride(0), KPOOL=kpool,
+                           KP2=triton.next_power_of_2(kpool), BLOCK=POOL_BLOCK, num_warps=4)
 
 
 def index_violations(indices: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor) -> int:

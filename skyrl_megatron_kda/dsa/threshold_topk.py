@@ -71,6 +71,17 @@ def _append_kept(values_ptr, ids_ptr, dst, count, s, cols, keep, CAP: tl.constex
 
 
 @triton.jit
+def _pad_from(values_ptr, ids_ptr, dst, count, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """-inf and -1 in the row's slots from ``count`` on (none when it is full), so the buffers
+    need no fill before the kernel."""
+    for start in range(0, CAP, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        rest = (slot >= count) & (slot < CAP)
+        tl.store(values_ptr + dst + slot, float("-inf"), mask=rest)
+        tl.store(ids_ptr + dst + slot, -1, mask=rest)
+
+
+@triton.jit
 def _compact_at_least(scores_ptr, floor_ptr, values_ptr, ids_ptr, count_ptr, n_cols,
                       CAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -83,6 +94,7 @@ def _compact_at_least(scores_ptr, floor_ptr, values_ptr, ids_ptr, count_ptr, n_c
         s = tl.load(src + cols, mask=cols < n_cols, other=float("-inf"))
         keep = ((s >= floor) & (cols < n_cols)).to(tl.int32)
         count = _append_kept(values_ptr, ids_ptr, dst, count, s, cols, keep, CAP)
+    _pad_from(values_ptr, ids_ptr, dst, count, CAP, BLOCK)
     tl.store(count_ptr + row, count)
 
 
@@ -92,7 +104,8 @@ def _gather_at_least(scores_ptr, floor_ptr, group_ids_ptr, n_groups_ptr, values_
                      GROUPS: tl.constexpr):
     row = tl.program_id(0)
     floor = tl.load(floor_ptr + row)
-    n_groups = tl.minimum(tl.load(n_groups_ptr + row), CAP)
+    listed = tl.load(n_groups_ptr + row)
+    n_groups = tl.minimum(listed, CAP)
     src = scores_ptr + row.to(tl.int64) * n_cols
     dst = row.to(tl.int64) * CAP
     count = 0
@@ -105,7 +118,9 @@ def _gather_at_least(scores_ptr, floor_ptr, group_ids_ptr, n_groups_ptr, values_
         keep = tl.reshape((real & (s >= floor)).to(tl.int32), (GROUPS * GROUP,))
         count = _append_kept(values_ptr, ids_ptr, dst, count, tl.reshape(s, (GROUPS * GROUP,)),
                              tl.reshape(cols, (GROUPS * GROUP,)), keep, CAP)
-    tl.store(count_ptr + row, count)
+    _pad_from(values_ptr, ids_ptr, dst, count, CAP, GROUPS * GROUP)
+    # more groups than slots: their count (a lower bound of the row's scores) flags the row
+    tl.store(count_ptr + row, tl.where(listed > CAP, listed, count))
 
 
 def compact_reference(scores: torch.Tensor, floor: torch.Tensor, capacity: int):
@@ -124,8 +139,8 @@ def compact_reference(scores: torch.Tensor, floor: torch.Tensor, capacity: int):
 def compact_kernel(scores: torch.Tensor, floor: torch.Tensor, capacity: int):
     """``compact_reference`` as one Triton program per row over the whole row (fp32 scores)."""
     n, width = scores.shape
-    values = scores.new_full((n, capacity), float("-inf"))
-    ids = torch.full_like(values, -1, dtype=torch.int32)
+    values = scores.new_empty(n, capacity)
+    ids = torch.empty(n, capacity, dtype=torch.int32, device=scores.device)
     count = torch.empty(n, dtype=torch.int32, device=scores.device)
     if n:
         _compact_at_least[(n,)](scores.contiguous(), floor.float().contiguous(), values, ids,
@@ -142,14 +157,14 @@ def grouped_compact_kernel(scores: torch.Tensor, group_max: torch.Tensor, group:
     ``gather_block`` scores per step and ``num_warps`` tune the second program."""
     n, width = scores.shape
     _, group_ids, n_groups = compact_kernel(group_max, floor, capacity)
-    values = scores.new_full((n, capacity), float("-inf"))
-    ids = torch.full_like(values, -1, dtype=torch.int32)
+    values = scores.new_empty(n, capacity)
+    ids = torch.empty(n, capacity, dtype=torch.int32, device=scores.device)
     count = torch.empty(n, dtype=torch.int32, device=scores.device)
     if n:
         _gather_at_least[(n,)](scores.contiguous(), floor.float().contiguous(), group_ids,
                                n_groups, values, ids, count, width, CAP=capacity, GROUP=group,
                                GROUPS=max(1, gather_block // group), num_warps=num_warps)
-    return values, ids, torch.where(n_groups > capacity, n_groups, count)
+    return values, ids, count
 
 
 MAX_SELECT_WIDTH = 16384
