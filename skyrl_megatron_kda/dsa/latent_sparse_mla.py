@@ -300,14 +300,14 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
     takes the score product, the online softmax and the left half of the value product,
     warpgroup 1 the right half, warpgroup 2 gathers the latent rows of the next key blocks
     into two stages with cp.async. mbarriers hand the stages, the probabilities and their
-    rescale between them; the queries come by one TMA copy. Our default forward runs those
+    rescale between them; the queries come by one TMA copy. The pipelined forward runs those
     jobs one after the other in every warp (its lowered source: 6 barriers and 4 all-reduce
     steps a block)."""
     BH, BK, S2 = HEAD_BLOCK, key_block, 2
     if heads % BH or dim % 128 or BK % 16 or topk % (S2 * BK):
         raise ValueError(f"the warp-specialised forward takes heads in groups of {BH}, a width "
-                         f"that 128 divides, a key block that 16 divides and a top-k width of pairs of key "
-                         f"blocks, got {heads}, {dim}, {topk} (key block {BK})")
+                         f"that 128 divides, a key block that 16 divides and a top-k width of "
+                         f"pairs of key blocks, got {heads}, {dim}, {topk} (key block {BK})")
     tilelang, T = _tilelang()
     groups, steps = heads // BH, topk // BK
     pairs = steps // S2

@@ -82,7 +82,7 @@ POOL_BLOCK = 128
 def _pool_tokens(ids_ptr, starts_ptr, q_pos_ptr, doc_ptr, out_ptr, k, n_pools, out_stride,
                  KPOOL: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
     """One query's row of ``pool_token_indices``: its pools' tokens in selection order (-1 for
-    none, or a pool it may not see), then its tail, -1 padded."""
+    none, an id that is no pool, or a pool it may not see), then its tail, -1 padded."""
     row = tl.program_id(0).to(tl.int64)
     q = tl.load(q_pos_ptr + row)
     d = tl.load(doc_ptr + row)
@@ -93,7 +93,7 @@ def _pool_tokens(ids_ptr, starts_ptr, q_pos_ptr, doc_ptr, out_ptr, k, n_pools, o
         pid = tl.load(ids_ptr + row * k + c, mask=c < k, other=-1)
         chosen = (pid >= 0) & (pid < n_pools)
         first = tl.load(starts_ptr + tl.where(chosen, pid, 0), mask=chosen, other=0)
-        visible = (pid >= 0) & (first >= d) & (first + KPOOL - 1 <= q)
+        visible = chosen & (first >= d) & (first + KPOOL - 1 <= q)
         tokens = tl.where(visible[:, None], first[:, None] + j[None, :], -1)
         tl.store(out_row + c[:, None] * KPOOL + j[None, :], tokens.to(tl.int32),
                  mask=(c < k)[:, None] & (j < KPOOL)[None, :])
