@@ -351,3 +351,14 @@ def test_the_pool_token_kernel_equals_pool_token_indices_interpreted():
     for kpool, case in got.items():
         assert case["equal"] and case["strided"] and case["other_ids_differ"], (kpool, case)
         assert 0.05 < case["visible_share"] < 0.95, (kpool, case)
+
+
+def test_the_pool_token_kernel_refuses_an_output_it_cannot_fill():
+    """One ValueError line naming the output it needs, before any launch."""
+    from skyrl_megatron_kda.dsa.pools import pool_tokens_kernel
+
+    ids, pos = torch.zeros(3, 2, dtype=torch.long), torch.arange(3)
+    for out in (torch.empty(3, 11, dtype=torch.long), torch.empty(3, 10, dtype=torch.int32),
+                torch.empty(11, 3, dtype=torch.int32).t()):
+        with pytest.raises(ValueError, match=r"out must be int32 \[3, 11\] with contiguous rows"):
+            pool_tokens_kernel(out, ids, torch.arange(0, 12, 4), pos, pos * 0, 4)

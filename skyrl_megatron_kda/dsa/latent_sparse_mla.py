@@ -104,6 +104,29 @@ FORWARD_PASS_CONFIGS = ("TL_DISABLE_TMA_LOWER", "TL_DISABLE_WARP_SPECIALIZED")
 """TileLang passes the forward turns off: its gathers are per-row loads, not bulk copies."""
 
 
+def _forward_signature(T, heads: int, dim: int, topk: int):
+    """Both forward programs' query count S and tensors: q [S, heads, dim], the latent [Tk,
+    dim], the indices [S, topk], the output and the log-sum-exp [S, heads]."""
+    S, Tk = T.dynamic("S"), T.dynamic("Tk")
+    return S, dict(Q=T.Tensor([S, heads, dim], "bfloat16"), KV=T.Tensor([Tk, dim], "bfloat16"),
+                   Indices=T.Tensor([S, topk], "int32"), Out=T.Tensor([S, heads, dim], "bfloat16"),
+                   Lse=T.Tensor([S, heads], "float32"))
+
+
+def _natural_lse(T, log2_scale: float):
+    """A TileLang macro: each head's row sum made the natural log-sum-exp of its scaled scores
+    (from the sum and the running maximum, in place; 0 for a head with no key)."""
+    ln2 = math.log(2.0)
+
+    @T.macro
+    def natural_lse(row_sum, row_max, heads):
+        for h in T.Parallel(heads):
+            row_sum[h] = T.if_then_else(
+                row_sum[h] > 0, (T.log2(row_sum[h]) + row_max[h] * log2_scale) * ln2, 0)
+
+    return natural_lse
+
+
 def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
                     num_stages: int = 2, key_block: int = FORWARD_KEY_BLOCK,
                     deferred_sum: bool = False, warp_specialized: bool = False):
@@ -130,18 +153,13 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
     threads = threads or _threads(BH)
     groups, steps = heads // BH, topk // BK
     log2_scale = scale * LOG2E
-    ln2 = math.log(2.0)
-    bf16, f32, i32 = "bfloat16", "float32", "int32"
-    S, Tk = T.dynamic("S"), T.dynamic("Tk")
+    natural_lse = _natural_lse(T, log2_scale)
+    bf16, f32 = "bfloat16", "float32"
+    S, t = _forward_signature(T, heads, dim, topk)
 
     @T.prim_func
-    def sparse_latent_fwd(
-        Q: T.Tensor([S, heads, dim], bf16),
-        KV: T.Tensor([Tk, dim], bf16),
-        Indices: T.Tensor([S, topk], i32),
-        Out: T.Tensor([S, heads, dim], bf16),
-        Lse: T.Tensor([S, heads], f32),
-    ):
+    def sparse_latent_fwd(Q: t["Q"], KV: t["KV"], Indices: t["Indices"], Out: t["Out"],
+                          Lse: t["Lse"]):
         with T.Kernel(S * groups, threads=threads) as bx:
             s = bx // groups
             h0 = (bx % groups) * BH
@@ -192,9 +210,7 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
                 T.reduce_sum(sums, row_sum, dim=1)
             for h, d in T.Parallel(BH, dim):
                 acc_o[h, d] = T.if_then_else(row_sum[h] > 0, acc_o[h, d] / row_sum[h], 0)
-            for h in T.Parallel(BH):
-                row_sum[h] = T.if_then_else(
-                    row_sum[h] > 0, (T.log2(row_sum[h]) + row_max[h] * log2_scale) * ln2, 0)
+            natural_lse(row_sum, row_max, BH)
             T.copy(acc_o, Out[s, h0:h0 + BH, :])
             T.copy(row_sum, Lse[s, h0:h0 + BH])
 
@@ -313,22 +329,17 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
     pairs = steps // S2
     half = dim // 2
     log2_scale = scale * LOG2E
-    ln2 = math.log(2.0)
+    natural_lse = _natural_lse(T, log2_scale)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
-    S, Tk = T.dynamic("S"), T.dynamic("Tk")
+    S, t = _forward_signature(T, heads, dim, topk)
     chunk = 8  # bf16 per 16-byte cp.async
     threads_per_row = 8  # the producer's 128 threads gather 16 rows at a time
     row_passes = BK // (128 // threads_per_row)
     per_thread = dim // (threads_per_row * chunk)
 
     @T.prim_func
-    def sparse_latent_fwd_ws(
-        Q: T.Tensor([S, heads, dim], bf16),
-        KV: T.Tensor([Tk, dim], bf16),
-        Indices: T.Tensor([S, topk], i32),
-        Out: T.Tensor([S, heads, dim], bf16),
-        Lse: T.Tensor([S, heads], f32),
-    ):
+    def sparse_latent_fwd_ws(Q: t["Q"], KV: t["KV"], Indices: t["Indices"], Out: t["Out"],
+                             Lse: t["Lse"]):
         with T.Kernel(S * groups, threads=384) as bx:
             s = bx // groups
             h0 = (bx % groups) * BH
@@ -396,9 +407,7 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
                 T.barrier_arrive(bar_sums)
                 for h, d in T.Parallel(BH, half):
                     acc_l[h, d] = T.if_then_else(row_sum[h] > 0, acc_l[h, d] / row_sum[h], 0)
-                for h in T.Parallel(BH):
-                    row_sum[h] = T.if_then_else(
-                        row_sum[h] > 0, (T.log2(row_sum[h]) + row_max[h] * log2_scale) * ln2, 0)
+                natural_lse(row_sum, row_max, BH)
                 T.copy(acc_l, Out[s, h0:h0 + BH, 0:half])
                 T.copy(row_sum, Lse[s, h0:h0 + BH])
             elif tx < 256:
