@@ -67,6 +67,11 @@ def test_the_warp_specialised_forward_refuses_shapes_it_does_not_cover():
                                 (64, 2176, {"deferred_sum": True})):
         with pytest.raises(ValueError, match="warp-specialised"):
             forward_program(heads, 512, topk, SCALE, warp_specialized=True, **config)
+    for heads, topk in ((32, 2176), (64, 2112)):
+        with pytest.raises(ValueError, match="ping-pong"):
+            forward_program(heads, 512, topk, SCALE, warp_specialized=True, ping_pong=True)
+    with pytest.raises(ValueError, match="name warp_specialized"):
+        forward_program(64, 512, 2176, SCALE, ping_pong=True)
 
 
 def test_whole_head_groups_take_the_warp_specialised_forward_by_default():
@@ -131,7 +136,10 @@ def test_kernels_match_the_fp32_attention(heads, config):
                                             {"deferred_sum": True, "key_block": 32,
                                              "num_stages": 4},
                                             {"warp_specialized": True},
-                                            {"warp_specialized": True, "key_block": 32}])
+                                            {"warp_specialized": True, "key_block": 32},
+                                            {"warp_specialized": True, "ping_pong": True},
+                                            {"warp_specialized": True, "ping_pong": True,
+                                             "key_block": 32}])
 def test_forward_tunings_match_the_fp32_attention(forward_config):
     """The forward's other key blocks and pipeline depths (``bench/latent_sparse_mla.py
     --forward-configs`` times them) compute the same attention."""

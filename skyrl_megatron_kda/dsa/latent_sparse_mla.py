@@ -129,7 +129,8 @@ def _natural_lse(T, log2_scale: float):
 
 def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
                     num_stages: int = 2, key_block: int = FORWARD_KEY_BLOCK,
-                    deferred_sum: bool = False, warp_specialized: bool = False):
+                    deferred_sum: bool = False, warp_specialized: bool = False,
+                    ping_pong: bool = False):
     """The forward for ``heads`` (as ``padded_heads`` gives), latent width ``dim`` and a top-k
     width ``topk`` (a multiple of ``key_block``): one thread block per (query, head group) runs
     an online softmax over the selected keys, ``key_block`` at a time, gathering their latent
@@ -139,7 +140,8 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
     the softmax denominators as running sums per score element (rescaled with the output) and
     adds them over the keys once at the end, so a block needs one exchange between the
     warpgroups (the maximum) instead of two. ``warp_specialized``: ``_warp_specialized_forward``
-    instead (64-head groups, two stages, a top-k width of whole pairs of key blocks)."""
+    instead (64-head groups, two stages, a top-k width of whole pairs of key blocks); with
+    ``ping_pong`` too, ``_ping_pong_forward`` (the same shapes)."""
     if topk % key_block:
         raise ValueError(f"the top-k width ({topk}) must be a multiple of the key block "
                          f"({key_block})")
@@ -147,7 +149,11 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
         if threads is not None or num_stages != 2 or deferred_sum:
             raise ValueError("the warp-specialised forward has its own threads (384), two "
                              "stages and no deferred sums")
+        if ping_pong:
+            return _ping_pong_forward(heads, dim, topk, scale, key_block)
         return _warp_specialized_forward(heads, dim, topk, scale, key_block)
+    if ping_pong:
+        raise ValueError("ping_pong is a warp-specialised forward: name warp_specialized too")
     tilelang, T = _tilelang()
     BH, BK = min(heads, HEAD_BLOCK), key_block
     threads = threads or _threads(BH)
@@ -446,6 +452,223 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
                         T.cp_async_barrier_noinc(bar_kv_ready[st])
 
     return sparse_latent_fwd_ws
+
+
+def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block: int):
+    """``forward_program``'s attention with the two math warpgroups taking turns over the key
+    blocks, so their work is even and one's softmax runs under the other's products: of each
+    pair of key blocks, warpgroup 0 takes the first block's score product and softmax,
+    warpgroup 1 the second's, and each then takes its half of the value channels (0 the left,
+    1 the right) over both blocks, the other's probabilities coming through shared memory.
+    The running maximum passes from 0 to 1 and back once a pair: 1 starts its softmax from
+    0's maximum, and 0 rescales its block's probabilities to 1's before handing them over.
+    Warpgroup 2 gathers each block's latent rows in two halves of channels, ordered so the
+    halves the math warpgroups free first are refilled first (a block's left half serves only
+    0, the second block's right half only 1). ``_warp_specialized_forward`` gives warpgroup 0
+    the whole score product and softmax, and two thirds of the products."""
+    BH, BK = HEAD_BLOCK, key_block
+    if heads % BH or dim % 128 or BK % 16 or topk % (2 * BK):
+        raise ValueError(f"the ping-pong forward takes heads in groups of {BH}, a width that 128 "
+                         f"divides, a key block that 16 divides and a top-k width of pairs of "
+                         f"key blocks, got {heads}, {dim}, {topk} (key block {BK})")
+    tilelang, T = _tilelang()
+    groups, pairs, half = heads // BH, topk // (2 * BK), dim // 2
+    log2_scale = scale * LOG2E
+    natural_lse = _natural_lse(T, log2_scale)
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    S, t = _forward_signature(T, heads, dim, topk)
+    chunk = 8  # bf16 per 16-byte cp.async
+    threads_per_row = 8  # the producer's 128 threads gather 16 rows at a time
+    row_passes = BK // (128 // threads_per_row)
+    per_thread = half // (threads_per_row * chunk)
+    # The gathered halves (block of the pair, channel half) in the order the producer fills
+    # them: the halves only one warpgroup reads are freed (and refilled) first.
+    fill_order = ((0, 0), (1, 1), (0, 1), (1, 0))
+
+    @T.macro
+    def gather_half(KV, Indices, s, kv_s, valid, bar_kv_ready, bar_kv_free, index, tx, i, b, c):
+        """The producer's cp.async gathers of block ``b`` of pair ``i``, channel half ``c``,
+        once the math warpgroups have freed it; the block's first half also writes its rows'
+        flags."""
+        T.barrier_wait(bar_kv_free[b * 2 + c], (i & 1) ^ 1)
+        for r in T.serial(row_passes):
+            row = r * (128 // threads_per_row) + (tx - 256) // threads_per_row
+            index = Indices[s, (i * 2 + b) * BK + row]
+            if c == b:
+                valid[b, row] = index >= 0
+            for u in T.serial(per_thread):
+                col = c * half + (u * threads_per_row + (tx - 256) % threads_per_row) * chunk
+                T.ptx_cp_async(T.access_ptr(kv_s[b, row, col], "w", chunk),
+                               T.access_ptr(KV[T.max(index, 0), col], "r", chunk), chunk)
+        T.cp_async_barrier_noinc(bar_kv_ready[b * 2 + c])
+
+    @T.prim_func
+    def sparse_latent_fwd_pp(Q: t["Q"], KV: t["KV"], Indices: t["Indices"], Out: t["Out"],
+                             Lse: t["Lse"]):
+        with T.Kernel(S * groups, threads=384) as bx:
+            s = bx // groups
+            h0 = (bx % groups) * BH
+            q_s = T.alloc_shared([BH, dim], bf16)
+            kv_s = T.alloc_shared([2, BK, dim], bf16)
+            p_s = T.alloc_shared([2, BH, BK], bf16)
+            valid = T.alloc_shared([2, BK], "bool", scope="shared")
+            max_s = T.alloc_shared([2, BH], f32, scope="shared")
+            sum_s = T.alloc_shared([2, BH], f32, scope="shared")
+            acc_s0 = T.alloc_fragment([BH, BK], f32)
+            acc_s1 = T.alloc_fragment([BH, BK], f32)
+            acc_p0 = T.alloc_fragment([BH, BK], bf16)
+            acc_p1 = T.alloc_fragment([BH, BK], bf16)
+            acc_o0 = T.alloc_fragment([BH, half], f32)
+            acc_o1 = T.alloc_fragment([BH, half], f32)
+            row_max0 = T.alloc_fragment([BH], f32)
+            row_max1 = T.alloc_fragment([BH], f32)
+            rescale0 = T.alloc_fragment([BH], f32)
+            rescale1 = T.alloc_fragment([BH], f32)
+            block_sum0 = T.alloc_fragment([BH], f32)
+            block_sum1 = T.alloc_fragment([BH], f32)
+            row_sum0 = T.alloc_fragment([BH], f32)
+            row_sum1 = T.alloc_fragment([BH], f32)
+            index = T.alloc_var(i32)
+
+            bar_q = T.alloc_barrier(arrive_count=384)
+            # [block of the pair * 2 + channel half]
+            bar_kv_ready = T.alloc_barrier(arrive_count=[128] * 4)
+            bar_kv_free = T.alloc_barrier(arrive_count=[128] * 4)
+            bar_max = T.alloc_barrier(arrive_count=[128] * 2)  # [warpgroup whose max is in max_s]
+            bar_p = T.alloc_barrier(arrive_count=[128] * 2)  # [warpgroup whose p_s is written]
+            bar_sums = T.alloc_barrier(arrive_count=256)
+
+            tx = T.get_thread_binding()
+            T.tma_copy(Q[s, h0:h0 + BH, :], q_s, barrier=bar_q)
+            T.barrier_arrive(bar_q)
+
+            if tx < 128:
+                T.set_max_nreg(216, 1)
+                T.fill(acc_o0, 0)
+                T.fill(row_sum0, 0)
+                T.fill(row_max0, -(2.0**30))  # finite: a first all-masked block gives exp2(-inf)
+                T.barrier_wait(bar_q, 0)
+                for i in T.serial(pairs):
+                    T.barrier_wait(bar_kv_ready[0], i & 1)
+                    T.fence_proxy_async()  # the gathered rows, for the async-proxy MMAs
+                    for h, k in T.Parallel(BH, BK):
+                        acc_s0[h, k] = T.if_then_else(valid[0, k], 0, -T.infinity(f32))
+                    T.wgmma_gemm(q_s[:, 0:half], kv_s[0, :, 0:half], acc_s0, transpose_B=True)
+                    T.barrier_wait(bar_kv_ready[1], i & 1)
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(q_s[:, half:dim], kv_s[0, :, half:dim], acc_s0,
+                                 transpose_B=True)
+                    T.wait_wgmma(0)
+                    # the first block's softmax from the running maximum
+                    for h in T.Parallel(BH):
+                        rescale0[h] = row_max0[h]
+                    T.reduce_max(acc_s0, row_max0, dim=1, clear=False)
+                    for h in T.Parallel(BH):
+                        rescale0[h] = T.exp2((rescale0[h] - row_max0[h]) * log2_scale)
+                        max_s[0, h] = row_max0[h]
+                    T.barrier_arrive(bar_max[0])
+                    for h, k in T.Parallel(BH, BK):
+                        acc_s0[h, k] = T.exp2((acc_s0[h, k] - row_max0[h]) * log2_scale)
+                    T.reduce_sum(acc_s0, block_sum0, dim=1)
+                    for h in T.Parallel(BH):
+                        row_sum0[h] = row_sum0[h] * rescale0[h] + block_sum0[h]
+                    for h, d in T.Parallel(BH, half):
+                        acc_o0[h, d] *= rescale0[h]
+                    T.copy(acc_s0, acc_p0)
+                    T.wgmma_gemm(acc_p0, kv_s[0, :, 0:half], acc_o0)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(bar_kv_free[0])
+                    # warpgroup 1's maximum: this block's probabilities rescaled to it
+                    T.barrier_wait(bar_max[1], i & 1)
+                    for h in T.Parallel(BH):
+                        rescale0[h] = T.exp2((row_max0[h] - max_s[1, h]) * log2_scale)
+                        row_max0[h] = max_s[1, h]
+                        row_sum0[h] *= rescale0[h]
+                    for h, k in T.Parallel(BH, BK):
+                        acc_s0[h, k] *= rescale0[h]
+                    T.copy(acc_s0, p_s[0, :, :])
+                    T.fence_proxy_async()  # the probabilities, for warpgroup 1's MMA
+                    T.barrier_arrive(bar_p[0])
+                    for h, d in T.Parallel(BH, half):
+                        acc_o0[h, d] *= rescale0[h]
+                    T.barrier_wait(bar_p[1], i & 1)
+                    T.wgmma_gemm(p_s[1, :, :], kv_s[1, :, 0:half], acc_o0)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(bar_kv_free[2])
+                for h in T.Parallel(BH):
+                    sum_s[0, h] = row_sum0[h]
+                T.barrier_arrive(bar_sums)
+                T.barrier_wait(bar_sums, 0)
+                for h in T.Parallel(BH):
+                    row_sum0[h] = sum_s[0, h] + sum_s[1, h]
+                for h, d in T.Parallel(BH, half):
+                    acc_o0[h, d] = T.if_then_else(row_sum0[h] > 0, acc_o0[h, d] / row_sum0[h], 0)
+                natural_lse(row_sum0, row_max0, BH)
+                T.copy(acc_o0, Out[s, h0:h0 + BH, 0:half])
+                T.copy(row_sum0, Lse[s, h0:h0 + BH])
+            elif tx < 256:
+                T.set_max_nreg(216, 1)
+                T.fill(acc_o1, 0)
+                T.fill(row_sum1, 0)
+                T.fill(row_max1, -(2.0**30))
+                T.barrier_wait(bar_q, 0)
+                for i in T.serial(pairs):
+                    T.barrier_wait(bar_kv_ready[3], i & 1)
+                    T.fence_proxy_async()
+                    for h, k in T.Parallel(BH, BK):
+                        acc_s1[h, k] = T.if_then_else(valid[1, k], 0, -T.infinity(f32))
+                    T.wgmma_gemm(q_s[:, half:dim], kv_s[1, :, half:dim], acc_s1,
+                                 transpose_B=True)
+                    T.barrier_wait(bar_kv_ready[2], i & 1)
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(q_s[:, 0:half], kv_s[1, :, 0:half], acc_s1, transpose_B=True)
+                    T.wait_wgmma(0)
+                    # the second block's softmax from warpgroup 0's maximum (at least the
+                    # running one)
+                    T.barrier_wait(bar_max[0], i & 1)
+                    for h in T.Parallel(BH):
+                        rescale1[h] = row_max1[h]
+                        row_max1[h] = max_s[0, h]
+                    T.reduce_max(acc_s1, row_max1, dim=1, clear=False)
+                    for h in T.Parallel(BH):
+                        rescale1[h] = T.exp2((rescale1[h] - row_max1[h]) * log2_scale)
+                        max_s[1, h] = row_max1[h]
+                    T.barrier_arrive(bar_max[1])
+                    for h, k in T.Parallel(BH, BK):
+                        acc_s1[h, k] = T.exp2((acc_s1[h, k] - row_max1[h]) * log2_scale)
+                    T.reduce_sum(acc_s1, block_sum1, dim=1)
+                    for h in T.Parallel(BH):
+                        row_sum1[h] = row_sum1[h] * rescale1[h] + block_sum1[h]
+                    for h, d in T.Parallel(BH, half):
+                        acc_o1[h, d] *= rescale1[h]
+                    T.copy(acc_s1, acc_p1)
+                    T.wgmma_gemm(acc_p1, kv_s[1, :, half:dim], acc_o1)
+                    T.copy(acc_s1, p_s[1, :, :])
+                    T.fence_proxy_async()  # the probabilities, for warpgroup 0's MMA
+                    T.barrier_arrive(bar_p[1])
+                    T.barrier_wait(bar_p[0], i & 1)
+                    T.wgmma_gemm(p_s[0, :, :], kv_s[0, :, half:dim], acc_o1)
+                    T.wait_wgmma(1)
+                    T.barrier_arrive(bar_kv_free[3])
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(bar_kv_free[1])
+                for h in T.Parallel(BH):
+                    sum_s[1, h] = row_sum1[h]
+                T.barrier_arrive(bar_sums)
+                T.barrier_wait(bar_sums, 0)
+                for h in T.Parallel(BH):
+                    row_sum1[h] = sum_s[0, h] + sum_s[1, h]
+                for h, d in T.Parallel(BH, half):
+                    acc_o1[h, d] = T.if_then_else(row_sum1[h] > 0, acc_o1[h, d] / row_sum1[h], 0)
+                T.copy(acc_o1, Out[s, h0:h0 + BH, half:dim])
+            else:
+                T.set_max_nreg(72, 0)
+                for i in T.serial(pairs):
+                    for b, c in fill_order:
+                        gather_half(KV, Indices, s, kv_s, valid, bar_kv_ready, bar_kv_free, index,
+                                    tx, i, b, c)
+
+    return sparse_latent_fwd_pp
 
 
 @lru_cache(maxsize=None)
