@@ -127,6 +127,30 @@ def _natural_lse(T, log2_scale: float):
     return natural_lse
 
 
+def _row_gathers(T, key_block: int, width: int):
+    """A TileLang macro: the producer warpgroup's (threads 256-383) cp.async gathers of one key
+    block's latent rows, ``width`` channels from ``col0``, into stage ``st`` of ``kv_s``; eight
+    threads a row, sixteen rows at a time, 16 bytes a copy. ``flags``: also write each row's
+    validity (index >= 0) to ``valid[st, row]``. A -1 index gathers row 0, masked by that flag."""
+    chunk, threads_per_row = 8, 8  # bf16 per 16-byte cp.async; 128 threads: 16 rows at a time
+    row_passes = key_block // (128 // threads_per_row)
+    per_thread = width // (threads_per_row * chunk)
+
+    @T.macro
+    def gather(KV, Indices, s, key0, kv_s, valid, st, col0, flags, tx):
+        for r in T.serial(row_passes):
+            row = r * (128 // threads_per_row) + (tx - 256) // threads_per_row
+            index = Indices[s, key0 + row]
+            if flags:
+                valid[st, row] = index >= 0
+            for u in T.serial(per_thread):
+                col = col0 + (u * threads_per_row + (tx - 256) % threads_per_row) * chunk
+                T.ptx_cp_async(T.access_ptr(kv_s[st, row, col], "w", chunk),
+                               T.access_ptr(KV[T.max(index, 0), col], "r", chunk), chunk)
+
+    return gather
+
+
 def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
                     num_stages: int = 2, key_block: int = FORWARD_KEY_BLOCK,
                     deferred_sum: bool = False, warp_specialized: bool = False,
@@ -336,12 +360,9 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
     half = dim // 2
     log2_scale = scale * LOG2E
     natural_lse = _natural_lse(T, log2_scale)
-    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    bf16, f32 = "bfloat16", "float32"
     S, t = _forward_signature(T, heads, dim, topk)
-    chunk = 8  # bf16 per 16-byte cp.async
-    threads_per_row = 8  # the producer's 128 threads gather 16 rows at a time
-    row_passes = BK // (128 // threads_per_row)
-    per_thread = dim // (threads_per_row * chunk)
+    gather = _row_gathers(T, BK, dim)
 
     @T.prim_func
     def sparse_latent_fwd_ws(Q: t["Q"], KV: t["KV"], Indices: t["Indices"], Out: t["Out"],
@@ -363,7 +384,6 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
             rescale = T.alloc_fragment([BH], f32)
             block_sum = T.alloc_fragment([BH], f32)
             row_sum = T.alloc_fragment([BH], f32)
-            index = T.alloc_var(i32)
 
             bar_q = T.alloc_barrier(arrive_count=384)
             bar_kv_ready = T.alloc_barrier(arrive_count=[128] * S2)
@@ -440,15 +460,7 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
                 for i in T.serial(pairs):
                     for st in T.unroll(S2):
                         T.barrier_wait(bar_kv_free[st], (i & 1) ^ 1)
-                        for r in T.serial(row_passes):
-                            row = r * (128 // threads_per_row) + (tx - 256) // threads_per_row
-                            index = Indices[s, (i * S2 + st) * BK + row]
-                            valid[st, row] = index >= 0
-                            for u in T.serial(per_thread):
-                                col = (u * threads_per_row + (tx - 256) % threads_per_row) * chunk
-                                T.ptx_cp_async(
-                                    T.access_ptr(kv_s[st, row, col], "w", chunk),
-                                    T.access_ptr(KV[T.max(index, 0), col], "r", chunk), chunk)
+                        gather(KV, Indices, s, (i * S2 + st) * BK, kv_s, valid, st, 0, True, tx)
                         T.cp_async_barrier_noinc(bar_kv_ready[st])
 
     return sparse_latent_fwd_ws
@@ -475,32 +487,12 @@ def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block:
     groups, pairs, half = heads // BH, topk // (2 * BK), dim // 2
     log2_scale = scale * LOG2E
     natural_lse = _natural_lse(T, log2_scale)
-    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    bf16, f32 = "bfloat16", "float32"
     S, t = _forward_signature(T, heads, dim, topk)
-    chunk = 8  # bf16 per 16-byte cp.async
-    threads_per_row = 8  # the producer's 128 threads gather 16 rows at a time
-    row_passes = BK // (128 // threads_per_row)
-    per_thread = half // (threads_per_row * chunk)
+    gather = _row_gathers(T, BK, half)
     # The gathered halves (block of the pair, channel half) in the order the producer fills
     # them: the halves only one warpgroup reads are freed (and refilled) first.
     fill_order = ((0, 0), (1, 1), (0, 1), (1, 0))
-
-    @T.macro
-    def gather_half(KV, Indices, s, kv_s, valid, bar_kv_ready, bar_kv_free, index, tx, i, b, c):
-        """The producer's cp.async gathers of block ``b`` of pair ``i``, channel half ``c``,
-        once the math warpgroups have freed it; the block's first half also writes its rows'
-        flags."""
-        T.barrier_wait(bar_kv_free[b * 2 + c], (i & 1) ^ 1)
-        for r in T.serial(row_passes):
-            row = r * (128 // threads_per_row) + (tx - 256) // threads_per_row
-            index = Indices[s, (i * 2 + b) * BK + row]
-            if c == b:
-                valid[b, row] = index >= 0
-            for u in T.serial(per_thread):
-                col = c * half + (u * threads_per_row + (tx - 256) % threads_per_row) * chunk
-                T.ptx_cp_async(T.access_ptr(kv_s[b, row, col], "w", chunk),
-                               T.access_ptr(KV[T.max(index, 0), col], "r", chunk), chunk)
-        T.cp_async_barrier_noinc(bar_kv_ready[b * 2 + c])
 
     @T.prim_func
     def sparse_latent_fwd_pp(Q: t["Q"], KV: t["KV"], Indices: t["Indices"], Out: t["Out"],
@@ -528,7 +520,6 @@ def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block:
             block_sum1 = T.alloc_fragment([BH], f32)
             row_sum0 = T.alloc_fragment([BH], f32)
             row_sum1 = T.alloc_fragment([BH], f32)
-            index = T.alloc_var(i32)
 
             bar_q = T.alloc_barrier(arrive_count=384)
             # [block of the pair * 2 + channel half]
@@ -665,8 +656,12 @@ def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block:
                 T.set_max_nreg(72, 0)
                 for i in T.serial(pairs):
                     for b, c in fill_order:
-                        gather_half(KV, Indices, s, kv_s, valid, bar_kv_ready, bar_kv_free, index,
-                                    tx, i, b, c)
+                        # block b of the pair, channel half c; a block's first half also
+                        # writes its rows' flags
+                        T.barrier_wait(bar_kv_free[b * 2 + c], (i & 1) ^ 1)
+                        gather(KV, Indices, s, (i * 2 + b) * BK, kv_s, valid, b, c * half,
+                               c == b, tx)
+                        T.cp_async_barrier_noinc(bar_kv_ready[b * 2 + c])
 
     return sparse_latent_fwd_pp
 
