@@ -56,6 +56,16 @@ def test_the_backward_refuses_key_blocks_that_do_not_tile_its_keys():
             backward_program(64, 512, 2080, SCALE, **bad)
 
 
+def test_the_stacked_backward_refuses_shapes_it_does_not_cover():
+    """Checked before TileLang is needed: 64-head groups, channel parts of whole 64-channel
+    tiles, its own threads; channel_split only with stacked."""
+    for heads, config in ((32, {}), (64, {"channel_split": 3}), (64, {"threads": 128})):
+        with pytest.raises(ValueError, match="stacked backward"):
+            backward_program(heads, 512, 2080, SCALE, stacked=True, **config)
+    with pytest.raises(ValueError, match="name stacked"):
+        backward_program(64, 512, 2080, SCALE, channel_split=2)
+
+
 def test_the_forward_refuses_key_blocks_that_do_not_tile_its_keys():
     with pytest.raises(ValueError, match="multiple of the key block"):
         forward_program(64, 512, 2080, SCALE, key_block=64)
@@ -151,12 +161,27 @@ def test_forward_tunings_match_the_fp32_attention(forward_config):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("ordered", [False, True], ids=["atomic", "ordered"])
-def test_a_shifted_index_is_caught(ordered):
+@pytest.mark.parametrize("config", [{"stacked": True}, {"stacked": True, "channel_split": 2},
+                                    {"stacked": True, "channel_split": 4, "store_split": 1},
+                                    {"stacked": True, "channel_split": 2, "ordered": True}])
+def test_backward_tunings_match_the_fp32_attention(config):
+    """The stacked backward (``bench/latent_sparse_mla.py --backward-configs`` times it)
+    computes the same gradients, atomically and in the fixed order."""
+    gen = torch.Generator(device="cuda").manual_seed(64)
+    errors = _kernel_errors(*_case(64, gen, torch.device("cuda")), **config)
+    print(config, errors)
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("config", [{}, {"ordered": True}, {"stacked": True, "channel_split": 2}],
+                         ids=["atomic", "ordered", "stacked"])
+def test_a_shifted_index_is_caught(config):
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, kv, idx, grad = _case(64, gen, torch.device("cuda"))
     shifted = torch.where(idx > 0, idx - 1, idx)
-    errors = _kernel_errors(q, kv, idx, grad, kernel_idx=shifted, ordered=ordered)
+    errors = _kernel_errors(q, kv, idx, grad, kernel_idx=shifted, **config)
     print(errors)
     assert min(errors.values()) > 10 * TOL, errors
 

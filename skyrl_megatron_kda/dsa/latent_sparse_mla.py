@@ -127,6 +127,136 @@ def _natural_lse(T, log2_scale: float):
     return natural_lse
 
 
+def _block_gather(T, key_block: int, dim: int):
+    """A TileLang macro: one key block's latent rows into ``kv_s`` [key_block, dim] and their
+    flags (index >= 0) into ``valid``; a -1 index gathers row 0, masked by its flag. Inside
+    ``T.Pipelined`` these become the stage's asynchronous copies."""
+
+    @T.macro
+    def gather_block(KV, Indices, s, key0, kv_s, valid):
+        for k in T.Parallel(key_block):
+            valid[k] = Indices[s, key0 + k] >= 0
+        for k, d in T.Parallel(key_block, dim):
+            kv_s[k, d] = KV[T.max(Indices[s, key0 + k], 0), d]
+
+    return gather_block
+
+
+def _backward_signature(T, heads: int, dim: int, topk: int, ordered: bool):
+    """Both backward programs' query count S and tensors: q, dO and dq [S, heads, dim], the
+    latent [Tk, dim], the indices [S, topk], the log-sum-exp and delta [S, heads], and the fp32
+    latent gradient: [Tk, dim], or each slot's row [S, topk, dim] when ``ordered``."""
+    S, Tk = T.dynamic("S"), T.dynamic("Tk")
+    bf16, f32 = "bfloat16", "float32"
+    return S, dict(Q=T.Tensor([S, heads, dim], bf16), KV=T.Tensor([Tk, dim], bf16),
+                   dO=T.Tensor([S, heads, dim], bf16), Indices=T.Tensor([S, topk], "int32"),
+                   Lse=T.Tensor([S, heads], f32), Delta=T.Tensor([S, heads], f32),
+                   dQ=T.Tensor([S, heads, dim], bf16),
+                   dKV=T.Tensor([S, topk, dim] if ordered else [Tk, dim], f32))
+
+
+def _staged_adds(T, key_block: int, width: int, store_split: int, transposed: bool):
+    """A TileLang macro: one key block's fp32 latent gradient (``acc`` [key_block, width], or
+    [width, key_block] when ``transposed``) added to its keys' rows of ``dKV`` from channel
+    ``c0`` by 16-byte atomics, staged through ``dkv_s`` [key_block / store_split, width] that
+    many keys at a time; a -1 slot adds nothing."""
+    part = key_block // store_split
+
+    @T.macro
+    def add_rows(dKV, Indices, s, key0, c0, acc, dkv_s):
+        for r in T.serial(store_split):
+            for k, d in T.Parallel(key_block, width):
+                if k >= r * part and k < (r + 1) * part:
+                    if transposed:
+                        dkv_s[k - r * part, d] = acc[d, k]
+                    else:
+                        dkv_s[k - r * part, d] = acc[k, d]
+            for k, d4 in T.Parallel(part, width // 4):
+                if Indices[s, key0 + r * part + k] >= 0:
+                    T.atomic_addx4(dKV[Indices[s, key0 + r * part + k], c0 + d4 * 4],
+                                   dkv_s[k, d4 * 4])
+
+    return add_rows
+
+
+def _stacked_backward(heads: int, dim: int, topk: int, scale: float, num_stages: int,
+                      store_split: int, ordered: bool, key_block: int, channel_split: int):
+    """``backward_program``'s backward with the queries and the output gradient stacked in one
+    [2 x heads, dim] operand, so each key block takes three Hopper MMAs (wgmma) of 64-row
+    tiles: ``[Q; dO] K^T`` gives the scores and ``dP`` together (each warpgroup one of them,
+    ``key_block`` wide), ``dS K`` adds to dq, and ``[Q; dO]^T [dS; P]`` gives the block's
+    latent gradient transposed ([dim, key_block]: 512 rows, so its tiles are wgmma's; the
+    key-major ``dS^T Q + P^T dO`` has ``key_block`` rows, fewer than a warpgroup's 64, and
+    lowers to the older mma.sync with its operands loaded into registers). The probabilities
+    pass from the warpgroup that holds the scores to the one that holds ``dP`` through shared
+    memory, in fp32. ``channel_split``: the latent gradient in that many parts of channels,
+    one after the other (its accumulator is [dim / channel_split, key_block]: fewer registers;
+    at 2 the lowered kernel spills 64 bytes against 452 at 1)."""
+    BH, BK = HEAD_BLOCK, key_block
+    if heads % BH or dim % (64 * channel_split):
+        raise ValueError(f"the stacked backward takes heads in groups of {BH} and a width that "
+                         f"splits into channel_split parts of whole 64-channel tiles, got "
+                         f"{heads} heads, width {dim}, channel_split {channel_split}")
+    tilelang, T = _tilelang()
+    groups, steps = heads // BH, topk // BK
+    part, width = BK // store_split, dim // channel_split
+    log2_scale = scale * LOG2E
+    bf16, f32 = "bfloat16", "float32"
+    S, t = _backward_signature(T, heads, dim, topk, ordered)
+    gather_block = _block_gather(T, BK, dim)
+    add_rows = _staged_adds(T, BK, width, store_split, transposed=True)
+
+    @T.prim_func
+    def sparse_latent_bwd_stacked(Q: t["Q"], KV: t["KV"], dO: t["dO"], Indices: t["Indices"],
+                                  Lse: t["Lse"], Delta: t["Delta"], dQ: t["dQ"], dKV: t["dKV"]):
+        with T.Kernel(S * groups, threads=256) as bx:
+            s = bx // groups
+            h0 = (bx % groups) * BH
+            qdo_s = T.alloc_shared([2 * BH, dim], bf16)  # rows: Q, then dO
+            kv_s = T.alloc_shared([BK, dim], bf16)
+            dsp_s = T.alloc_shared([2 * BH, BK], bf16)  # rows: dS, then P
+            prob_s = T.alloc_shared([BH, BK], f32)
+            dkv_s = T.alloc_shared([part, width], f32)
+            lse_s = T.alloc_shared([BH], f32)
+            delta_s = T.alloc_shared([BH], f32)
+            valid = T.alloc_fragment([BK], "bool")
+            acc_sdp = T.alloc_fragment([2 * BH, BK], f32)  # rows: scores, then dP
+            acc_dq = T.alloc_fragment([BH, dim], f32)
+            acc_dkv = T.alloc_fragment([width, BK], f32)
+            T.copy(Q[s, h0:h0 + BH, :], qdo_s[0:BH, :])
+            T.copy(dO[s, h0:h0 + BH, :], qdo_s[BH:2 * BH, :])
+            for h in T.Parallel(BH):
+                lse_s[h] = Lse[s, h0 + h] * LOG2E
+                delta_s[h] = Delta[s, h0 + h]
+            T.clear(acc_dq)
+            for kb in T.Pipelined(steps, num_stages=num_stages):
+                gather_block(KV, Indices, s, kb * BK, kv_s, valid)
+                for r, k in T.Parallel(2 * BH, BK):
+                    acc_sdp[r, k] = T.if_then_else(r < BH and not valid[k], -T.infinity(f32), 0)
+                T.gemm(qdo_s, kv_s, acc_sdp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for r, k in T.Parallel(2 * BH, BK):
+                    if r < BH:
+                        prob_s[r, k] = T.exp2(acc_sdp[r, k] * log2_scale - lse_s[r])
+                        dsp_s[BH + r, k] = T.exp2(acc_sdp[r, k] * log2_scale - lse_s[r])
+                for r, k in T.Parallel(2 * BH, BK):
+                    if r >= BH:
+                        dsp_s[r - BH, k] = (prob_s[r - BH, k] * (acc_sdp[r, k] - delta_s[r - BH])
+                                            * scale)
+                T.gemm(dsp_s[0:BH, :], kv_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                for c in T.serial(channel_split):
+                    c0 = c * width
+                    T.gemm(qdo_s[:, c0:c0 + width], dsp_s, acc_dkv, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                    if ordered:
+                        for k, d in T.Parallel(BK, width):
+                            dKV[s, kb * BK + k, c0 + d] = acc_dkv[d, k]
+                    else:
+                        add_rows(dKV, Indices, s, kb * BK, c0, acc_dkv, dkv_s)
+            T.copy(acc_dq, dQ[s, h0:h0 + BH, :])
+
+    return sparse_latent_bwd_stacked
+
+
 def _row_gathers(T, key_block: int, width: int):
     """A TileLang macro: the producer warpgroup's (threads 256-383) cp.async gathers of one key
     block's latent rows, ``width`` channels from ``col0``, into stage ``st`` of ``kv_s``; eight
@@ -184,6 +314,7 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
     groups, steps = heads // BH, topk // BK
     log2_scale = scale * LOG2E
     natural_lse = _natural_lse(T, log2_scale)
+    gather_block = _block_gather(T, BK, dim)
     bf16, f32 = "bfloat16", "float32"
     S, t = _forward_signature(T, heads, dim, topk)
 
@@ -212,10 +343,7 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
             T.fill(row_max, -(2.0**30))  # finite: a first all-masked block gives exp2(-inf)
             T.copy(Q[s, h0:h0 + BH, :], q_s)
             for kb in T.Pipelined(steps, num_stages=num_stages):
-                for k in T.Parallel(BK):
-                    valid[k] = Indices[s, kb * BK + k] >= 0
-                for k, d in T.Parallel(BK, dim):
-                    kv_s[k, d] = KV[T.max(Indices[s, kb * BK + k], 0), d]
+                gather_block(KV, Indices, s, kb * BK, kv_s, valid)
                 for h, k in T.Parallel(BH, BK):
                     acc_s[h, k] = T.if_then_else(valid[k], 0, -T.infinity(f32))
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -249,39 +377,42 @@ def forward_program(heads: int, dim: int, topk: int, scale: float, threads: int 
 
 def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int | None = None,
                      num_stages: int = 2, store_split: int = 4, ordered: bool = False,
-                     key_block: int = BACKWARD_KEY_BLOCK):
+                     key_block: int = BACKWARD_KEY_BLOCK, stacked: bool = False,
+                     channel_split: int = 1):
     """The backward for ``heads`` (as ``padded_heads`` gives), width ``dim``, top-k width
     ``topk`` (a multiple of ``key_block``): one thread block per (query, head group) rebuilds
     each block of ``key_block`` keys' probabilities from the kept log-sum-exp, accumulates dq in
-    registers and adds the block's latent gradient ``dP^T Q + P^T dO`` to ``dKV`` [Tk, dim]
+    registers and adds the block's latent gradient ``dS^T Q + P^T dO`` to ``dKV`` [Tk, dim]
     (fp32 atomics, staged through shared memory in ``store_split`` parts); ``ordered`` (one head
     group): writes it to the query's rows of ``dKV`` [S, topk, dim] instead, one row per
-    selected slot (zero where the slot is -1), for ``ordered_row_sums``."""
+    selected slot (zero where the slot is -1), for ``ordered_row_sums``. ``stacked``:
+    ``_stacked_backward`` instead (64-head groups; its ``channel_split``)."""
     BH, BK = min(heads, HEAD_BLOCK), key_block
     if ordered and heads > BH:
         raise ValueError(f"the ordered backward takes up to {HEAD_BLOCK} heads, got {heads}")
     if topk % BK or BK % store_split:
         raise ValueError(f"the top-k width ({topk}) must be a multiple of the key block ({BK}), "
                          f"and the key block of its store parts ({store_split})")
+    if channel_split != 1 and not stacked:
+        raise ValueError("channel_split is the stacked backward's: name stacked too")
+    if stacked:
+        if threads is not None:
+            raise ValueError("the stacked backward has its own threads (256)")
+        return _stacked_backward(heads, dim, topk, scale, num_stages, store_split, ordered, BK,
+                                 channel_split)
     tilelang, T = _tilelang()
     threads = threads or _threads(BH)
     groups, steps = heads // BH, topk // BK
     part = BK // store_split
     log2_scale = scale * LOG2E
-    bf16, f32, i32 = "bfloat16", "float32", "int32"
-    S, Tk = T.dynamic("S"), T.dynamic("Tk")
+    bf16, f32 = "bfloat16", "float32"
+    S, t = _backward_signature(T, heads, dim, topk, ordered)
+    gather_block = _block_gather(T, BK, dim)
+    add_rows = _staged_adds(T, BK, dim, store_split, transposed=False)
 
     @T.prim_func
-    def sparse_latent_bwd(
-        Q: T.Tensor([S, heads, dim], bf16),
-        KV: T.Tensor([Tk, dim], bf16),
-        dO: T.Tensor([S, heads, dim], bf16),
-        Indices: T.Tensor([S, topk], i32),
-        Lse: T.Tensor([S, heads], f32),
-        Delta: T.Tensor([S, heads], f32),
-        dQ: T.Tensor([S, heads, dim], bf16),
-        dKV: T.Tensor([S, topk, dim] if ordered else [Tk, dim], f32),
-    ):
+    def sparse_latent_bwd(Q: t["Q"], KV: t["KV"], dO: t["dO"], Indices: t["Indices"],
+                          Lse: t["Lse"], Delta: t["Delta"], dQ: t["dQ"], dKV: t["dKV"]):
         with T.Kernel(S * groups, threads=threads) as bx:
             s = bx // groups
             h0 = (bx % groups) * BH
@@ -305,10 +436,7 @@ def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int
                 delta_s[h] = Delta[s, h0 + h]
             T.clear(acc_dq)
             for kb in T.Pipelined(steps, num_stages=num_stages):
-                for k in T.Parallel(BK):
-                    valid[k] = Indices[s, kb * BK + k] >= 0
-                for k, d in T.Parallel(BK, dim):
-                    kv_s[k, d] = KV[T.max(Indices[s, kb * BK + k], 0), d]
+                gather_block(KV, Indices, s, kb * BK, kv_s, valid)
                 for h, k in T.Parallel(BH, BK):
                     acc_p[h, k] = T.if_then_else(valid[k], 0, -T.infinity(f32))
                 T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
@@ -327,14 +455,7 @@ def backward_program(heads: int, dim: int, topk: int, scale: float, threads: int
                 if ordered:
                     T.copy(acc_dkv, dKV[s, kb * BK:(kb + 1) * BK, :])
                 else:
-                    for r in T.serial(store_split):
-                        for k, d in T.Parallel(BK, dim):
-                            if k >= r * part and k < (r + 1) * part:
-                                dkv_s[k - r * part, d] = acc_dkv[k, d]
-                        for k, d4 in T.Parallel(part, dim // 4):
-                            if Indices[s, kb * BK + r * part + k] >= 0:
-                                T.atomic_addx4(dKV[Indices[s, kb * BK + r * part + k], d4 * 4],
-                                               dkv_s[k, d4 * 4])
+                    add_rows(dKV, Indices, s, kb * BK, 0, acc_dkv, dkv_s)
             T.copy(acc_dq, dQ[s, h0:h0 + BH, :])
 
     return sparse_latent_bwd
