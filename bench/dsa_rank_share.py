@@ -185,7 +185,7 @@ def indexer(x: dict, keys: int, kernel: str, block: int, kernels) -> torch.Tenso
     pool_k = pooled_keys(x["idx_k"], x["gate"], x["ape"], starts, KPOOL)
     if kernel != "torch":
         pool_k = kernels.index_keys(pool_k)  # once per pass, as the layer does
-    candidates = PoolCandidates(starts, x["pos"], document_starts(cu, x["pos"]), KPOOL)
+    candidates = PoolCandidates(starts, x["pos"], document_starts(cu, x["pos"]), KPOOL, block)
     n, n_select = x["pos"].numel(), TOPK // KPOOL
     out = torch.empty(n, TOPK + KPOOL - 1, dtype=torch.int32, device=dev)
     later = DeferredRows()

@@ -11,12 +11,7 @@ kernel."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +19,6 @@ import torch
 from skyrl_megatron_kda.config.model import DSAConfig
 from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     KERNEL_VALUE_WIDTH,
-    DSAKernels,
     _per_head_product,
     fused_absorbed_sparse_mla,
     fused_dsa_kernels,
@@ -35,8 +29,8 @@ from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
 from tests.support.dsa_kernels import torch_dsa_kernels
 from tests.support.flashmla import needs_flashmla
+from tests.support.interpreted import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 TQ, TK, HEADS, DN, DV, RANK, TOPK = 37, 45, 3, 8, 6, 16, 12
 SCALE = 0.3
 
@@ -342,6 +336,79 @@ def test_fp8_keys_quantised_once_select_what_per_block_quantisation_selects():
     assert share > 0.9, share
 
 
+@pytest.mark.parametrize("block", [1, 7, 192, 4000])
+def test_pool_candidates_ranges_are_each_blocks_window(block):
+    """``PoolCandidates.ranges``, computed once for the pass, equals each block's ranges
+    relative to its window (``window``'s first pool) as five torch kernels per block computed
+    them, at blocks of 1 query, 7 (the last one short), the whole pass and more; a slice that
+    is not one of the pass's blocks is refused. Control: relative to the pass's first pool
+    instead, the ranges differ."""
+    from skyrl_megatron_kda.dsa.pool_topk import PoolCandidates
+    from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
+
+    cu = torch.tensor([0, 61, 66, 156, 192])
+    starts, pos = pool_starts(cu, 4), torch.arange(0, 192)
+    candidates = PoolCandidates(starts, pos, document_starts(cu, pos), 4, block)
+    shifted = 0
+    for q0 in range(0, 192, block):
+        rows = slice(q0, min(q0 + block, 192))
+        lo = candidates.window(rows)[0]
+        ks, ke = candidates.ranges(rows)
+        assert ks.dtype == ke.dtype == torch.int32
+        assert torch.equal(ks, (candidates.first[rows] - lo).int())
+        assert torch.equal(ke, (candidates.end[rows] - lo).clamp(min=0).int())
+        shifted += not torch.equal(ks, candidates.first[rows].int())
+    assert shifted or block >= 192  # one block: its window starts at the pass's first pool
+    with pytest.raises(ValueError, match="not one block"):
+        candidates.ranges(slice(1, 1 + block) if block > 1 else slice(0, 2))
+    with pytest.raises(ValueError, match="query block must be >= 1"):
+        PoolCandidates(starts, pos, document_starts(cu, pos), 4, 0)
+
+
+_POOL_IDS = """
+import json
+import torch
+from skyrl_megatron_kda.dsa.pool_topk import pool_ids_kernel, write_pool_ids
+g = torch.Generator().manual_seed(4)
+got = {}
+for k in (5, 512, 1500):  # one program step, a whole one, two steps with the last partial
+    ids = torch.randint(0, 4000, (9, k), generator=g)
+    scores = torch.randn(9, k, generator=g).masked_fill(torch.rand(9, k, generator=g) < 0.3,
+                                                        float("-inf"))
+    ref = torch.empty(9, k, dtype=torch.long)
+    write_pool_ids(ref, ids, scores, 1234)  # the torch path (CPU tensors)
+    out = torch.full((9, k + 3), 7, dtype=torch.long)  # rows strided, 3 columns past them
+    pool_ids_kernel(out[:, :k], ids, scores, 1234)
+    other = torch.empty(9, k, dtype=torch.long)
+    pool_ids_kernel(other, ids, scores, 1235)
+    got[k] = {"equal": torch.equal(out[:, :k], ref), "untouched": bool((out[:, k:] == 7).all()),
+              "minus_one": bool((ref == -1).eq(scores == float("-inf")).all()),
+              "other_offset_differs": not torch.equal(other, ref)}
+print(json.dumps(got))
+"""
+
+
+def test_the_pool_id_kernel_equals_torch_interpreted():
+    """``write_pool_ids``'s Triton program (a top-k's ids plus the window's first pool, -1 for
+    a -inf score) under Triton's CPU interpreter equals the torch path, at top-k widths within
+    one step and over two, into row-strided output (the columns past each row untouched);
+    control: another offset gives other ids."""
+    got = run_interpreted(_POOL_IDS)
+    assert set(got) == {"5", "512", "1500"}, got
+    for k, case in got.items():
+        assert all(case.values()), (k, case)
+
+
+def test_the_pool_id_kernel_refuses_an_output_it_cannot_fill():
+    from skyrl_megatron_kda.dsa.pool_topk import pool_ids_kernel
+
+    ids, scores = torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4)
+    for out in (torch.empty(3, 4, dtype=torch.int32), torch.empty(3, 5, dtype=torch.long),
+                torch.empty(4, 3, dtype=torch.long).t()):
+        with pytest.raises(ValueError, match=r"out must be int64 \[3, 4\] with contiguous rows"):
+            pool_ids_kernel(out, ids, scores, 0)
+
+
 @pytest.mark.parametrize("block", [1, 7, 4000])
 def test_fused_indexer_selects_the_blocked_pools(block):
     """``fused_pool_topk`` with the stand-in scores equals ``blocked_pool_topk`` (fp32, no ties):
@@ -525,10 +592,7 @@ def test_fp8_pool_scores_equal_their_dequantised_inputs_interpreted(heads, tiles
         "gen = torch.Generator().manual_seed(7)\n"
         f"print(json.dumps(_fp8_errors(*_fp8_case(gen, 70, 300, heads={heads}), "
         f"tiles={tiles})))\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, cwd=REPO).stdout.strip().splitlines()[-1]
-    got = json.loads(out)
+    got = run_interpreted(code)
     assert got["dequantised"] < 1e-5 and 1e-3 < got["bf16"] < 0.1 < got["scales_moved"], got
 
 
@@ -592,3 +656,20 @@ def test_the_pool_token_kernel_equals_pool_token_indices_on_the_gpu():
     out = torch.empty(1024, 512 * kpool + kpool - 1, dtype=torch.int32, device="cuda")
     write_pool_tokens(out, ids, starts, pos, doc, kpool)
     assert torch.equal(out, pool_token_indices(ids, starts, pos, doc, kpool).int())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
+def test_the_pool_id_kernel_equals_torch_on_the_gpu():
+    """On CUDA, at an indexer block's shape (1,024 queries, 512 picks into a row of 512 pools
+    of a 262,144-pool window): ``write_pool_ids``'s Triton program gives torch's ids, -1 where
+    the score is -inf."""
+    from skyrl_megatron_kda.dsa.pool_topk import write_pool_ids
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    ids = torch.randint(0, 1 << 18, (1024, 512), generator=gen, device="cuda")
+    scores = torch.randn(1024, 512, generator=gen, device="cuda")
+    scores[::7, 100:] = float("-inf")
+    pools = torch.empty(1024, 512, dtype=torch.long, device="cuda")
+    write_pool_ids(pools, ids, scores, 262144)
+    assert torch.equal(pools, torch.where(scores == float("-inf"), -1, ids + 262144))

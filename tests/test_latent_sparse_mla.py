@@ -10,10 +10,6 @@ shifted by one) that the tolerance catches. The layer's wrapper on these kernels
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,6 +25,7 @@ from skyrl_megatron_kda.dsa.latent_sparse_mla import (
 )
 from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
 from tests.support.flashmla import needs_flashmla
+from tests.support.interpreted import run_interpreted
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
 SCALE = 256 ** -0.5
@@ -328,10 +325,7 @@ def test_the_delta_kernel_equals_the_row_sums_interpreted():
     """The latent set's ``delta`` (``row_dots``, Triton) under Triton's CPU interpreter: fp32
     sums of products over 15 rows (two programs, the second partial) to rounding; control: the
     channels of one input reversed."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _ROW_DOTS], env=env, capture_output=True,
-                         text=True, check=True).stdout.strip().splitlines()[-1]
-    got = json.loads(out)
+    got = run_interpreted(_ROW_DOTS)
     assert got["err"] < 1e-4 < got["swapped"], got
 
 
@@ -366,10 +360,7 @@ def test_the_ordered_row_sums_equal_index_add_interpreted():
     Triton's CPU interpreter: 400 rows onto 50 keys, 160 columns (two column programs, the
     second partial), -1 rows skipped, one key with 30+ rows: equal to the fp64 ``index_add``
     to fp32 rounding; control: every index shifted by one."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _ORDERED_SUMS], env=env, capture_output=True,
-                         text=True, check=True).stdout.strip().splitlines()[-1]
-    got = json.loads(out)
+    got = run_interpreted(_ORDERED_SUMS)
     assert got["err"] < 1e-5 < 1.0 < got["shifted"], got
 
 

@@ -31,6 +31,7 @@ from skyrl_megatron_kda.dsa.pools import (
 from skyrl_megatron_kda.dsa.pool_topk import blocked_pool_topk
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla, sparse_latent_attention
 from tests.support.kda_cases import saved_bytes
+from tests.support.interpreted import run_interpreted
 
 TOL = 1e-5
 TQ, TK, HEADS, RANK, TOPK = 37, 45, 3, 16, 12
@@ -338,15 +339,7 @@ def test_the_pool_token_kernel_equals_pool_token_indices_interpreted():
     and -1s (many invisible: past the query or another document's), into a contiguous and a
     row-strided output (the columns past the row untouched); control: the same ids in another
     order give other tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _POOL_TOKENS], env=env, capture_output=True,
-                         text=True, check=True).stdout.strip().splitlines()[-1]
-    got = json.loads(out)
+    got = run_interpreted(_POOL_TOKENS)
     assert set(got) == {"4", "3", "1"}, got
     for kpool, case in got.items():
         assert case["equal"] and case["strided"] and case["other_ids_differ"], (kpool, case)

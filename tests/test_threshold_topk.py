@@ -6,11 +6,6 @@ set too high, or a compaction that drops candidates, is caught."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -24,6 +19,7 @@ from skyrl_megatron_kda.dsa.threshold_topk import (
     pick_reference,
     threshold_topk,
 )
+from tests.support.interpreted import run_interpreted
 
 
 def _scores(kind: str, n: int = 48, width: int = 5000, seed: int = 0) -> torch.Tensor:
@@ -140,6 +136,7 @@ import torch
 from skyrl_megatron_kda.dsa.threshold_topk import (
     compact_kernel, compact_reference, group_maxima, grouped_compact_kernel, kth_largest_kernel,
     kth_largest_reference, pick_kernel, pick_reference)
+from tests.support.interpreted import run_interpreted
 g = torch.Generator().manual_seed(1)
 rows = torch.randn(8, 3000, generator=g)
 rows[1] = rows[1].relu()  # exact zeros tie
@@ -180,10 +177,7 @@ def test_the_triton_kernels_equal_their_references_interpreted():
     torch reference in every slot, id and count (rows over and under the buffer's 400, a row
     with a -inf floor, a row that 4,096-score steps do not divide); the grouped one equals it on
     every row that fits, and reports the others as over."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
-                         text=True, check=True).stdout.strip().splitlines()[-1]
-    got = json.loads(out)
+    got = run_interpreted(_INTERPRETED)
     assert all(got["kth"].values()) and len(got["kth"]) == 4 and not got["kth_wrong"], got
     assert got["pick"] == {k: [True, True] for k in ("1", "40", "200")}, got
     assert got["whole"] == got["grouped"] == [True] * 3 and got["over"], got

@@ -20,6 +20,8 @@ from collections import deque
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from .pools import write_pool_tokens
 from .threshold_topk import floor_topk
@@ -115,14 +117,35 @@ class PoolCandidates:
     """Which pools each of a rank's queries may select: one contiguous run of pool ids [first,
     end) per query, its document's complete pools that end at or before it. On the device for
     the score kernel, and on the host (one transfer for the whole pass) so that a query block's
-    pool window costs no host sync."""
+    pool window costs no host sync. The indexer scores ``block`` queries at a time: each
+    query's run relative to its block's window (``ranges``) is computed once for the pass,
+    not by five small kernels per block."""
 
     def __init__(self, starts: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor,
-                 kpool: int):
+                 kpool: int, block: int):
+        if block < 1:
+            raise ValueError(f"the query block must be >= 1, got {block}")
         self.starts, self.q_pos, self.doc_start, self.kpool = starts, q_pos, doc_start, kpool
         self.first = torch.searchsorted(starts, doc_start)
         self.end = torch.searchsorted(starts + kpool - 1, q_pos, right=True)
         self._host = torch.stack([self.first, self.end]).cpu()
+        self.block = block
+        firsts = self._host[0]  # each block's lowest first pool starts its window
+        pad = firsts.new_full((-firsts.numel() % block,), torch.iinfo(firsts.dtype).max)
+        lows = torch.cat([firsts, pad]).view(-1, block).min(1).values
+        lows = lows.repeat_interleave(block)[:firsts.numel()]
+        lows = lows.to(self.first.device)
+        self._ks = (self.first - lows).to(torch.int32)
+        self._ke = (self.end - lows).clamp_(min=0).to(torch.int32)
+
+    def ranges(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pools [ks, ke) int32 that the query block ``rows`` may each see, relative to the
+        block's ``window``; ``rows`` must be one of the pass's blocks (it starts at a multiple
+        of ``block``)."""
+        if rows.start % self.block or rows.stop - rows.start > self.block:
+            raise ValueError(f"rows {rows.start}:{rows.stop} are not one block of "
+                             f"{self.block} queries")
+        return self._ks[rows], self._ke[rows]
 
     def window(self, rows: slice | torch.Tensor) -> tuple[int, int]:
         """[lowest first, highest end) over ``rows`` (a slice or CPU row ids): the pools a
@@ -198,35 +221,37 @@ def fused_block_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tenso
     resolved as the stable torch path does); its rare crowded rows are scored again with a
     whole-row top-k by ``later``, so the blocks queue on the GPU without waiting for the
     host."""
-    first, end = candidates.first[rows], candidates.end[rows]
-    crowded = _select(q, weights, pool_k, first, end, candidates.window(rows), n_select, scorer,
+    ks, ke = candidates.ranges(rows)
+    crowded = _select(q, weights, pool_k, ks, ke, candidates.window(rows), n_select, scorer,
                       group, out, whole_rows=False)
     if crowded is None:
         return
 
     def redo(block_rows: torch.Tensor) -> None:
         on = block_rows.to(q.device, non_blocking=True)
+        window = candidates.window(block_rows + rows.start)
+        first, end = candidates.first[rows][on], candidates.end[rows][on]
+        ks = (first - window[0]).to(torch.int32)
+        ke = (end - window[0]).clamp(min=0).to(torch.int32)
         redone = torch.empty(block_rows.numel(), n_select, dtype=out.dtype, device=out.device)
-        _select(q[on], weights[on], pool_k, first[on], end[on],
-                candidates.window(block_rows + rows.start), n_select, scorer, group, redone,
+        _select(q[on], weights[on], pool_k, ks, ke, window, n_select, scorer, group, redone,
                 whole_rows=True)
         out[on] = redone
 
     later.fix(crowded, redo)
 
 
-def _select(q, weights, pool_k, first_pool, end_pool, window: tuple[int, int], n_select: int,
-            scorer, group: int, out: torch.Tensor, whole_rows: bool) -> torch.Tensor | None:
-    """The pools ``window`` = [lo, hi) scored for queries q and the top-k into ``out``; returns
-    ``floor_topk``'s crowded rows (None for ``whole_rows``: ``torch.topk`` over each row)."""
+def _select(q, weights, pool_k, ks, ke, window: tuple[int, int], n_select: int, scorer,
+            group: int, out: torch.Tensor, whole_rows: bool) -> torch.Tensor | None:
+    """The pools ``window`` = [lo, hi) scored for queries q, each seeing pools [ks, ke) of it
+    (int32, relative to lo), and the top-k into ``out``; returns ``floor_topk``'s crowded rows
+    (None for ``whole_rows``: ``torch.topk`` over each row)."""
     lo, hi = window
     k = min(n_select, hi - lo)
     if k < n_select:
         out.fill_(-1)
     if k <= 0:
         return None
-    ks = (first_pool - lo).to(torch.int32)
-    ke = (end_pool - lo).clamp(min=0).to(torch.int32)
     logits, group_max = scorer(q.contiguous(), pool_k[lo:hi], weights.float().contiguous(),
                                ks.contiguous(), ke.contiguous())
     crowded = None
@@ -234,9 +259,44 @@ def _select(q, weights, pool_k, first_pool, end_pool, window: tuple[int, int], n
         score, ids = logits.topk(k, dim=-1, sorted=False)
     else:  # the attention needs no order
         score, ids, crowded = floor_topk(logits, group_max, group, k)
-    picked = torch.add(ids, lo, out=out[:, :k])  # one launch each, written in place
-    picked.masked_fill_(score == float("-inf"), -1)
+    write_pool_ids(out[:, :k], ids, score, lo)
     return crowded
+
+
+@triton.jit
+def _pool_ids(ids_ptr, scores_ptr, out_ptr, k, out_stride, offset, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    for c0 in range(0, k, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        inside = cols < k
+        ids = tl.load(ids_ptr + row * k + cols, mask=inside)
+        scores = tl.load(scores_ptr + row * k + cols, mask=inside)
+        tl.store(out_ptr + row * out_stride + cols,
+                 tl.where(scores == float("-inf"), -1, ids + offset), mask=inside)
+
+
+def write_pool_ids(out: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor,
+                   offset: int) -> None:
+    """A top-k's column ids [n, k] plus ``offset`` (the window's first pool) into ``out``
+    [n, k] (int64, rows contiguous), -1 where the score is -inf (a pool the query cannot see):
+    one Triton program per row on CUDA (three torch kernels otherwise)."""
+    if not out.is_cuda:
+        torch.add(ids, offset, out=out).masked_fill_(scores == float("-inf"), -1)
+    else:
+        pool_ids_kernel(out, ids, scores, offset)
+
+
+def pool_ids_kernel(out: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor,
+                    offset: int) -> None:
+    """``write_pool_ids``'s Triton program, on any device Triton runs on."""
+    n, k = ids.shape
+    if out.dtype != torch.int64 or out.shape != (n, k) or out.stride(1) != 1:
+        raise ValueError(f"out must be int64 [{n}, {k}] with contiguous rows, got {out.dtype} "
+                         f"{list(out.shape)} strides {out.stride()}")
+    if n:
+        _pool_ids[(n,)](ids.long().contiguous(), scores.float().contiguous(), out, k,
+                        out.stride(0), offset, BLOCK=min(1024, triton.next_power_of_2(k)),
+                        num_warps=4)
 
 
 def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor,
@@ -248,7 +308,7 @@ def fused_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tensor
     if query_block < 1 or n_select < 0:
         raise ValueError(f"query_block must be >= 1 and n_select >= 0, got {query_block}, "
                          f"{n_select}")
-    candidates = PoolCandidates(starts, q_pos, doc_start, kpool)
+    candidates = PoolCandidates(starts, q_pos, doc_start, kpool, query_block)
     result = torch.empty(q.shape[0], n_select, dtype=torch.long, device=q.device)
     later = DeferredRows()
     for q0 in range(0, q.shape[0], query_block):

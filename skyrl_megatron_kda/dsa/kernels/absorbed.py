@@ -56,7 +56,7 @@ class AbsorbedKernel(DSAKernel):
                                               starts, P)) for i in range(b)]
         out = torch.empty(b, s, indexer.index_topk + P - 1, dtype=torch.int32, device=qr.device)
         n_select, block = indexer.index_topk // P, self.dsa.indexer_query_block
-        candidates = PoolCandidates(starts, q_pos, doc_start, P)
+        candidates = PoolCandidates(starts, q_pos, doc_start, P, block)
         later = DeferredRows()
         for q0 in range(0, s, block):
             rows = slice(q0, min(q0 + block, s))
