@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 
@@ -82,18 +83,34 @@ def main() -> None:
     p.add_argument("--forward-configs", default=FORWARD_CONFIGS)
     p.add_argument("--backward-configs", default=BACKWARD_CONFIGS)
     a = p.parse_args()
-    import tilelang
-
+    try:
+        import tilelang
+    except ImportError:
+        p.error("needs the tilelang package (pip install 'skyrl-megatron-kda[gpu]')")
+    if shutil.which("nvcc") is None:
+        p.error("needs nvcc on PATH (CUDA 12.3 or later)")
+    configs = {}
+    for name in ("forward_configs", "backward_configs"):
+        try:
+            configs[name] = json.loads(getattr(a, name))
+        except json.JSONDecodeError as e:
+            p.error(f"--{name.replace('_', '-')} is not a JSON list of keyword dicts: {e}")
     forward_passes = {getattr(tilelang.PassConfigKey, k): True
                       for k in latent.FORWARD_PASS_CONFIGS}
-    for config in json.loads(a.forward_configs):
-        topk = padded(latent.forward_index_multiple(HEADS, config))
-        program = latent.forward_program(HEADS, WIDTH, topk, SCALE, **config)
+    for config in configs["forward_configs"]:
+        try:
+            topk = padded(latent.forward_index_multiple(HEADS, config))
+            program = latent.forward_program(HEADS, WIDTH, topk, SCALE, **config)
+        except (TypeError, ValueError) as e:
+            p.error(f"forward config {json.dumps(config)}: {e}")
         print(json.dumps({"forward": config, "topk": topk,
                           **compiled_resources(*lowered(program, forward_passes))}), flush=True)
-    for config in json.loads(a.backward_configs):
-        topk = padded(config.get("key_block", latent.BACKWARD_KEY_BLOCK))
-        program = latent.backward_program(HEADS, WIDTH, topk, SCALE, **config)
+    for config in configs["backward_configs"]:
+        try:
+            topk = padded(config.get("key_block", latent.BACKWARD_KEY_BLOCK))
+            program = latent.backward_program(HEADS, WIDTH, topk, SCALE, **config)
+        except (TypeError, ValueError) as e:
+            p.error(f"backward config {json.dumps(config)}: {e}")
         print(json.dumps({"backward": config, "topk": topk,
                           **compiled_resources(*lowered(program, {}))}), flush=True)
 
