@@ -5,7 +5,8 @@ latent, 512-wide output, int32 [S, 1, k] indices; ``tests/support/dsa_kernels.py
 checked here is ours: the zero padding of the absorbed queries and the latent, the value
 projection, the query blocks, the recomputed forward in backward and the summed latent gradient.
 The fused path equals the torch kernel (``absorbed_sparse_mla``) in fp64 to 1e-10; controls show
-the comparison catches an index shifted by one and a value read from the padded channels. On a
+the comparison catches an index shifted by one, a head attending with another head's query and
+a value read from the padded channels. On a
 GPU, ``test_fused_dsa_kernels_match_torch`` runs the real kernels (bf16) against the fp32 torch
 kernel."""
 
@@ -94,6 +95,12 @@ def _shifted(kernels):
             q, kv, o, do, torch.where(i >= 0, (i + 1) % kv.shape[0], i), lse, sm_scale, delta))
 
 
+def _wrong_head(kernels):
+    """Control: each head attends with the next head's query (the heads off by one)."""
+    return replace(kernels, forward=lambda q, kv, i, s: kernels.forward(
+        q.roll(1, dims=1).contiguous(), kv, i, s))
+
+
 def _value_from_padding(kernels):
     """Control: the output read from channels 64..575 (as if the value sat after a RoPE part)."""
     def forward(q, kv, i, s):
@@ -131,6 +138,7 @@ def test_a_backward_that_adds_into_the_latent_gradient_changes_nothing(block):
 
 
 @pytest.mark.parametrize("control, widths", [(_shifted, "megatron"), (_shifted, "latent"),
+                                             (_wrong_head, "megatron"), (_wrong_head, "latent"),
                                              (_value_from_padding, "megatron")])
 def test_controls_are_caught(control, widths):
     gen = torch.Generator().manual_seed(1)

@@ -4,8 +4,9 @@ On CPU: the head padding rule, the refusals, and (in ``tests/test_fused_sparse_m
 ``tests/test_dsa.py``) the wrapper and the layer on a torch stand-in with the kernels' contract
 (the latent's own width, nothing padded). On a GPU: the kernels themselves in bf16 against the
 fp32 torch attention (``sparse_mla.sparse_latent_attention``) with -1 holes, a query with no
-key, 8 heads (padded to 16) and 64; each tuning of the backward; and a control (every index
-shifted by one) that the tolerance catches. The layer's wrapper on these kernels against the fp32 torch kernel at GLM's widths is
+key, 8 heads (padded to 16) and 64; each tuning of the forward and the backward; and controls
+(every index shifted by one; each head given the next head's query) that the tolerance
+catches. The layer's wrapper on these kernels against the fp32 torch kernel at GLM's widths is
 ``tests/test_fused_sparse_mla.py::test_fused_dsa_kernels_match_torch`` (both kernel sets)."""
 
 from __future__ import annotations
@@ -110,14 +111,18 @@ def _case(heads, gen, dev, tq=300, tk=2000, topk=130):
     return q.bfloat16(), kv.bfloat16(), idx.to(torch.int32), grad.bfloat16()
 
 
-def _kernel_errors(q, kv, idx, grad, kernel_idx=None, forward_config=None, **config):
+def _kernel_errors(q, kv, idx, grad, kernel_idx=None, kernel_q=None, forward_config=None,
+                   **config):
+    """The kernels' out, dq and d latent against the fp32 attention; ``kernel_idx`` and
+    ``kernel_q`` (controls) replace what the kernels alone are given."""
     qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
     ref = sparse_latent_attention(qr, kvr, idx, SCALE)
     ref.backward(grad.float())
     kidx = idx if kernel_idx is None else kernel_idx
-    out, lse = latent_forward(q, kv, kidx, SCALE, **(forward_config or {}))
+    kq = q if kernel_q is None else kernel_q
+    out, lse = latent_forward(kq, kv, kidx, SCALE, **(forward_config or {}))
     delta = (out.float() * grad.float()).sum(-1)
-    dq, dkv = latent_backward(q, kv, grad, kidx, lse, delta, SCALE, **config)
+    dq, dkv = latent_backward(kq, kv, grad, kidx, lse, delta, SCALE, **config)
     assert torch.isfinite(out).all() and torch.isfinite(dq).all() and torch.isfinite(dkv).all()
     assert not out[7].any() and not dq[7].any() and not lse[7].any()
     return {"out": _rel(out, ref), "dq": _rel(dq, qr.grad), "dkv": _rel(dkv, kvr.grad)}
@@ -179,6 +184,26 @@ def test_a_shifted_index_is_caught(config):
     q, kv, idx, grad = _case(64, gen, torch.device("cuda"))
     shifted = torch.where(idx > 0, idx - 1, idx)
     errors = _kernel_errors(q, kv, idx, grad, kernel_idx=shifted, **config)
+    print(errors)
+    assert min(errors.values()) > 10 * TOL, errors
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("forward_config, config", [
+    ({}, {}), ({"warp_specialized": False}, {}),
+    ({"warp_specialized": True, "ping_pong": True}, {"stacked": True, "channel_split": 4,
+                                                      "store_split": 1})],
+    ids=["defaults", "pipelined", "ping_pong_stacked"])
+def test_a_wrong_head_is_caught(forward_config, config):
+    """Control: each head given the next head's query; the comparison with the fp32 attention
+    is far off for the output, dq and the latent gradient (queries 4x the other tests', so each
+    head's attention depends on its query: on CPU, in fp32, the errors are 0.36-0.54)."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, kv, idx, grad = _case(64, gen, torch.device("cuda"))
+    q = (q.float() * 4).bfloat16()
+    errors = _kernel_errors(q, kv, idx, grad, kernel_q=q.roll(1, dims=1),
+                            forward_config=forward_config, **config)
     print(errors)
     assert min(errors.values()) > 10 * TOL, errors
 
