@@ -78,6 +78,9 @@ and ``--deterministic`` runs our backward with its latent gradient summed in a f
 ``latent+flashmla``.
 
 ``--tp-rows balanced,slice`` runs every set on both row choices in turn (``@slice`` labels).
+``--latent-configs '[{}, {"forward": {"warp_specialized": true, "ping_pong": true},
+"backward": {"stacked": true, "channel_split": 4, "store_split": 1}}]'`` runs the latent set
+(with our forward) once per entry, each with those tunings of our kernels (``latent#1``, ...).
 
 ``--projection-shapes`` times only the projections' step, at megatron's head-split shapes and at
 those of the layer on rows (``projection_shapes``), and stops.
@@ -473,15 +476,18 @@ def layer_step(core: dict, proj: dict, a2a: dict) -> dict:
 
 
 def run_kernel(x: dict, a, kernel: str, forward: str, gemms: list[Gemm], a2a: dict,
-               tp_rows: str = "balanced") -> dict:
+               tp_rows: str = "balanced", tuning: tuple[int, dict] = (0, {})) -> dict:
     """``a.iters`` timed iterations (after one that compiles) of the layer's step on one kernel
-    set (``forward``: the latent set's forward kernel) for the rows ``tp_rows`` chose; its
-    summary, with the best iteration's times and TFLOP/s."""
+    set (``forward``: the latent set's forward kernel; ``tuning``: the index and entry of
+    ``--latent-configs`` it runs) for the rows ``tp_rows`` chose; its summary, with the best
+    iteration's times and TFLOP/s."""
     options = {"indexer_scores": a.indexer_scores}
     if a.deterministic:
         options["ordered"] = True
     if kernel == "latent":
         options["attention_forward"] = forward
+        options["forward_config"] = tuning[1].get("forward")
+        options["backward_config"] = tuning[1].get("backward")
     kernels = ({"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}[kernel](**options)
                if kernel != "torch" else None)
     rows = x["pos"].numel()
@@ -512,7 +518,8 @@ def run_kernel(x: dict, a, kernel: str, forward: str, gemms: list[Gemm], a2a: di
     flops = stage_flops(attention_flops(rows, x["heads"], kept), indexer_score_flops(x["pos"]),
                         gemms)
     label = kernel if forward == "tilelang" else f"{kernel}+{forward}"
-    return dict(kernel=kernel, attention_forward=forward,
+    label += f"#{tuning[0]}" if tuning[1] else ""
+    return dict(kernel=kernel, attention_forward=forward, latent_config=tuning[1],
                 label=label if tp_rows == "balanced" else f"{label}@{tp_rows}",
                 split=a.split, tp_rows=tp_rows, keep_output=a.keep_output,
                 whole_row_topk=a.whole_row_topk, indexer_scores=a.indexer_scores,
@@ -596,6 +603,11 @@ def main():
     p.add_argument("--attention-forward", default="tilelang",
                    help="model.dsa.attention_forward for the latent set: tilelang, flashmla, or "
                         "a comma list of them to run in turn")
+    p.add_argument("--latent-configs", default="[{}]",
+                   help='the latent set once per entry of this JSON list, each {"forward": '
+                        '{...}, "backward": {...}} with our forward and backward programs\' '
+                        'tuning keywords (forward_program, backward_program; {}: the defaults), '
+                        'labelled latent#N for the N-th entry that is not {}')
     p.add_argument("--tp-rows", default="balanced",
                    help="--split sequence: the rank's rows as the layer takes them (balanced) or "
                         "its contiguous SP slice (slice, the layer before), or both in turn")
@@ -605,15 +617,6 @@ def main():
                    help="only the projections' step at the heads split's shapes and at the "
                         "sequence split's (the layer on rows), then stop")
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU (the kernels and the timings are the GPU's)")
-    if a.projection_shapes:
-        result = projection_shapes(TP * (1 << 16), 1 << 16, torch.device("cuda"))
-        log("projection shapes " + json.dumps(result))
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(result, f, indent=1)
-        return
     names = a.kernel.split(",")
     forwards = a.attention_forward.split(",")
     if unknown := set(forwards) - {"tilelang", "flashmla"}:
@@ -623,6 +626,16 @@ def main():
         p.error("--attention-forward flashmla needs --kernel latent")
     if unknown := set(names) - {"fused", "latent", "torch"}:
         p.error(f"--kernel {a.kernel}: {sorted(unknown)} not among fused, latent, torch")
+    try:
+        tunings = list(enumerate(json.loads(a.latent_configs)))
+    except json.JSONDecodeError as e:
+        p.error(f"--latent-configs is not JSON: {e}")
+    for _, tuning in tunings:
+        if not isinstance(tuning, dict) or set(tuning) - {"forward", "backward"}:
+            p.error(f"--latent-configs entries are {{\"forward\": {{...}}, \"backward\": "
+                    f"{{...}}}}, got {json.dumps(tuning)}")
+    if "latent" not in names and tunings != [(0, {})]:
+        p.error("--latent-configs needs --kernel latent")
     if a.whole_row_topk:
         pool_topk.floor_topk = lambda scores, maxima, group, k: (
             *scores.topk(k, dim=-1, sorted=False),
@@ -638,6 +651,15 @@ def main():
         p.error(f"--tp-rows {a.tp_rows}: {sorted(unknown)} not among balanced, slice")
     if a.split == "heads" and tp_rows != ["balanced"]:
         p.error("--tp-rows takes the sequence split's rows; --split heads has every CP row")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (the kernels and the timings are the GPU's)")
+    if a.projection_shapes:
+        result = projection_shapes(TP * (1 << 16), 1 << 16, torch.device("cuda"))
+        log("projection shapes " + json.dumps(result))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     dev = torch.device("cuda")
     link = load_recipe(RECIPE, []).recipe.cluster.intra_node
     summaries = []
@@ -650,8 +672,11 @@ def main():
         cp_rows = rows * TP if a.split == "sequence" else rows
         gemms = projection_gemms(cp_rows, rows, split=a.split)
         a2a = all_to_all_model(cp_rows, a.split, link)
-        summaries += [run_kernel(x, a, name, forward, gemms, a2a, choice) for name in names
-                      for forward in (forwards if name == "latent" else ["tilelang"])]
+        summaries += [run_kernel(x, a, name, forward, gemms, a2a, choice, tuning)
+                      for name in names
+                      for forward in (forwards if name == "latent" else ["tilelang"])
+                      for tuning in (tunings if name == "latent" and forward == "tilelang"
+                                     else [(0, {})])]
         del x
     for summary in summaries:
         log("summary " + json.dumps(summary))

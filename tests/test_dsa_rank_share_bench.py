@@ -238,3 +238,18 @@ def test_without_a_gpu_the_bench_says_so_in_one_line():
     assert done.stderr.strip().splitlines()[-1].endswith("needs a CUDA GPU (the kernels and the "
                                                          "timings are the GPU's)")
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--kernel", "latent", "--latent-configs", "[{"], "--latent-configs is not JSON"),
+    (["--kernel", "latent", "--latent-configs", '[{"fwd": {}}]'],
+     '--latent-configs entries are {"forward": {...}, "backward": {...}}, got {"fwd": {}}'),
+    (["--kernel", "fused", "--latent-configs", '[{"forward": {"ping_pong": true}}]'],
+     "--latent-configs needs --kernel latent")])
+def test_latent_configs_it_cannot_run_are_one_line_before_the_gpu(args, error):
+    """Checked before it looks for a GPU, so these refusals show on CPU too."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert error in done.stderr.strip().splitlines()[-1]

@@ -46,6 +46,12 @@ def test_latent_kernels_need_cuda():
     assert dsa_kernels.resolve("auto", "cpu") == "torch"
 
 
+def test_a_forward_tuning_names_our_forward():
+    """FlashMLA's forward has no tunings of ours: refused in one line before anything runs."""
+    with pytest.raises(ValueError, match="forward_config tunes our forward, not 'flashmla'"):
+        latent_dsa_kernels(attention_forward="flashmla", forward_config={"ping_pong": True})
+
+
 def test_the_backward_refuses_key_blocks_that_do_not_tile_its_keys():
     """Checked before TileLang is needed: a key block that does not divide the top-k width (or
     that its store parts do not divide) would read past a query's indices."""

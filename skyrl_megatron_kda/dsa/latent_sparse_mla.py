@@ -36,7 +36,7 @@ heads to a power of two >= 16 and the top-k width to the kernels' key block with
 # No `from __future__ import annotations`: TileLang reads the kernels' annotations as objects.
 
 import math
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -867,17 +867,24 @@ def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, order
 
 
 def latent_dsa_kernels(ordered: bool = False, indexer_scores: str = "bf16",
-                       attention_forward: str = "tilelang") -> DSAKernels:
+                       attention_forward: str = "tilelang", forward_config: dict | None = None,
+                       backward_config: dict | None = None) -> DSAKernels:
     """Our sparse-MLA kernels and the Triton indexer scores in the ``DSAKernels`` contract
     (``kv [T, 1, 512]``, ``indices [S, 1, K]``); ``ordered``: the backward's latent gradient
     summed in a fixed order (``latent_backward``); ``indexer_scores``: the score products'
     precision (``index_scores.INDEXER_SCORES``); ``attention_forward``: ``tilelang`` (ours) or
-    ``flashmla`` (``flashmla_forward``); a clear error where they cannot run."""
+    ``flashmla`` (``flashmla_forward``); a clear error where they cannot run.
+    ``forward_config`` / ``backward_config``: tuning keywords of our forward and backward
+    programs (``forward_program``, ``backward_program``) for benchmarks; the layer takes the
+    defaults."""
+    if forward_config and attention_forward != "tilelang":
+        raise ValueError(f"forward_config tunes our forward, not {attention_forward!r}'s")
     if not torch.cuda.is_available():
         raise RuntimeError("model.dsa.kernel=latent needs CUDA (TileLang kernels); "
                            "use model.dsa.kernel=torch on CPU")
     _tilelang()
-    attend = {"tilelang": latent_forward, "flashmla": flashmla_forward}[attention_forward]
+    attend = {"tilelang": partial(latent_forward, **(forward_config or {})),
+              "flashmla": flashmla_forward}[attention_forward]
     if attention_forward == "flashmla":
         sparse_prefill()  # its one-line error now, not at the first layer
 
@@ -886,7 +893,8 @@ def latent_dsa_kernels(ordered: bool = False, indexer_scores: str = "bf16",
 
     def backward(q, kv, out, grad_out, indices, lse, sm_scale, delta, dkv=None):
         dq, dkv = latent_backward(q, kv[:, 0], grad_out, indices[:, 0], lse, delta, sm_scale,
-                                  None if dkv is None else dkv[:, 0], ordered=ordered)
+                                  None if dkv is None else dkv[:, 0], ordered=ordered,
+                                  **(backward_config or {}))
         return dq, dkv[:, None]
 
     return DSAKernels(forward=forward, delta=row_dots, backward=backward,
