@@ -113,6 +113,14 @@ def blocked_pool_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tens
     return result
 
 
+def relative_ranges(first: torch.Tensor, end: torch.Tensor,
+                    lo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of pool ids [first, end) as int32 [ks, ke) relative to a window that starts at pool
+    ``lo`` (a number, or one per run) and holds every run's first pool; a run ending before
+    the window is empty."""
+    return (first - lo).to(torch.int32), (end - lo).clamp(min=0).to(torch.int32)
+
+
 class PoolCandidates:
     """Which pools each of a rank's queries may select: one contiguous run of pool ids [first,
     end) per query, its document's complete pools that end at or before it. On the device for
@@ -134,9 +142,7 @@ class PoolCandidates:
         pad = firsts.new_full((-firsts.numel() % block,), torch.iinfo(firsts.dtype).max)
         lows = torch.cat([firsts, pad]).view(-1, block).min(1).values
         lows = lows.repeat_interleave(block)[:firsts.numel()]
-        lows = lows.to(self.first.device)
-        self._ks = (self.first - lows).to(torch.int32)
-        self._ke = (self.end - lows).clamp_(min=0).to(torch.int32)
+        self._ks, self._ke = relative_ranges(self.first, self.end, lows.to(self.first.device))
 
     def ranges(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """The pools [ks, ke) int32 that the query block ``rows`` may each see, relative to the
@@ -230,9 +236,7 @@ def fused_block_topk(q: torch.Tensor, weights: torch.Tensor, pool_k: torch.Tenso
     def redo(block_rows: torch.Tensor) -> None:
         on = block_rows.to(q.device, non_blocking=True)
         window = candidates.window(block_rows + rows.start)
-        first, end = candidates.first[rows][on], candidates.end[rows][on]
-        ks = (first - window[0]).to(torch.int32)
-        ke = (end - window[0]).clamp(min=0).to(torch.int32)
+        ks, ke = relative_ranges(candidates.first[rows][on], candidates.end[rows][on], window[0])
         redone = torch.empty(block_rows.numel(), n_select, dtype=out.dtype, device=out.device)
         _select(q[on], weights[on], pool_k, ks, ke, window, n_select, scorer, group, redone,
                 whole_rows=True)
