@@ -257,6 +257,25 @@ def _stacked_backward(heads: int, dim: int, topk: int, scale: float, num_stages:
     return sparse_latent_bwd_stacked
 
 
+def _block_probabilities(T, log2_scale: float, heads: int, key_block: int, width: int):
+    """A TileLang macro, the online softmax's step once a block's row maxima are known: the
+    block's scores made probabilities, their row sums added to the running ones (those first
+    rescaled by ``rescale``, the old maximum's factor), and the output accumulator [heads,
+    width] rescaled alike."""
+
+    @T.macro
+    def probabilities(acc_s, row_max, rescale, block_sum, row_sum, acc_o):
+        for h, k in T.Parallel(heads, key_block):
+            acc_s[h, k] = T.exp2((acc_s[h, k] - row_max[h]) * log2_scale)
+        T.reduce_sum(acc_s, block_sum, dim=1)
+        for h in T.Parallel(heads):
+            row_sum[h] = row_sum[h] * rescale[h] + block_sum[h]
+        for h, d in T.Parallel(heads, width):
+            acc_o[h, d] *= rescale[h]
+
+    return probabilities
+
+
 def _row_gathers(T, key_block: int, width: int):
     """A TileLang macro: the producer warpgroup's (threads 256-383) cp.async gathers of one key
     block's latent rows, ``width`` channels from ``col0``, into stage ``st`` of ``kv_s``; eight
@@ -484,6 +503,7 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
     bf16, f32 = "bfloat16", "float32"
     S, t = _forward_signature(T, heads, dim, topk)
     gather = _row_gathers(T, BK, dim)
+    probabilities = _block_probabilities(T, log2_scale, BH, BK, half)
 
     @T.prim_func
     def sparse_latent_fwd_ws(Q: t["Q"], KV: t["KV"], Indices: t["Indices"], Out: t["Out"],
@@ -538,13 +558,7 @@ def _warp_specialized_forward(heads: int, dim: int, topk: int, scale: float, key
                         T.reduce_max(acc_s, row_max, dim=1, clear=False)
                         for h in T.Parallel(BH):
                             rescale[h] = T.exp2((prev_max[h] - row_max[h]) * log2_scale)
-                        for h, k in T.Parallel(BH, BK):
-                            acc_s[h, k] = T.exp2((acc_s[h, k] - row_max[h]) * log2_scale)
-                        T.reduce_sum(acc_s, block_sum, dim=1)
-                        for h in T.Parallel(BH):
-                            row_sum[h] = row_sum[h] * rescale[h] + block_sum[h]
-                        for h, d in T.Parallel(BH, half):
-                            acc_l[h, d] *= rescale[h]
+                        probabilities(acc_s, row_max, rescale, block_sum, row_sum, acc_l)
                         T.copy(rescale, rescale_s)
                         T.copy(acc_s, p_s)
                         T.gemm(p_s, kv_s[st, :, 0:half], acc_l)
@@ -611,9 +625,54 @@ def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block:
     bf16, f32 = "bfloat16", "float32"
     S, t = _forward_signature(T, heads, dim, topk)
     gather = _row_gathers(T, BK, half)
+    probabilities = _block_probabilities(T, log2_scale, BH, BK, half)
     # The gathered halves (block of the pair, channel half) in the order the producer fills
     # them: the halves only one warpgroup reads are freed (and refilled) first.
     fill_order = ((0, 0), (1, 1), (0, 1), (1, 0))
+
+    @T.macro
+    def block_scores(w, q_s, kv_s, valid, acc_s, bar_kv_ready, i):
+        """Warpgroup w's block of the pair: its scores over both channel halves, its own
+        half first (the one the producer refills first, with the rows' flags: read only after
+        it arrived), -inf where a slot is -1."""
+        for c in (w, 1 - w):
+            T.barrier_wait(bar_kv_ready[w * 2 + c], i & 1)
+            T.fence_proxy_async()  # the gathered rows, for the async-proxy MMAs
+            if c == w:
+                for h, k in T.Parallel(BH, BK):
+                    acc_s[h, k] = T.if_then_else(valid[w, k], 0, -T.infinity(f32))
+            T.wgmma_gemm(q_s[:, c * half:(c + 1) * half], kv_s[w, :, c * half:(c + 1) * half],
+                         acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+
+    @T.macro
+    def block_softmax(w, acc_s, acc_o, row_max, rescale, block_sum, row_sum, max_s, bar_max):
+        """The block's probabilities from the running maximum (warpgroup 1: from warpgroup 0's,
+        already in max_s), the new maximum handed on, the sums and the output rescaled."""
+        for h in T.Parallel(BH):
+            rescale[h] = row_max[h]
+            if w == 1:
+                row_max[h] = max_s[0, h]
+        T.reduce_max(acc_s, row_max, dim=1, clear=False)
+        for h in T.Parallel(BH):
+            rescale[h] = T.exp2((rescale[h] - row_max[h]) * log2_scale)
+            max_s[w, h] = row_max[h]
+        T.barrier_arrive(bar_max[w])
+        probabilities(acc_s, row_max, rescale, block_sum, row_sum, acc_o)
+
+    @T.macro
+    def normalised(w, acc_o, row_sum, sum_s, bar_sums, Out, s, h0):
+        """Both warpgroups' row sums added (each kept its own blocks'), warpgroup w's channels
+        of the output divided by them and written."""
+        for h in T.Parallel(BH):
+            sum_s[w, h] = row_sum[h]
+        T.barrier_arrive(bar_sums)
+        T.barrier_wait(bar_sums, 0)
+        for h in T.Parallel(BH):
+            row_sum[h] = sum_s[0, h] + sum_s[1, h]
+        for h, d in T.Parallel(BH, half):
+            acc_o[h, d] = T.if_then_else(row_sum[h] > 0, acc_o[h, d] / row_sum[h], 0)
+        T.copy(acc_o, Out[s, h0:h0 + BH, w * half:(w + 1) * half])
 
     @T.prim_func
     def sparse_latent_fwd_pp(Q: t["Q"], KV: t["KV"], Indices: t["Indices"], Out: t["Out"],
@@ -661,31 +720,9 @@ def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block:
                 T.fill(row_max0, -(2.0**30))  # finite: a first all-masked block gives exp2(-inf)
                 T.barrier_wait(bar_q, 0)
                 for i in T.serial(pairs):
-                    T.barrier_wait(bar_kv_ready[0], i & 1)
-                    T.fence_proxy_async()  # the gathered rows, for the async-proxy MMAs
-                    for h, k in T.Parallel(BH, BK):
-                        acc_s0[h, k] = T.if_then_else(valid[0, k], 0, -T.infinity(f32))
-                    T.wgmma_gemm(q_s[:, 0:half], kv_s[0, :, 0:half], acc_s0, transpose_B=True)
-                    T.barrier_wait(bar_kv_ready[1], i & 1)
-                    T.fence_proxy_async()
-                    T.wgmma_gemm(q_s[:, half:dim], kv_s[0, :, half:dim], acc_s0,
-                                 transpose_B=True)
-                    T.wait_wgmma(0)
-                    # the first block's softmax from the running maximum
-                    for h in T.Parallel(BH):
-                        rescale0[h] = row_max0[h]
-                    T.reduce_max(acc_s0, row_max0, dim=1, clear=False)
-                    for h in T.Parallel(BH):
-                        rescale0[h] = T.exp2((rescale0[h] - row_max0[h]) * log2_scale)
-                        max_s[0, h] = row_max0[h]
-                    T.barrier_arrive(bar_max[0])
-                    for h, k in T.Parallel(BH, BK):
-                        acc_s0[h, k] = T.exp2((acc_s0[h, k] - row_max0[h]) * log2_scale)
-                    T.reduce_sum(acc_s0, block_sum0, dim=1)
-                    for h in T.Parallel(BH):
-                        row_sum0[h] = row_sum0[h] * rescale0[h] + block_sum0[h]
-                    for h, d in T.Parallel(BH, half):
-                        acc_o0[h, d] *= rescale0[h]
+                    block_scores(0, q_s, kv_s, valid, acc_s0, bar_kv_ready, i)
+                    block_softmax(0, acc_s0, acc_o0, row_max0, rescale0, block_sum0, row_sum0,
+                                  max_s, bar_max)
                     T.copy(acc_s0, acc_p0)
                     T.wgmma_gemm(acc_p0, kv_s[0, :, 0:half], acc_o0)
                     T.wait_wgmma(0)
@@ -707,16 +744,8 @@ def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block:
                     T.wgmma_gemm(p_s[1, :, :], kv_s[1, :, 0:half], acc_o0)
                     T.wait_wgmma(0)
                     T.barrier_arrive(bar_kv_free[2])
-                for h in T.Parallel(BH):
-                    sum_s[0, h] = row_sum0[h]
-                T.barrier_arrive(bar_sums)
-                T.barrier_wait(bar_sums, 0)
-                for h in T.Parallel(BH):
-                    row_sum0[h] = sum_s[0, h] + sum_s[1, h]
-                for h, d in T.Parallel(BH, half):
-                    acc_o0[h, d] = T.if_then_else(row_sum0[h] > 0, acc_o0[h, d] / row_sum0[h], 0)
+                normalised(0, acc_o0, row_sum0, sum_s, bar_sums, Out, s, h0)
                 natural_lse(row_sum0, row_max0, BH)
-                T.copy(acc_o0, Out[s, h0:h0 + BH, 0:half])
                 T.copy(row_sum0, Lse[s, h0:h0 + BH])
             elif tx < 256:
                 T.set_max_nreg(216, 1)
@@ -725,34 +754,12 @@ def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block:
                 T.fill(row_max1, -(2.0**30))
                 T.barrier_wait(bar_q, 0)
                 for i in T.serial(pairs):
-                    T.barrier_wait(bar_kv_ready[3], i & 1)
-                    T.fence_proxy_async()
-                    for h, k in T.Parallel(BH, BK):
-                        acc_s1[h, k] = T.if_then_else(valid[1, k], 0, -T.infinity(f32))
-                    T.wgmma_gemm(q_s[:, half:dim], kv_s[1, :, half:dim], acc_s1,
-                                 transpose_B=True)
-                    T.barrier_wait(bar_kv_ready[2], i & 1)
-                    T.fence_proxy_async()
-                    T.wgmma_gemm(q_s[:, 0:half], kv_s[1, :, 0:half], acc_s1, transpose_B=True)
-                    T.wait_wgmma(0)
+                    block_scores(1, q_s, kv_s, valid, acc_s1, bar_kv_ready, i)
                     # the second block's softmax from warpgroup 0's maximum (at least the
                     # running one)
                     T.barrier_wait(bar_max[0], i & 1)
-                    for h in T.Parallel(BH):
-                        rescale1[h] = row_max1[h]
-                        row_max1[h] = max_s[0, h]
-                    T.reduce_max(acc_s1, row_max1, dim=1, clear=False)
-                    for h in T.Parallel(BH):
-                        rescale1[h] = T.exp2((rescale1[h] - row_max1[h]) * log2_scale)
-                        max_s[1, h] = row_max1[h]
-                    T.barrier_arrive(bar_max[1])
-                    for h, k in T.Parallel(BH, BK):
-                        acc_s1[h, k] = T.exp2((acc_s1[h, k] - row_max1[h]) * log2_scale)
-                    T.reduce_sum(acc_s1, block_sum1, dim=1)
-                    for h in T.Parallel(BH):
-                        row_sum1[h] = row_sum1[h] * rescale1[h] + block_sum1[h]
-                    for h, d in T.Parallel(BH, half):
-                        acc_o1[h, d] *= rescale1[h]
+                    block_softmax(1, acc_s1, acc_o1, row_max1, rescale1, block_sum1, row_sum1,
+                                  max_s, bar_max)
                     T.copy(acc_s1, acc_p1)
                     T.wgmma_gemm(acc_p1, kv_s[1, :, half:dim], acc_o1)
                     T.copy(acc_s1, p_s[1, :, :])
@@ -764,15 +771,7 @@ def _ping_pong_forward(heads: int, dim: int, topk: int, scale: float, key_block:
                     T.barrier_arrive(bar_kv_free[3])
                     T.wait_wgmma(0)
                     T.barrier_arrive(bar_kv_free[1])
-                for h in T.Parallel(BH):
-                    sum_s[1, h] = row_sum1[h]
-                T.barrier_arrive(bar_sums)
-                T.barrier_wait(bar_sums, 0)
-                for h in T.Parallel(BH):
-                    row_sum1[h] = sum_s[0, h] + sum_s[1, h]
-                for h, d in T.Parallel(BH, half):
-                    acc_o1[h, d] = T.if_then_else(row_sum1[h] > 0, acc_o1[h, d] / row_sum1[h], 0)
-                T.copy(acc_o1, Out[s, h0:h0 + BH, half:dim])
+                normalised(1, acc_o1, row_sum1, sum_s, bar_sums, Out, s, h0)
             else:
                 T.set_max_nreg(72, 0)
                 for i in T.serial(pairs):
