@@ -94,6 +94,7 @@ Usage (CUDA + tilelang):  python3 bench/dsa_rank_share.py --split sequence [--ke
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from dataclasses import dataclass
@@ -112,7 +113,8 @@ from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     kernel_indices,
     kernel_latent,
 )
-from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
+from skyrl_megatron_kda.dsa.latent_sparse_mla import (backward_program, forward_program,
+                                                      latent_dsa_kernels)
 from skyrl_megatron_kda.dsa.pools import (
     document_starts,
     index_violations,
@@ -630,10 +632,17 @@ def main():
         tunings = list(enumerate(json.loads(a.latent_configs)))
     except json.JSONDecodeError as e:
         p.error(f"--latent-configs is not JSON: {e}")
+    programs = {"forward": forward_program, "backward": backward_program}
     for _, tuning in tunings:
-        if not isinstance(tuning, dict) or set(tuning) - {"forward", "backward"}:
+        if not isinstance(tuning, dict) or set(tuning) - set(programs):
             p.error(f"--latent-configs entries are {{\"forward\": {{...}}, \"backward\": "
                     f"{{...}}}}, got {json.dumps(tuning)}")
+        for part, keywords in tuning.items():
+            known = set(inspect.signature(programs[part]).parameters) - {"heads", "dim", "topk",
+                                                                         "scale"}
+            if unknown := set(keywords) - known:
+                p.error(f"--latent-configs: {part} keywords {sorted(unknown)} not among "
+                        f"{sorted(known)}")
     if "latent" not in names and tunings != [(0, {})]:
         p.error("--latent-configs needs --kernel latent")
     if a.whole_row_topk:

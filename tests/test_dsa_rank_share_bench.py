@@ -245,7 +245,9 @@ def test_without_a_gpu_the_bench_says_so_in_one_line():
     (["--kernel", "latent", "--latent-configs", '[{"fwd": {}}]'],
      '--latent-configs entries are {"forward": {...}, "backward": {...}}, got {"fwd": {}}'),
     (["--kernel", "fused", "--latent-configs", '[{"forward": {"ping_pong": true}}]'],
-     "--latent-configs needs --kernel latent")])
+     "--latent-configs needs --kernel latent"),
+    (["--kernel", "latent", "--latent-configs", '[{"backward": {"stack": true}}]'],
+     "--latent-configs: backward keywords ['stack'] not among")])
 def test_latent_configs_it_cannot_run_are_one_line_before_the_gpu(args, error):
     """Checked before it looks for a GPU, so these refusals show on CPU too."""
     import subprocess
