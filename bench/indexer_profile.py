@@ -6,8 +6,9 @@ difference is the time the GPU waits for the host. The FP8 pass runs three times
 keys quantised once per pass (``DSAKernels.index_keys``, the layer's way); for comparison, once
 per query block inside the score kernel's call; with the top-k's floor and final pick by
 ``torch.topk`` (``threshold_topk``'s way before its own selection kernels); and with each
-block's token indices by torch (``pools.pool_token_indices``: about fifteen small kernels a
-block, where our Triton program takes one). ``--gluon`` adds
+block's query quantisation and token indices by torch (``index_scores.fp8_rows_reference``,
+``pools.pool_token_indices``: about 25 small kernels a block, where our Triton programs take
+two). ``--gluon`` adds
 passes with the Gluon score kernel of ``bench/index_scores_gluon.py`` in place of the Triton
 one (each precision; its overlapped variant with groups of 32 and of 16 pools, the top-k then
 taking groups of 16, and its plain variant).
@@ -27,8 +28,8 @@ from dsa_rank_share import indexer, make_inputs  # bench/ is on sys.path when ru
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from skyrl_megatron_kda.dsa import pool_topk
-from skyrl_megatron_kda.dsa.index_scores import keys_as_they_are
+from skyrl_megatron_kda.dsa import index_scores, pool_topk
+from skyrl_megatron_kda.dsa.index_scores import fp8_rows, fp8_rows_reference, keys_as_they_are
 from skyrl_megatron_kda.dsa.pools import pool_token_indices, write_pool_tokens
 from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
 from skyrl_megatron_kda.dsa.threshold_topk import (
@@ -92,12 +93,13 @@ def main() -> None:
     variants = {**base, "fp8, keys quantised per block": replace(base["fp8"],
                                                                  index_keys=keys_as_they_are)}
     variants["fp8, torch.topk's floor and pick"] = base["fp8"]
-    variants["fp8, torch's token indices"] = base["fp8"]
+    variants["fp8, torch's quantisation and token indices"] = base["fp8"]
     if a.gluon:
         variants.update(gluon_variants(base))
     for name, kernels in variants.items():
         pool_topk.floor_topk = floor_topk_by_torch if "torch.topk" in name else floor_topk
-        by_torch = "torch's token indices" in name
+        by_torch = "torch's quantisation" in name
+        index_scores.fp8_rows = fp8_rows_reference if by_torch else fp8_rows
         pool_topk.write_pool_tokens = write_tokens_by_torch if by_torch else write_pool_tokens
         with torch.no_grad():
             def one_pass():

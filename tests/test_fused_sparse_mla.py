@@ -646,15 +646,61 @@ def test_pool_scores_refuse_a_tile_the_product_cannot_take():
             pool_scores(q, keys, w, ks, ke, tiles)
 
 
+_FP8_ROWS = """
+import json
+import torch
+from skyrl_megatron_kda.dsa.index_scores import FP8_MAX, fp8_rows_kernel, fp8_rows_reference
+g = torch.Generator().manual_seed(4)
+x = (torch.randn(37, 3, 128, generator=g) * torch.logspace(-4, 3, 37)[:, None, None]).bfloat16()
+x[5, 1] = 0  # an all-zero row keeps scale 1
+x[6, 2, 7] = 1e-30  # a row with one tiny value
+x[7, 0] = -x[7, 0].abs()
+x[7, 1, :5] = -0.0  # keeps its sign
+q, scale = fp8_rows_kernel(x)
+ref_q, ref_scale = fp8_rows_reference(x)
+bits = lambda t: t.view(torch.uint8)
+print(json.dumps({"values": torch.equal(bits(q), bits(ref_q)), "scales": torch.equal(scale, ref_scale),
+                  "shapes": [list(q.shape), list(scale.shape)],
+                  "reaches_max": float(q.float().abs().amax()) == FP8_MAX,
+                  "zero_row_scale": float(scale[5, 1]),
+                  "shifted_rows_differ": not torch.equal(bits(q), bits(fp8_rows_reference(x.roll(1, 0))[0]))}))
+"""
+
+
+def test_the_fp8_row_kernel_equals_the_torch_quantisation_interpreted():
+    """``fp8_rows_kernel`` (one launch per indexer block's queries instead of about eight) under
+    Triton's CPU interpreter: the FP8 values bit for bit and the fp32 scales exactly as
+    ``fp8_rows_reference`` on 111 rows of 128 (a partial last program) spread over seven decades,
+    with an all-zero row (scale 1), a row holding one tiny value, a negative one and negative
+    zeros; control:
+    the rows shifted by one give other bits."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _FP8_ROWS], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip().splitlines()[-1]
+    got = json.loads(out)
+    assert got["values"] and got["scales"] and got["reaches_max"], got
+    assert got["shapes"] == [[37, 3, 128], [37, 3]] and got["zero_row_scale"] == 1.0, got
+    assert got["shifted_rows_differ"], got
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
-def test_the_pool_token_kernel_equals_pool_token_indices_on_the_gpu():
-    """On CUDA, at an indexer block's shape (1,024 queries, 512 pools each over 262,144 pools):
-    ``write_pool_tokens``'s Triton program gives ``pool_token_indices``'s tokens (the compiled
-    program, not only the interpreter's)."""
+def test_the_indexer_blocks_small_kernels_equal_torch_on_the_gpu():
+    """On CUDA, at an indexer block's shape (1,024 queries x 32 heads x 128; 512 pools a query
+    over 262,144): ``fp8_rows_kernel`` gives torch's FP8 bits and scales (the compiled rounding,
+    not only the interpreter's), and ``write_pool_tokens`` gives ``pool_token_indices``'s tokens."""
+    from skyrl_megatron_kda.dsa.index_scores import fp8_rows_kernel, fp8_rows_reference
     from skyrl_megatron_kda.dsa.pools import pool_token_indices, pool_starts, write_pool_tokens
 
     gen = torch.Generator(device="cuda").manual_seed(8)
+    x = (torch.randn(1024, 32, 128, generator=gen, device="cuda")
+         * torch.logspace(-6, 4, 1024, device="cuda")[:, None, None]).bfloat16()
+    x[3, 4] = 0
+    x[5, 6, :9] = -0.0
+    (q, scale), (ref_q, ref_scale) = fp8_rows_kernel(x), fp8_rows_reference(x)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scale, ref_scale)
+
     kpool, keys = 4, 1 << 20
     cu = torch.tensor([0, 5000, keys], device="cuda")
     starts = pool_starts(cu, kpool)
