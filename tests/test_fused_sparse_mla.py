@@ -674,10 +674,7 @@ def test_the_fp8_row_kernel_equals_the_torch_quantisation_interpreted():
     with an all-zero row (scale 1), a row holding one tiny value, a negative one and negative
     zeros; control:
     the rows shifted by one give other bits."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _FP8_ROWS], env=env, capture_output=True,
-                         text=True, check=True).stdout.strip().splitlines()[-1]
-    got = json.loads(out)
+    got = run_interpreted(_FP8_ROWS)
     assert got["values"] and got["scales"] and got["reaches_max"], got
     assert got["shapes"] == [[37, 3, 128], [37, 3]] and got["zero_row_scale"] == 1.0, got
     assert got["shifted_rows_differ"], got
