@@ -16,7 +16,9 @@ Frobenius error); on a small shape with -1 holes, a query with no key, 8 heads (
 and 64 heads, both against the fp32 torch attention (``sparse_mla.sparse_latent_attention``);
 and whether two backward calls give bitwise equal dkv (fp32 atomics: expected not).
 
-``ours (defaults)`` is ``latent_forward``'s default (at 64 heads the warp-specialised forward);
+``ours (defaults)`` is ``latent_forward``'s and ``latent_backward``'s defaults (at 64 heads the
+warp-specialised forward and the stacked backward; the default ``--backward-configs`` add the
+backward of 32-key rows, ``{"num_stages": 2, "store_split": 4}`` the default before it);
 ``--forward-configs`` times more tunings of our forward (``forward_program``'s keywords: key
 block, pipeline stages, deferred sums; ``{"warp_specialized": false}`` is the pipelined one),
 each with the default backward; ``--forward-only`` leaves every backward out. ``--flashmla`` adds FlashMLA's

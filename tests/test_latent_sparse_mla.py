@@ -70,6 +70,30 @@ def test_the_stacked_backward_refuses_shapes_it_does_not_cover():
         backward_program(64, 512, 2080, SCALE, channel_split=2)
 
 
+def test_the_stacked_backward_refuses_buffers_beyond_shared_memory():
+    """Checked before TileLang is needed: half the channels added at once (a 32 KiB fp32 store
+    part) would need 240 KiB, beyond sm_90's 227 (on the GPU it compiled and failed at its
+    launch); the default's parts, and half the channels in four store parts, fit."""
+    from skyrl_megatron_kda.dsa.latent_sparse_mla import (SHARED_BYTES, _stacked_shared_bytes,
+                                                          default_backward_config)
+
+    with pytest.raises(ValueError, match="KiB of shared memory"):
+        backward_program(64, 512, 2080, SCALE, stacked=True, channel_split=2, store_split=1)
+    fits = [_stacked_shared_bytes(512, 32, 2, 32 // c["store_split"], 512 // c["channel_split"])
+            for c in (default_backward_config(64), {"channel_split": 2, "store_split": 4})]
+    assert max(fits) <= SHARED_BYTES < _stacked_shared_bytes(512, 32, 2, 32, 256), fits
+
+
+def test_whole_head_groups_take_the_stacked_backward_by_default():
+    """64-head groups with atomic adds: the stacked backward; fewer heads, and the ordered
+    backward, the backward of key-block rows."""
+    from skyrl_megatron_kda.dsa.latent_sparse_mla import default_backward_config
+
+    stacked = {"stacked": True, "channel_split": 4, "store_split": 1}
+    assert default_backward_config(64) == default_backward_config(128) == stacked
+    assert default_backward_config(8) == default_backward_config(64, ordered=True) == {}
+
+
 def test_the_forward_refuses_key_blocks_that_do_not_tile_its_keys():
     with pytest.raises(ValueError, match="multiple of the key block"):
         forward_program(64, 512, 2080, SCALE, key_block=64)

@@ -60,6 +60,8 @@ BACKWARD_ADDS_DKV = True
 (``DSAKernels.backward_adds_dkv``; ``kernels/latent.py`` models the memory by it)."""
 HEAD_BLOCK = 64
 """Heads per thread block: the wider MMA tile; more heads run in groups of 64."""
+SHARED_BYTES = 227 * 1024
+"""Shared memory one Hopper thread block may hold (sm_90's opt-in limit)."""
 ORDERED_QUERY_BLOCK = 1024
 """Queries per ordered backward call: its per-query latent gradient rows are ORDERED_QUERY_BLOCK
 x top-k x 512 fp32 (4.4 GB at GLM's top-k) until ``ordered_row_sums`` has added them; 512 made
@@ -179,6 +181,16 @@ def _staged_adds(T, key_block: int, width: int, store_split: int, transposed: bo
     return add_rows
 
 
+def _stacked_shared_bytes(dim: int, key_block: int, num_stages: int, part: int,
+                          width: int) -> int:
+    """The stacked backward's shared buffers: [Q; dO] and ``num_stages`` key blocks in bf16,
+    [dS; P] in bf16, the fp32 probabilities and a store part of the latent gradient, the
+    log-sum-exp and delta."""
+    bh = HEAD_BLOCK
+    return (2 * (2 * bh * dim + num_stages * key_block * dim + 2 * bh * key_block)
+            + 4 * (bh * key_block + part * width + 2 * bh))
+
+
 def _stacked_backward(heads: int, dim: int, topk: int, scale: float, num_stages: int,
                       store_split: int, ordered: bool, key_block: int, channel_split: int):
     """``backward_program``'s backward with the queries and the output gradient stacked in one
@@ -197,9 +209,14 @@ def _stacked_backward(heads: int, dim: int, topk: int, scale: float, num_stages:
         raise ValueError(f"the stacked backward takes heads in groups of {BH} and a width that "
                          f"splits into channel_split parts of whole 64-channel tiles, got "
                          f"{heads} heads, width {dim}, channel_split {channel_split}")
+    part, width = BK // store_split, dim // channel_split
+    shared = _stacked_shared_bytes(dim, BK, num_stages, part, width)
+    if shared > SHARED_BYTES:
+        raise ValueError(f"the stacked backward's buffers take {shared // 1024} KiB of shared "
+                         f"memory, more than a thread block's {SHARED_BYTES // 1024} KiB: "
+                         f"raise store_split or channel_split, or lower num_stages")
     tilelang, T = _tilelang()
     groups, steps = heads // BH, topk // BK
-    part, width = BK // store_split, dim // channel_split
     log2_scale = scale * LOG2E
     bf16, f32 = "bfloat16", "float32"
     S, t = _backward_signature(T, heads, dim, topk, ordered)
@@ -811,6 +828,18 @@ def default_forward_config(heads: int) -> dict:
     return {"warp_specialized": True} if heads % HEAD_BLOCK == 0 else {}
 
 
+def default_backward_config(heads: int, ordered: bool = False) -> dict:
+    """``backward_program``'s keywords for ``heads`` (as ``padded_heads`` gives) when the caller
+    names none: whole 64-head groups take the stacked backward with atomic adds (its latent
+    gradient in four channel parts, each added at once: 0.73x the backward's time in the layer
+    at the 1M share, bench/results/h100_stacked_backward); fewer heads, and the ordered
+    backward (the stacked one passes its tests ordered but has not been timed so), the
+    backward of ``key_block`` rows."""
+    if heads % HEAD_BLOCK or ordered:
+        return {}
+    return {"stacked": True, "channel_split": 4, "store_split": 1}
+
+
 def forward_index_multiple(heads: int, config: dict | None = None) -> int:
     """What ``latent_forward`` pads the top-k width to (with -1) for ``heads`` under
     ``config`` (``default_forward_config`` when None): its key block, or a pair of them for the
@@ -839,9 +868,11 @@ def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, order
     accumulator of kv's shape that the kernel adds the latent gradient to (and returns), so that
     calls over query blocks share one buffer; ``ordered``: add it in a fixed order (bitwise
     reproducible; ORDERED_QUERY_BLOCK queries per kernel call, then ``ordered_row_sums``)
-    instead of with atomics; ``config``: ``backward_program``'s tuning keywords."""
+    instead of with atomics; ``config``: ``backward_program``'s tuning keywords
+    (``default_backward_config`` when none are given)."""
     S, H, D = q.shape
     heads = padded_heads(H)
+    config = config or default_backward_config(heads, ordered)
     idx = _pad_keys(indices.to(torch.int32),
                     config.get("key_block", BACKWARD_KEY_BLOCK)).contiguous()
     kernel = backward_kernel(heads, D, idx.shape[1], float(scale), ordered=ordered, **config)
