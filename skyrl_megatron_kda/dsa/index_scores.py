@@ -161,8 +161,7 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     maximum to FP8's largest value (an all-zero row keeps scale 1). On CUDA one Triton program
     per ``FP8_ROWS`` rows (``fp8_rows_kernel``: the same bits, one launch where torch takes
     about eight per query block); elsewhere ``fp8_rows_reference``."""
-    d = x.shape[-1]
-    if x.is_cuda and d >= 16 and not d & (d - 1):
+    if x.is_cuda and _fp8_kernel_takes(x.shape[-1]):
         return fp8_rows_kernel(x)
     return fp8_rows_reference(x)
 
@@ -175,6 +174,11 @@ def fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 FP8_ROWS = 16
 """Rows per program of ``fp8_rows_kernel``."""
+
+
+def _fp8_kernel_takes(width: int) -> bool:
+    """``fp8_rows_kernel`` holds a row as one Triton block: a power-of-two width of at least 16."""
+    return width >= 16 and not width & (width - 1)
 
 
 @triton.jit
@@ -205,7 +209,7 @@ def _fp8_rows(x_ptr, q_ptr, scale_ptr, n_rows, fp8_step, DIM: tl.constexpr, ROWS
 def fp8_rows_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8_rows_reference`` in one Triton launch (rows of a power-of-two width >= 16)."""
     d = x.shape[-1]
-    if d < 16 or d & (d - 1):
+    if not _fp8_kernel_takes(d):
         raise ValueError(f"fp8_rows_kernel takes rows of a power-of-two width >= 16, got {d}")
     flat = x.reshape(-1, d).contiguous()
     q = torch.empty(flat.shape, dtype=FP8, device=x.device)
