@@ -25,6 +25,9 @@ each with the default backward; ``--forward-only`` leaves every backward out. ``
 sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
 build) with our backward on its log-sum-exp.
 
+Each tuning is built into its program first: one our programs refuse (a keyword they do not
+take, buffers beyond shared memory) is one line with exit status 2, before any GPU work.
+
 Usage (CUDA + tilelang):  python3 bench/latent_sparse_mla.py [--queries 65536] [--flashmla]
                               [--forward-configs '[{"key_block": 32, "num_stages": 3}]'] [--json out.json]
 """
@@ -181,6 +184,34 @@ def small_checks(dev) -> dict:
     return results
 
 
+def tunings(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, list[dict]]:
+    """The --forward-configs and --backward-configs, each built into its program at the
+    bench's shape first, so that one our programs refuse (or TileLang's absence) is one line
+    before any GPU work, not a traceback mid-run."""
+    configs = {}
+    for kind, program in (("forward", latent.forward_program),
+                          ("backward", latent.backward_program)):
+        flag = f"--{kind}-configs"
+        try:
+            configs[kind] = json.loads(getattr(a, f"{kind}_configs"))
+        except json.JSONDecodeError as e:
+            p.error(f"{flag} is not a JSON list of keyword dicts: {e}")
+        if not isinstance(configs[kind], list) or not all(isinstance(c, dict)
+                                                           for c in configs[kind]):
+            p.error(f"{flag} is not a JSON list of keyword dicts: {getattr(a, f'{kind}_configs')}")
+        for config in configs[kind]:
+            multiple = (latent.forward_index_multiple(HEADS, config) if kind == "forward"
+                        else config.get("key_block", latent.BACKWARD_KEY_BLOCK))
+            topk = -(-(TOPK + KPOOL - 1) // multiple) * multiple
+            try:
+                program(HEADS, R, topk, SCALE, **config)
+            except (TypeError, ValueError) as e:
+                p.error(f"{flag} {json.dumps(config)}: {e}")
+            except RuntimeError as e:  # what the programs need is missing (TileLang)
+                p.error(str(e))
+    return configs
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queries", type=int, default=65536)
@@ -197,6 +228,9 @@ def main():
                    help="also FlashMLA's forward (needs vLLM's FlashMLA build)")
     p.add_argument("--json", default="")
     a = p.parse_args()
+    configs = tunings(p, a)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (TileLang and megatron-core's kernels)")
     dev = torch.device("cuda")
     log("small checks against the fp32 torch attention")
     checks = small_checks(dev)
@@ -211,9 +245,8 @@ def main():
     fwd_tflop = 2 * HEADS * TOPK * (WIDTH + R) * a.queries / 1e12
     bwd_tflop = 2 * HEADS * TOPK * (2 * R + 3 * WIDTH) * a.queries / 1e12
     runs, reference = [], None
-    configs = json.loads(a.backward_configs)
-    impls = ([Megatron(q, kv, idx)] + [Ours(q, kv, idx, **c) for c in configs]
-             + [Ours(q, kv, idx, forward_config=c) for c in json.loads(a.forward_configs)])
+    impls = ([Megatron(q, kv, idx)] + [Ours(q, kv, idx, **c) for c in configs["backward"]]
+             + [Ours(q, kv, idx, forward_config=c) for c in configs["forward"]])
     for impl in impls + ([FlashMLAForward(q, kv, idx)] if a.flashmla else []):
         out, lse = impl.forward()                                   # compiles
         fwd_ms = timed(impl.forward, 0, a.iters)[0]
