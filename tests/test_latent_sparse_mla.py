@@ -85,13 +85,13 @@ def test_the_stacked_backward_refuses_buffers_beyond_shared_memory():
 
 
 def test_whole_head_groups_take_the_stacked_backward_by_default():
-    """64-head groups with atomic adds: the stacked backward; fewer heads, and the ordered
-    backward, the backward of key-block rows."""
+    """64-head groups (atomic and ordered alike): the stacked backward; fewer heads the
+    backward of key-block rows."""
     from skyrl_megatron_kda.dsa.latent_sparse_mla import default_backward_config
 
     stacked = {"stacked": True, "channel_split": 4, "store_split": 1}
     assert default_backward_config(64) == default_backward_config(128) == stacked
-    assert default_backward_config(8) == default_backward_config(64, ordered=True) == {}
+    assert default_backward_config(8) == {}
 
 
 def test_the_forward_refuses_key_blocks_that_do_not_tile_its_keys():

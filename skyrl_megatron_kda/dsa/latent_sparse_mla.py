@@ -828,14 +828,14 @@ def default_forward_config(heads: int) -> dict:
     return {"warp_specialized": True} if heads % HEAD_BLOCK == 0 else {}
 
 
-def default_backward_config(heads: int, ordered: bool = False) -> dict:
+def default_backward_config(heads: int) -> dict:
     """``backward_program``'s keywords for ``heads`` (as ``padded_heads`` gives) when the caller
-    names none: whole 64-head groups take the stacked backward with atomic adds (its latent
-    gradient in four channel parts, each added at once: 0.73x the backward's time in the layer
-    at the 1M share, bench/results/h100_stacked_backward); fewer heads, and the ordered
-    backward (the stacked one passes its tests ordered but has not been timed so), the
-    backward of ``key_block`` rows."""
-    if heads % HEAD_BLOCK or ordered:
+    names none: whole 64-head groups take the stacked backward (its latent gradient in four
+    channel parts, each added at once), with atomic adds and ordered alike: at the 1M share
+    0.73x the atomic backward's time in the layer (bench/results/h100_stacked_backward) and
+    0.86x the ordered one's (bench/results/h100_ordered_stacked); fewer heads the backward of
+    ``key_block`` rows, whose smaller MMA tiles they fit."""
+    if heads % HEAD_BLOCK:
         return {}
     return {"stacked": True, "channel_split": 4, "store_split": 1}
 
@@ -872,7 +872,7 @@ def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, order
     (``default_backward_config`` when none are given)."""
     S, H, D = q.shape
     heads = padded_heads(H)
-    config = config or default_backward_config(heads, ordered)
+    config = config or default_backward_config(heads)
     idx = _pad_keys(indices.to(torch.int32),
                     config.get("key_block", BACKWARD_KEY_BLOCK)).contiguous()
     kernel = backward_kernel(heads, D, idx.shape[1], float(scale), ordered=ordered, **config)
