@@ -32,10 +32,6 @@ BACKWARD_CONFIGS = ('[{}, {"ordered": true}, {"stacked": true}, {"stacked": true
                     '"channel_split": 2}, {"stacked": true, "channel_split": 4, "store_split": 1}]')
 
 
-def padded(multiple: int) -> int:
-    return -(-TOPK // multiple) * multiple
-
-
 def lowered(program, pass_configs: dict) -> tuple[str, int]:
     """The program's CUDA source and the dynamic shared memory its kernel is launched with."""
     import tilelang
@@ -99,7 +95,7 @@ def main() -> None:
                       for k in latent.FORWARD_PASS_CONFIGS}
     for config in configs["forward_configs"]:
         try:
-            topk = padded(latent.forward_index_multiple(HEADS, config))
+            topk = latent.padded_width(TOPK, latent.forward_index_multiple(HEADS, config))
             program = latent.forward_program(HEADS, WIDTH, topk, SCALE, **config)
         except (TypeError, ValueError) as e:
             p.error(f"forward config {json.dumps(config)}: {e}")
@@ -107,7 +103,7 @@ def main() -> None:
                           **compiled_resources(*lowered(program, forward_passes))}), flush=True)
     for config in configs["backward_configs"]:
         try:
-            topk = padded(config.get("key_block", latent.BACKWARD_KEY_BLOCK))
+            topk = latent.padded_width(TOPK, latent.backward_index_multiple(config))
             program = latent.backward_program(HEADS, WIDTH, topk, SCALE, **config)
         except (TypeError, ValueError) as e:
             p.error(f"backward config {json.dumps(config)}: {e}")

@@ -201,8 +201,8 @@ def tunings(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, list
             p.error(f"{flag} is not a JSON list of keyword dicts: {getattr(a, f'{kind}_configs')}")
         for config in configs[kind]:
             multiple = (latent.forward_index_multiple(HEADS, config) if kind == "forward"
-                        else config.get("key_block", latent.BACKWARD_KEY_BLOCK))
-            topk = -(-(TOPK + KPOOL - 1) // multiple) * multiple
+                        else latent.backward_index_multiple(config))
+            topk = latent.padded_width(TOPK + KPOOL - 1, multiple)
             try:
                 program(HEADS, R, topk, SCALE, **config)
             except (TypeError, ValueError) as e:

@@ -85,8 +85,14 @@ def _pad_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, heads - t.shape[1])) if t.shape[1] != heads else t
 
 
-def _pad_keys(indices: torch.Tensor, block: int) -> torch.Tensor:
-    width = -(-indices.shape[1] // block) * block
+def padded_width(width: int, multiple: int) -> int:
+    """A top-k width rounded up to the multiple a kernel takes (``forward_index_multiple``,
+    ``backward_index_multiple``)."""
+    return -(-width // multiple) * multiple
+
+
+def _pad_keys(indices: torch.Tensor, multiple: int) -> torch.Tensor:
+    width = padded_width(indices.shape[1], multiple)
     return F.pad(indices, (0, width - indices.shape[1]), value=-1)
 
 
@@ -849,6 +855,12 @@ def forward_index_multiple(heads: int, config: dict | None = None) -> int:
     return 2 * block if config.get("warp_specialized") else block
 
 
+def backward_index_multiple(config: dict) -> int:
+    """What ``latent_backward`` pads the top-k width to (with -1) under ``config``: its key
+    block."""
+    return config.get("key_block", BACKWARD_KEY_BLOCK)
+
+
 def latent_forward(q, kv, indices, scale, **config):
     """The forward kernel on the contract's tensors (padding heads and the top-k width);
     ``config``: ``forward_program``'s tuning keywords (``default_forward_config`` when none
@@ -873,8 +885,7 @@ def latent_backward(q, kv, grad_out, indices, lse, delta, scale, dkv=None, order
     S, H, D = q.shape
     heads = padded_heads(H)
     config = config or default_backward_config(heads)
-    idx = _pad_keys(indices.to(torch.int32),
-                    config.get("key_block", BACKWARD_KEY_BLOCK)).contiguous()
+    idx = _pad_keys(indices.to(torch.int32), backward_index_multiple(config)).contiguous()
     kernel = backward_kernel(heads, D, idx.shape[1], float(scale), ordered=ordered, **config)
     if dkv is None:
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from ..latent_sparse_mla import (
     BACKWARD_ADDS_DKV,
-    BACKWARD_KEY_BLOCK,
     LATENT_WIDTH,
     ORDERED_QUERY_BLOCK,
+    backward_index_multiple,
+    default_backward_config,
     forward_index_multiple,
     latent_dsa_kernels,
     padded_heads,
+    padded_width,
 )
 from ..flashmla_forward import KEY_BLOCK as FLASHMLA_KEY_BLOCK
 from .base import DSAShape
@@ -58,12 +60,12 @@ class LatentKernel(FusedKernel):
         sets = super().working_sets(shape)
         a = shape.dsa
         K = a.index_topk + a.index_kpool - 1
-        padded = lambda block: -(-K // block) * block  # noqa: E731 - the selection's padded width
         if a.attention_forward == "flashmla":
             f = min(a.fused_query_block, shape.rows)
             sets["attention forward"] += f * 4 + 2 * f * shape.heads * 4
         if a.deterministic_backward:
             queries = min(ORDERED_QUERY_BLOCK, a.fused_query_block, shape.rows)
-            pairs = queries * padded(BACKWARD_KEY_BLOCK)
+            multiple = backward_index_multiple(default_backward_config(padded_heads(shape.heads)))
+            pairs = queries * padded_width(K, multiple)
             sets["attention backward"] += pairs * (a.kv_lora_rank * 4 + 2 * (4 + 8) + 4 + 8 + 8)
         return sets
