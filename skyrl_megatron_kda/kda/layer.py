@@ -174,8 +174,9 @@ class KimiDeltaAttention(MegatronModule):
         """[q, k, v, f, g, beta] of ``heads`` (TP-local indices) for the rows [s, b, D] that
         ``rows`` gathers from ``shard`` (``exchanges.Projection``). q, k and v are each their own
         GEMM's output, contiguous, so the conv reads them as they are and hands its gradients
-        back without a concatenation (fla's conv on the column views of one q|k|v GEMM took
-        1.33x as long at 512K rows: ``bench/conv_layouts.py``); beta rides in the low-rank GEMM."""
+        back without a concatenation (fla's conv is slower on the strided column views of one
+        q|k|v GEMM: ``bench/conv_layouts.py``, docs/benchmarks.md); beta rides in the low-rank
+        GEMM."""
         hk = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
         cfg = self.kda_config
         q, k, v, low = project_rows(

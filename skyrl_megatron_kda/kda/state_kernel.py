@@ -15,8 +15,8 @@ more than the pass it parallelises. ``state_passing_kda`` instead runs, around o
 
 Pieces are further cut into segments that the kernel runs side by side, chained the same way.
 On CUDA this is the point: fla's state pass walks a sequence's chunks one after another, so one
-long sequence with few heads leaves most of the GPU idle (``bench/kda_segments.py``: 8 segments
-make fla's own chunk_kda fwd+bwd 1.43x faster at 512K tokens x 8 heads). The fla backend calls
+long sequence with few heads leaves most of the GPU idle, and segments side by side fill it
+(``bench/kda_segments.py`` times them against fla's own chunk_kda). The fla backend calls
 fla's kernels one by one (as fla's ``chunk_kda`` does) so that the intra-chunk work is done once
 and only the cheap state passes run twice; the torch backend is the CPU reference (autograd
 recompute) that proves the chaining in CI.

@@ -44,7 +44,7 @@ class StartedRay:
         if not self.started:
             return
         self.started = False
-        # Listed before ray.shutdown: once a raylet exits, its workers are no longer ours.
+        # Listed before ray.shutdown: once a raylet exits, its workers leave our process tree.
         procs = list(self.roots)
         for root in self.roots:
             try:

@@ -162,8 +162,8 @@ class _HaloConv(torch.autograd.Function):
     rank's pieces, each piece's first taps reading its halo.
 
     Each of q, k, v is convolved over all of the rank's rows at once, as one sequence: fla's
-    fastest call (``bench/conv_layouts.py``: cutting the rows into the pieces, or starting each
-    from its halo as fla's initial state, cost 1.1-1.4x). That is right except for the first
+    fastest call (cutting the rows into the pieces, or starting each from its halo as fla's
+    initial state, costs more: ``bench/conv_layouts.py``). That is right except for the first
     ``W - 1`` rows of each piece, whose taps reach before the piece start; those few rows are
     computed again from their true window, the halo being the piece tails all-gathered over CP
     (q|k|v side by side: one gather for the three). Backward runs the whole-rank conv's

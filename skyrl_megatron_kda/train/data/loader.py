@@ -43,7 +43,7 @@ class PackedLoader:
 
     Order: documents enter a shuffle buffer of ``shuffle_buffer`` documents; once it is full (or
     the pass has ended) a seeded draw takes one out; documents fill rows greedily in that order,
-    and the first that no longer fits closes the row and opens the next. Packing runs on across
+    and the first that does not fit closes the row and opens the next. Packing runs on across
     passes. ``state_dict()`` between rows is enough to resume exactly.
     """
 
