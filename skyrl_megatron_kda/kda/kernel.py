@@ -4,10 +4,10 @@ The KDA layer calls :func:`kda` (and :func:`causal_conv_silu`) with a backend pi
 :func:`resolve_backend`. The torch path is our own chunked implementation of the delta rule with a
 per-channel decay: per head, with the state ``S`` [K, V],
 ``S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T`` and
-``o_t = scale * S_t^T q_t`` (notation: ``kda/README.md``, section 1). It is differentiable by
-autograd, computes in fp32 and is the CPU path and oracle for fla's ``chunk_kda``; it is sized for
-tests and CPU runs, not for production shapes (it materialises per-chunk ``[C, C/16, K]`` decay
-tensors for autograd).
+``o_t = scale * S_t^T q_t`` (notation: ``kda/README.md``, "Notation and layout"). It is
+differentiable by autograd, computes in fp32 and is the CPU path and oracle for fla's
+``chunk_kda``; it is sized for tests and CPU runs, not for production shapes (it materialises
+per-chunk ``[C, C/16, K]`` decay tensors for autograd).
 """
 
 from __future__ import annotations
