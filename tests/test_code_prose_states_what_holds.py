@@ -17,7 +17,8 @@ What is refused, each a kind in ``RULES``:
 - a speed ratio: a decimal ratio (``1.33x``), an integer one that says faster or slower
   (``9x slower``), a percentage (``87% of the step``);
 - a throughput: a number with ``TFLOP/s``, ``tokens/s``, ``GB/s``, ``GiB/s`` and the like;
-- a measured value: ``measured`` followed by its number;
+- a measured value: ``measured`` followed by its number, a peak given as a number (``peaked
+  18.3 GiB``);
 - a history word: an earlier or first layout/version/run, ``previously``, ``used to`` (not the
   passive ``is used to``), ``once was``, ``session 3``, ``no longer`` (not ``no longer than``),
   ``at the old`` speed or layout, ``before this change``, ``now the default``, ``that day``.
@@ -53,7 +54,8 @@ RULES: dict[str, re.Pattern[str]] = {
         rf"|{NUMBER}\s?%", re.I),
     "throughput": re.compile(
         rf"{NUMBER}\s?(?:TFLOP/s|TFLOPS|GFLOP/s|tokens/s|GB/s|GiB/s|TB/s|MB/s|MiB/s|Gb/s)", re.I),
-    "measured value": re.compile(rf"\bmeasured\b\W{{0,3}}(?:~|about |at )?{NUMBER}", re.I),
+    "measured value": re.compile(rf"\bmeasured\b\W{{0,3}}(?:~|about |at )?{NUMBER}"
+                                 rf"|\bpeak(?:ed|s)?\s+(?:at\s+|of\s+)?{NUMBER}", re.I),
     "history": re.compile(
         r"\b(?:an?|the|our) (?:earlier|previous|older) (?:layout|version|run|call|commit|"
         r"session|implementation|design|attempt|code|kernel|measurement)s?\b"
@@ -132,7 +134,7 @@ old speed's shapes, 12% of the step.
 
 
 def f(x):
-    """The layer's forward took 2.1 s per step; measured ~6e-6 against fp64."""
+    """The layer's forward took 2.1 s per step; measured ~6e-6 against fp64; peaked 18.3 GiB."""
     y = x  # 9x slower before this change
     return y
 
@@ -167,7 +169,8 @@ def test_the_rule_catches_a_synthetic_offender_and_passes_clean_code():
     texts = {text.lower() for _, _, text in found}
     for phrase in ("an earlier layout", "5.6 ms", "1.33x", "at the old", "12%", "465 tflop/s",
                    "session 3", "no longer", "it used to", "took 2.1 s", "1.22 s a step",
-                   "measured ~6", "9x slower", "before this change", "now the default", "291 us"):
+                   "measured ~6", "peaked 18.3", "9x slower", "before this change",
+                   "now the default", "291 us"):
         assert any(phrase in text for text in texts), (phrase, found)
     assert {kind for _, kind, _ in found} == set(RULES)
     assert (4, "history", "at the old") in found  # read across the line break
