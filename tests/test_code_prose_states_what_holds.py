@@ -94,8 +94,9 @@ def offences(source: str) -> list[tuple[int, str, str]]:
     for index, (number, text) in enumerate(lines):
         text = INLINE_CODE.sub(" ", text)
         before = lines[index - 1] if index else None
-        joined = (INLINE_CODE.sub(" ", before[1]).strip() + " " if before and before[0] == number - 1
-                  else "") + text.strip()
+        carried = (INLINE_CODE.sub(" ", before[1]).strip() + " "
+                   if before and before[0] == number - 1 else "")
+        joined = carried + text.strip()
         cut = len(joined) - len(text.strip())
         for kind, rule in RULES.items():
             found += [(number, kind, m.group(0)) for m in rule.finditer(joined) if m.end() > cut]
