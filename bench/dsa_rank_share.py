@@ -69,12 +69,12 @@ summary of one set, or ``{"runs": [summary, ...]}`` for several; a summary's ``b
 iteration with the shortest ``layer_step_ms`` and ``tflop_s`` the TFLOP/s of its stages (keyed
 as its ms).
 
-``--indexer-scores fp8`` scores with FP8 products (``model.dsa.indexer_scores``; fused and latent)
+``--indexer-scores fp8`` scores with FP8 products (``model.dsa.{fused,latent}.indexer_scores``)
 and ``--deterministic`` runs our backward with its latent gradient summed in a fixed order
-(``model.dsa.deterministic_backward``; latent). Each summary says whether the two timed passes
+(``model.dsa.latent.deterministic_backward``). Each summary says whether the two timed passes
 (the same inputs) gave bitwise-equal gradients (``gradients_repeat_bitwise``).
 ``--attention-forward tilelang,flashmla`` runs the latent set once per forward kernel
-(``model.dsa.attention_forward``; flashmla needs vLLM's FlashMLA build), labelled
+(``model.dsa.latent.attention_forward``; flashmla needs vLLM's FlashMLA build), labelled
 ``latent+flashmla``.
 
 ``--tp-rows balanced,slice`` runs every set on both row choices in turn (``@slice`` labels).
@@ -586,24 +586,24 @@ def main():
     p.add_argument("--kernel", default="fused",
                    help="fused, latent or torch, or a comma list of them to run in turn")
     defaults = DSAConfig()
-    p.add_argument("--query-block", type=int, default=defaults.fused_query_block,
+    p.add_argument("--query-block", type=int, default=defaults.fused.query_block,
                    help="attention queries per call (torch: per block)")
     p.add_argument("--indexer-block", type=int, default=defaults.indexer_query_block)
     p.add_argument("--queries", type=int, default=0,
                    help="only the first N rows (0: all); the projections and all-to-alls "
                         "shrink alike")
     p.add_argument("--keep-output", action="store_true",
-                   help="model.dsa.keep_attention_output: the backward reads the forward's kept "
-                        "kernel output instead of running the kernel forward again (fused, latent)")
+                   help="model.dsa.{fused,latent}.keep_attention_output: the backward reads the "
+                        "forward's kept kernel output instead of running the kernel forward again")
     p.add_argument("--whole-row-topk", action="store_true",
                    help="the indexer's top-k as torch.topk over each whole row of scores (what "
                         "threshold_topk replaced), for a comparison in one call")
     p.add_argument("--indexer-scores", choices=["bf16", "fp8"], default="bf16",
-                   help="model.dsa.indexer_scores (fused, latent)")
+                   help="model.dsa.{fused,latent}.indexer_scores")
     p.add_argument("--deterministic", action="store_true",
-                   help="model.dsa.deterministic_backward (latent)")
+                   help="model.dsa.latent.deterministic_backward")
     p.add_argument("--attention-forward", default="tilelang",
-                   help="model.dsa.attention_forward for the latent set: tilelang, flashmla, or "
+                   help="model.dsa.latent.attention_forward: tilelang, flashmla, or "
                         "a comma list of them to run in turn")
     p.add_argument("--latent-configs", default="[{}]",
                    help='the latent set once per entry of this JSON list, each {"forward": '

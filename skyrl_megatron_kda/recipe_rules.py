@@ -1,6 +1,7 @@
 """The recipe rules that ask a registry: which names ``kda.cp_exchange`` and ``model.dsa.kernel``
 may take, whether the exchange can run on the mesh (``CPExchange.refusal``), whether the DSA
-kernel runs on the device and attends by rows (``DSAKernel.refusal``, ``splits_rows``), and what
+kernel runs on the device and attends by rows (``DSAKernel.refusal``, ``splits_rows``) and reads
+the options the recipe sets (``DSAKernel.options``), and what
 a packed row's length must divide by under ``parallel.cp_layout`` (the layout kind's row rule).
 
 They live here, not in ``config``: the rules are the strategies' own, whose modules import torch
@@ -16,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TypeVar
 
-from .config import MeshRecipe, Recipe, apply_env_overrides
-from .config.model import DSAConfig
+from .config import KERNEL_OPTIONS, DSAConfig, MeshRecipe, Recipe, apply_env_overrides
+from .config.base import ConfigSection
 from .distributed.cp_layout import layout_kind
 from .dsa import kernels as dsa_kernels
 from .kda import exchanges
@@ -41,7 +42,13 @@ def load_recipe_dict(raw: dict, environ: Mapping[str, str] | None = None) -> Rec
 
 def _validated(cls: type[R], raw: dict, environ: Mapping[str, str] | None) -> R:
     raw = apply_env_overrides(raw, exchanges.REGISTRY.choices(), environ)
-    return check(with_kernel_split(cls.model_validate(raw)))
+    return checked(cls.model_validate(raw))
+
+
+def checked(recipe: R) -> R:
+    """``recipe`` validated by the config, with the defaults that follow the DSA kernel
+    completed (``with_kernel_split``) and every rule here kept (``check``)."""
+    return check(with_kernel_split(recipe))
 
 
 def with_kernel_split(recipe: R) -> R:
@@ -79,48 +86,41 @@ def _check_exchange(recipe: MeshRecipe) -> None:
     # ask too; auto needs one exchange that no rule refuses.
     name = exchanges.REGISTRY.check(recipe.kda.cp_exchange)
     mesh = ExchangeMesh.of(recipe)
-    if name != AUTO:
-        why = exchanges.get(name).refusal(mesh)
-        if why is not None:
-            raise ValueError(f"kda.cp_exchange={name} is refused on this mesh: {why}")
-        return
-    refusals = {n: exchanges.get(n).refusal(mesh) for n in exchanges.names()}
-    if all(why is not None for why in refusals.values()):
-        raise ValueError("kda.cp_exchange=auto has no exchange to pick: "
-                         + "; ".join(f"{n}: {why}" for n, why in refusals.items()))
-
-
-KERNEL_SETTINGS = (
-    ("model.dsa.keep_attention_output=true", lambda dsa: dsa.keep_attention_output,
-     "keeps_output", "has no kernel output to keep (set it false)"),
-    ("model.dsa.indexer_scores=fp8", lambda dsa: dsa.indexer_scores == "fp8",
-     "scores_in_fp8", "scores in its inputs' precision (set it bf16)"),
-    ("model.dsa.deterministic_backward=true", lambda dsa: dsa.deterministic_backward,
-     "orders_latent_gradient", "adds its latent gradient in no fixed order (set it false)"),
-    ("model.dsa.attention_forward=flashmla", lambda dsa: dsa.attention_forward == "flashmla",
-     "forwards_on_flashmla", "runs its own forward kernel (set it tilelang)"),
-)
-"""The ``model.dsa`` settings only some kernels offer: (the setting as a recipe writes it,
-whether ``model.dsa`` uses it, the ``DSAKernel`` flag that offers it, why a kernel without it
-refuses)."""
+    if name == AUTO:
+        exchanges.allowed(mesh)
+    elif (why := exchanges.refusals(mesh).get(name)) is not None:
+        raise ValueError(f"kda.cp_exchange={name} is refused on this mesh: {why}")
 
 
 def check_dsa(dsa: DSAConfig) -> DSAConfig:
-    """``dsa`` if its kernel is registered (or ``auto``) and can run its ``tp_split`` and the
-    ``KERNEL_SETTINGS`` it uses, else the ``ValueError`` naming the setting."""
+    """``dsa`` if its kernel is registered (or ``auto``), can run its ``tp_split`` and no other
+    kernel's options section differs from its defaults, else the ``ValueError`` naming the
+    setting."""
     name = dsa_kernels.REGISTRY.check(dsa.kernel)
-    if dsa.tp_split == "sequence" and name != AUTO and not dsa_kernels.get(name).splits_rows:
+    if name == AUTO:  # checked again once auto has picked (auto.resolve)
+        return dsa
+    kernel = dsa_kernels.get(name)
+    if dsa.tp_split == "sequence" and not kernel.splits_rows:
         splitting = [n for n, cls in dsa_kernels.REGISTRY.items() if cls.splits_rows]
         names = ", ".join(splitting[:-1]) + " or " + splitting[-1] if len(splitting) > 1 else splitting[0]
         raise ValueError(f"model.dsa.tp_split=sequence needs model.dsa.kernel "
                          f"{names}: the {name} kernel attends with "
                          "whole-sequence keys per head")
-    for setting, used, capability, why_not in KERNEL_SETTINGS:
-        if used(dsa) and name != AUTO and not getattr(dsa_kernels.get(name), capability):
-            able = [n for n, cls in dsa_kernels.REGISTRY.items() if getattr(cls, capability)]
-            raise ValueError(f"{setting} needs model.dsa.kernel {' or '.join(able)}: the {name} "
-                             f"kernel {why_not}")
+    # Each kernel reads its own section only: another's, set, would be accepted and ignored.
+    for section in KERNEL_OPTIONS:
+        changed = _changed_options(getattr(dsa, section))
+        if section != kernel.options and changed:
+            raise ValueError(f"model.dsa.{section}.{changed[0]} applies to the {section} kernel "
+                             f"only, and model.dsa.kernel={name}: set model.dsa.kernel={section} "
+                             f"or leave model.dsa.{section} at its defaults")
     return dsa
+
+
+def _changed_options(options: ConfigSection) -> list[str]:
+    """``option=value`` for each option of a kernel section that differs from its default."""
+    defaults = type(options)()
+    return [f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in options if value != getattr(defaults, key)]
 
 
 def _check_rows(recipe: MeshRecipe) -> None:

@@ -4,8 +4,8 @@
 Precedence, lowest first: the recipe's source, dot-path overrides (``--set kda.cp_exchange=a2a``),
 then ``SKYRL_KDA_CP_EXCHANGE`` (applied by ``config.apply_env_overrides``, the only env reader);
 the config validates the result and ``recipe_rules`` applies the registries' rules;
-``load_recipe`` then resolves ``auto`` (``model.dsa.kernel``, ``kda.cp_exchange``) and returns the
-reasons beside the recipe (``LoadedRecipe``): they are not settings.
+``load_recipe`` then resolves every ``auto`` (``auto.resolve``) and returns the reasons beside
+the recipe (``LoadedRecipe``): they are not settings.
 Unknown keys are errors at every depth (``extra="forbid"``), named by their dotted path.
 
 ``register()`` adds the built-in recipes; it runs at import and is re-entrant, so the driver and
@@ -25,12 +25,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from . import auto
 from .config import Recipe, merge, parse_overrides
 from .console import yaml_message
-from .dsa import kernels as dsa_kernels
-from .kda.cost import resolve_cp_exchange
-from .recipe_rules import check_dsa, load_recipe_dict
-from .registry import AUTO
+from .recipe_rules import load_recipe_dict
 
 RECIPES_DIR = Path(str(files("skyrl_megatron_kda.builtin_recipes")))
 """Folder of the built-in YAML recipes: ``recipes/`` of the repository, shipped in the wheel as
@@ -160,7 +158,7 @@ class LoadedRecipe:
     """The recipe with every ``auto`` resolved."""
     choices: Mapping[str, str]
     """Setting (``model.dsa.kernel``, ``kda.cp_exchange``) -> the reason ``auto`` gave for its
-    value; only the settings the recipe left to ``auto``. The run folder records it beside
+    value (``auto.resolve``); only the settings the recipe left to ``auto``. The run folder records it beside
     ``recipe.yaml`` (``train.outputs.AUTO_CHOICES``)."""
 
     def choice_lines(self) -> list[str]:
@@ -171,32 +169,11 @@ class LoadedRecipe:
 def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = (),
                 environ: Mapping[str, str] | None = None) -> LoadedRecipe:
     """A registered name, or a path to a YAML recipe file, loaded like ``get_recipe`` and ready
-    to run: ``model.dsa.kernel=auto`` becomes the device's kernel and ``kda.cp_exchange=auto`` is
-    resolved here, once, by the cost model (arithmetic on the recipe), after the overrides and
-    the environment; each pick's reason comes back beside the recipe (the cost model also logs
-    its own). ``get_recipe`` leaves ``auto`` as written."""
-    recipe = _load_as_written(str(name_or_path), overrides, environ)
-    choices = {}
-    if recipe.model.dsa.kernel == AUTO:
-        recipe, choices["model.dsa.kernel"] = _with_dsa_kernel_resolved(recipe)
-    if recipe.kda.cp_exchange == AUTO:
-        recipe, choices["kda.cp_exchange"] = resolve_cp_exchange(recipe)
+    to run: every setting left to ``auto`` (``auto.settings()``: ``model.dsa.kernel``,
+    ``kda.cp_exchange``) is chosen here, once, after the overrides and the environment, and each
+    pick's reason comes back beside the recipe. ``get_recipe`` leaves ``auto`` as written."""
+    recipe, choices = auto.resolve(_load_as_written(str(name_or_path), overrides, environ))
     return LoadedRecipe(recipe, choices)
-
-
-def _with_dsa_kernel_resolved(recipe: Recipe) -> tuple[Recipe, str]:
-    """``recipe`` with ``model.dsa.kernel=auto`` replaced by the kernel ``dsa.kernels.resolve``
-    picks for ``run.device``, and the reason; refused (``ValueError``) where the other DSA
-    settings do not suit that kernel."""
-    device = recipe.run.device
-    name = dsa_kernels.resolve(recipe.model.dsa.kernel, device)
-    try:
-        dsa = check_dsa(recipe.model.dsa.model_copy(update={"kernel": name}))
-    except ValueError as e:
-        why = f"model.dsa.kernel=auto picks {name} on run.device={device}; {e}"
-        raise ValueError(why) from None
-    resolved = recipe.model_copy(update={"model": recipe.model.model_copy(update={"dsa": dsa})})
-    return resolved, f"{name}: the first registered kernel that run.device={device} does not refuse"
 
 
 def _load_as_written(key: str, overrides: Sequence[str], environ: Mapping[str, str] | None) -> Recipe:

@@ -264,7 +264,7 @@ def test_a_mesh_or_memory_change_passes_the_model_check(tmp_path):
                                "run.resume=true", "parallel.cp=1", "run.num_workers=2",
                                "kda.cp_exchange=allgather", "train.recompute=full",
                                "model.hyper_connections.map_chunk_rows=64",
-                               "model.dsa.attention_block=16"], environ={})
+                               "model.dsa.torch.attention_block=16"], environ={})
     start = run_folder.prepare(recipe)
     assert start.resume_from == shard.parent and start.step == 2 and start.notes == []
 

@@ -1,6 +1,6 @@
 """The cost model behind kda.cp_exchange=auto: scenario picks that follow from the model, picks are
 the argmin of the model's own estimates, calibration reproduces the measurements it came from,
-resolve_cp_exchange, and the ``plan`` command."""
+its resolution by ``auto.resolve``, and the ``plan`` command."""
 
 import itertools
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from skyrl_megatron_kda import cli
+from skyrl_megatron_kda import auto, cli
 from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, MeshRecipe, merge
 from skyrl_megatron_kda.kda import exchanges
 from skyrl_megatron_kda.kda.cost import (
@@ -24,7 +24,6 @@ from skyrl_megatron_kda.kda.cost import (
     kda_efficiency,
     kda_kernel_s,
     regather_hidden_s,
-    resolve_cp_exchange,
 )
 from skyrl_megatron_kda.kda.exchanges import ExchangeShape
 from skyrl_megatron_kda.recipe_rules import load_mesh_recipe
@@ -440,23 +439,24 @@ def test_estimate_unknown_exchange():
         estimate("auto", shape_of(glm()), False, glm().cluster)
 
 
-# --- resolve_cp_exchange ------------------------------------------------------------------------
+# --- auto.resolve on kda.cp_exchange ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("exchange", ["a2a", "allgather", "state"])
 def test_resolve_leaves_configured_exchanges_alone(exchange, caplog):
     recipe = glm(kda={"cp_exchange": exchange})
-    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.kda.cost"):
-        resolved, reason = resolve_cp_exchange(recipe)
+    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.auto"):
+        resolved, choices = auto.resolve(recipe)
     assert resolved is recipe
-    assert reason == "configured"
+    assert choices == {}
     assert not caplog.records
 
 
 def test_resolve_auto_logs_the_reason(caplog):
     recipe = glm(cluster={"inter_node_kind": "tcp"})
-    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.kda.cost"):
-        resolved, reason = resolve_cp_exchange(recipe)
+    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.auto"):
+        resolved, choices = auto.resolve(recipe)
+    reason = choices["kda.cp_exchange"]
     assert resolved.kda.cp_exchange == "state"
     assert resolved.model_copy(update={"kda": recipe.kda}) == recipe, "only cp_exchange changes"
     assert reason.startswith("state: ")
@@ -470,7 +470,7 @@ def test_resolve_auto_from_the_environment(monkeypatch):
     recipe = load_mesh_recipe({"parallel": {"tp": 8, "cp": 2, "sequence_parallel": True},
                                 "data": {"seq_len": 2**20}})
     assert recipe.kda.cp_exchange == "auto"
-    resolved, _ = resolve_cp_exchange(recipe)
+    resolved, _ = auto.resolve(recipe)
     assert resolved.kda.cp_exchange == "state", "the env is not re-applied to the choice"
 
 

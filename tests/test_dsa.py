@@ -62,13 +62,15 @@ def _config(kpool, topk=CFG["index_topk"], tp=1, cp=1, sp=False):
     )
 
 
-def _kernel(name, tp_split="heads"):
+def _kernel(name, tp_split="heads", kpool=4):
     """The DSA implementation with small block sizes that divide none of the test's query and
     pool counts, so every block loop takes several steps and ends on a partial block."""
     from skyrl_megatron_kda.config import DSAConfig
 
-    return DSAConfig(kernel=name, tp_split=tp_split, attention_block=7, fused_query_block=5,
-                     indexer_query_block=9, indexer_pool_block=3)
+    block = {"torch": {"attention_block": 7, "indexer_pool_block": 3},
+             "fused": {"query_block": 5}, "latent": {"query_block": 5}}
+    return DSAConfig(kernel=name, tp_split=tp_split, index_kpool=kpool, indexer_query_block=9,
+                     **({name: block[name]} if name in block else {}))
 
 
 def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="heads",
@@ -88,7 +90,7 @@ def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="
         rank = config.kv_lora_rank
         LatentKernel.load_kernels = staticmethod(lambda **_: torch_dsa_kernels(rank, rank))
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
-    return build_module(dsa.glm_dsa_layer_spec(kpool, cp_layout, _kernel(kernel, tp_split)),
+    return build_module(dsa.glm_dsa_layer_spec(cp_layout, _kernel(kernel, tp_split, kpool)),
                         config=config, layer_number=4, pg_collection=pg)
 
 

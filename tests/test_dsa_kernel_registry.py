@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from skyrl_megatron_kda.memory import estimate_memory
 from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes, dsa_shape, dsa_transient_bytes
@@ -123,6 +124,28 @@ def test_plan_reads_the_kernels_memory_terms(toy):
         dsa_activation_bytes(unresolved)
 
 
+def test_step_time_refuses_a_kernel_without_measured_rates(toy):
+    """The step-time model prices the DSA core through the kernel's ``rate_key``: the toy (and
+    torch, the CPU path) has none, so the estimate is refused by name and ``plan`` says so in one
+    line instead of pricing it at another kernel's rates; the same recipe on a GPU (auto: latent)
+    is priced."""
+    from skyrl_megatron_kda.steptime import estimate_step_time, step_time_lines
+
+    for kernel in (TOY, "torch"):
+        recipe = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={kernel}"]).recipe
+        why = f"model.dsa.kernel={kernel} has no measured step-time rates"
+        with pytest.raises(ValueError, match=rf"^{why} \(DSAKernel.rate_key\): price the step "
+                                             r"with model.dsa.kernel=latent or fused$"):
+            estimate_step_time(recipe)
+        assert step_time_lines(recipe) == [f"step time: not estimated: {why} (DSAKernel.rate_key): "
+                                           "price the step with model.dsa.kernel=latent or fused"]
+    on_gpu = load_recipe("glm53_flash_tiny", [*ONE_RANK, "run.device=gpu"]).recipe
+    assert on_gpu.model.dsa.kernel == "latent" and estimate_step_time(on_gpu).step_s > 0
+    kda_only = load_recipe("glm53_flash_tiny", [*ONE_RANK, f"model.dsa.kernel={TOY}",
+                                                "model.num_layers=3"]).recipe
+    assert estimate_step_time(kda_only).part("DSA attention").layers == 0
+
+
 def _toy_layer_run(rank, world):
     from megatron.core import parallel_state
 
@@ -225,54 +248,99 @@ def test_gpu_layer_matches_the_torch_layer(gpu_kernel, torch_selection):
     assert result["same_tokens"] > 0.97, result
 
 
-SETTINGS_OF_SOME_KERNELS = {
-    # setting: (its value, the kernels that offer it)
-    "keep_attention_output": (True, ("latent", "fused")),
-    "indexer_scores": ("fp8", ("latent", "fused")),
-    "deterministic_backward": (True, ("latent",)),
-    "attention_forward": ("flashmla", ("latent",)),
+CHANGED_OPTION = {
+    # each kernel's options section: one option off its default
+    "fused": ("keep_attention_output", True),
+    "latent": ("deterministic_backward", True),
+    "torch": ("attention_block", 16),
 }
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS_OF_SOME_KERNELS))
+@pytest.mark.parametrize("section", list(CHANGED_OPTION))
 @pytest.mark.parametrize("kernel", ["torch", "unfused", "fused", "latent"])
-def test_a_setting_of_some_kernels_is_refused_by_the_others(setting, kernel):
-    """model.dsa.keep_attention_output (a backward that can read a kept output),
-    indexer_scores=fp8 (an FP8 score kernel), deterministic_backward (a latent gradient summed
-    in a fixed order) and attention_forward=flashmla (FlashMLA's forward) apply to the kernels
-    that offer them, which are built with them; elsewhere each is refused by name, not
-    ignored."""
-    from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
+def test_a_kernels_options_are_refused_with_another_kernel(section, kernel):
+    """model.dsa.fused, latent and torch hold one kernel's options each: a section set off its
+    defaults runs with its own kernel and is refused by name with any other (never accepted
+    and ignored); at its defaults it is no setting and passes with every kernel."""
     from skyrl_megatron_kda.recipe_rules import check_dsa
 
-    value, offering = SETTINGS_OF_SOME_KERNELS[setting]
-    dsa = DSAConfig(kernel=kernel, **{setting: value},
-                    tp_split="heads" if kernel == "unfused" else "sequence")
-    if kernel not in offering:
+    option, value = CHANGED_OPTION[section]
+    split = "heads" if kernel == "unfused" else "sequence"
+    dsa = DSAConfig(kernel=kernel, tp_split=split, **{section: {option: value}})
+    if kernel != section:
         written = str(value).lower()
-        with pytest.raises(ValueError, match=f"{setting}={written} needs model.dsa.kernel "
-                                             f"{' or '.join(offering)}: the {kernel} kernel"):
+        with pytest.raises(ValueError, match=rf"^model.dsa.{section}.{option}={written} applies "
+                                             rf"to the {section} kernel only, and "
+                                             rf"model.dsa.kernel={kernel}: set model.dsa.kernel"):
             check_dsa(dsa)
     else:
         assert check_dsa(dsa) is dsa
-        if setting == "indexer_scores":
-            assert FusedKernel.kernel_options(dsa)["indexer_scores"] == "fp8"
+    untouched = DSAConfig(kernel=kernel, tp_split=split, **{section: {}})
+    assert check_dsa(untouched) is untouched
 
 
-def test_auto_is_refused_where_it_picks_a_kernel_that_keeps_no_output():
-    """model.dsa.kernel=auto with keep_attention_output=true: on a CPU recipe auto picks torch,
-    which has no kernel output to keep, so loading the recipe refuses it in one line naming both
-    settings instead of running torch with the setting ignored."""
+def test_each_kernel_reads_its_own_options_section():
+    """The fused kernel builds from model.dsa.fused, the latent kernel (its subclass) from
+    model.dsa.latent: FP8 scores set for one leave the other's in bf16."""
+    from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
+    from skyrl_megatron_kda.dsa.kernels.latent import LatentKernel
+
+    fused_fp8 = DSAConfig(fused={"indexer_scores": "fp8"})
+    assert FusedKernel.kernel_options(fused_fp8)["indexer_scores"] == "fp8"
+    assert LatentKernel.kernel_options(fused_fp8)["indexer_scores"] == "bf16"
+    latent_fp8 = DSAConfig(latent={"indexer_scores": "fp8"})
+    assert LatentKernel.kernel_options(latent_fp8)["indexer_scores"] == "fp8"
+    assert FusedKernel.kernel_options(latent_fp8)["indexer_scores"] == "bf16"
+
+
+@pytest.mark.parametrize("former, now", [
+    ("keep_attention_output=true", "model.dsa.latent.keep_attention_output"),
+    ("fused_query_block=512", "model.dsa.fused.query_block"),
+    ("deterministic_backward=true", "model.dsa.latent.deterministic_backward"),
+    ("attention_forward=flashmla", "model.dsa.latent.attention_forward"),
+    ("indexer_scores=fp8", "model.dsa.latent.indexer_scores"),
+    ("attention_block=16", "model.dsa.torch.attention_block"),
+    ("indexer_pool_block=64", "model.dsa.torch.indexer_pool_block"),
+])
+def test_a_former_flat_kernel_option_is_refused_in_one_line_naming_its_key(former, now):
+    """The kernel options model.dsa held before each kernel had its section: a recipe that
+    still sets one is refused in one line that names where it went."""
+    from skyrl_megatron_kda.console import error_lines
     from skyrl_megatron_kda.recipes import load_recipe
 
-    with pytest.raises(ValueError, match=r"^model.dsa.kernel=auto picks torch on run.device=cpu; "
-                                         r"model.dsa.keep_attention_output=true needs"):
-        load_recipe("glm53_flash_tiny", ["model.dsa.keep_attention_output=true"])
+    key = former.split("=")[0]
+    with pytest.raises(ValidationError) as err:
+        load_recipe("glm53_flash_tiny", [f"model.dsa.{former}"], environ={})
+    (line,), _ = error_lines(err.value)
+    assert f"model.dsa.{key} is now {now}" in line, line
+    load_recipe("glm53_flash_tiny", ["model.dsa.torch.attention_block=16"], environ={})
+
+
+def test_auto_is_refused_where_it_picks_a_kernel_that_ignores_the_options_set():
+    """model.dsa.kernel=auto with model.dsa.latent.keep_attention_output=true: on a CPU recipe
+    auto picks torch, which reads no latent options, so loading the recipe refuses it in one
+    line naming both settings instead of running torch with the setting ignored."""
+    from skyrl_megatron_kda.recipes import load_recipe
+
+    with pytest.raises(ValueError, match=r"^model.dsa.kernel=auto picks torch; "
+                                         r"model.dsa.latent.keep_attention_output=true applies"):
+        load_recipe("glm53_flash_tiny", ["model.dsa.latent.keep_attention_output=true"])
     assert load_recipe("glm53_flash_tiny", []).recipe.model.dsa.kernel == "torch"
+    on_gpu = load_recipe("glm53_flash_tiny", ["run.device=gpu",
+                                              "model.dsa.latent.keep_attention_output=true"])
+    assert on_gpu.recipe.model.dsa.kernel == "latent"
+
+
+def with_options(recipe, kernel, **options):
+    """``recipe`` with ``model.dsa.kernel=kernel`` and ``options`` in that kernel's section."""
+    dsa = recipe.model.dsa
+    section = getattr(dsa, kernel).model_copy(update=options)
+    dsa = dsa.model_copy(update={"kernel": kernel, kernel: section})
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"dsa": dsa})})
 
 
 def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeypatch):
-    """LatentKernel hands model.dsa.deterministic_backward to its kernel set (``ordered``), and
+    """LatentKernel hands model.dsa.latent.deterministic_backward to its kernel set (``ordered``), and
     plan's backward working set grows by one ordered call's fp32 rows and their sort: at the 1M
     recipe's share 1,024 queries x 2,080 slots x (512 x 4 + 44) bytes."""
     from skyrl_megatron_kda.dsa.kernels.latent import LatentKernel
@@ -282,16 +350,14 @@ def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeyp
     seen = []
     monkeypatch.setattr(LatentKernel, "load_kernels", staticmethod(lambda **kw: seen.append(kw)))
     for on in (False, True):
-        LatentKernel(DSAConfig(kernel="latent", deterministic_backward=on))
+        LatentKernel(DSAConfig(kernel="latent", latent={"deterministic_backward": on}))
     assert seen == [{"indexer_scores": "bf16", "ordered": on, "attention_forward": "tilelang"}
                     for on in (False, True)]
 
     recipe = load_recipe("glm53_flash_1m", []).recipe
     sets = {}
     for on in (False, True):
-        dsa = recipe.model.dsa.model_copy(update={"kernel": "latent", "deterministic_backward": on})
-        shape = dsa_shape(recipe.model_copy(update={"model": recipe.model.model_copy(
-            update={"dsa": dsa})}))
+        shape = dsa_shape(with_options(recipe, "latent", deterministic_backward=on))
         sets[on] = LatentKernel.working_sets(shape)
     assert sets[True]["attention backward"] - sets[False]["attention backward"] == (
         1024 * 2080 * (512 * 4 + 44))
@@ -299,7 +365,7 @@ def test_the_latent_kernel_loads_its_ordered_backward_and_plans_its_rows(monkeyp
 
 
 def test_the_latent_kernel_loads_flashmla_and_plans_its_forward(monkeypatch):
-    """model.dsa.attention_forward=flashmla reaches the latent kernel set, and plan's forward
+    """model.dsa.latent.attention_forward=flashmla reaches the latent kernel set, and plan's forward
     working set grows by what FlashMLA's contract adds per call at the 1M recipe's share: one
     int32 length per query, the rows' maxima and the log-sum-exp's copy (8,192 queries x 64
     heads fp32 each); both pad the indices to 2,176 (FlashMLA's 128-key blocks; our
@@ -311,15 +377,13 @@ def test_the_latent_kernel_loads_flashmla_and_plans_its_forward(monkeypatch):
 
     seen = []
     monkeypatch.setattr(LatentKernel, "load_kernels", staticmethod(lambda **kw: seen.append(kw)))
-    LatentKernel(DSAConfig(kernel="latent", attention_forward="flashmla"))
+    LatentKernel(DSAConfig(kernel="latent", latent={"attention_forward": "flashmla"}))
     assert seen[0]["attention_forward"] == "flashmla"
 
     recipe = load_recipe("glm53_flash_1m", []).recipe
     sets = {}
     for forward in ("tilelang", "flashmla"):
-        dsa = recipe.model.dsa.model_copy(update={"kernel": "latent", "attention_forward": forward})
-        shape = dsa_shape(recipe.model_copy(update={"model": recipe.model.model_copy(
-            update={"dsa": dsa})}))
+        shape = dsa_shape(with_options(recipe, "latent", attention_forward=forward))
         sets[forward] = LatentKernel.working_sets(shape)
         if forward == "tilelang":
             with monkeypatch.context() as m:
@@ -335,7 +399,7 @@ def test_the_latent_kernel_loads_flashmla_and_plans_its_forward(monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["fused", "latent"])
 def test_a_kept_output_leaves_the_forwards_working_set(kernel):
-    """Under model.dsa.keep_attention_output the forward keeps each block's own kernel output
+    """Under keep_attention_output (model.dsa.fused or latent) the forward keeps each block's own kernel output
     (in ``kept_bytes``), so plan's forward working set holds one [f, n, 512] output fewer at the
     1M recipe's share (8,192 queries x 64 heads, bf16); nothing else moves."""
     from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
@@ -347,8 +411,7 @@ def test_a_kept_output_leaves_the_forwards_working_set(kernel):
     recipe = load_recipe("glm53_flash_1m", []).recipe
     sets = {}
     for keep in (False, True):
-        dsa = recipe.model.dsa.model_copy(update={"kernel": kernel, "keep_attention_output": keep})
-        sets[keep] = model.working_sets(dsa_shape(recipe.model_copy(update={
-            "model": recipe.model.model_copy(update={"dsa": dsa})})))
+        sets[keep] = model.working_sets(dsa_shape(with_options(recipe, kernel,
+                                                               keep_attention_output=keep)))
     assert sets[False]["attention forward"] - sets[True]["attention forward"] == 8192 * 64 * 512 * 2
     assert sets[False]["indexer"] == sets[True]["indexer"]

@@ -188,13 +188,15 @@ def test_the_sequence_split_keeps_what_the_plan_says():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(kernel="triton", attention_block=1, indexer_query_block=1, indexer_pool_block=1),
-     "kernel"),
+    (dict(kernel="triton", indexer_query_block=1, torch=dict(attention_block=1,
+                                                             indexer_pool_block=1)), "kernel"),
     (dict(kernel="unfused", tp_split="sequence"), "tp_split=sequence needs"),
-    (dict(kernel="torch", fused_query_block=0), "fused_query_block"),
-    (dict(kernel="torch", attention_block=0, indexer_query_block=1, indexer_pool_block=1),
+    (dict(kernel="torch", fused=dict(query_block=0)), "query_block"),
+    (dict(kernel="torch", indexer_query_block=1, torch=dict(attention_block=0,
+                                                            indexer_pool_block=1)),
      "attention_block"),
-    (dict(kernel="torch", attention_block=1, indexer_query_block=1, indexer_pool_block=-3),
+    (dict(kernel="torch", indexer_query_block=1, torch=dict(attention_block=1,
+                                                            indexer_pool_block=-3)),
      "indexer_pool_block"),
 ])
 def test_bad_kernel_settings_are_refused(kwargs, message):
@@ -208,9 +210,9 @@ def test_bad_kernel_settings_are_refused(kwargs, message):
 
 @pytest.mark.parametrize("override, message", [
     ("model.dsa.kernel=fused", "kernel"),
-    ("model.dsa.attention_block=0", "attention_block"),
+    ("model.dsa.torch.attention_block=0", "attention_block"),
     ("model.dsa.indexer_query_block=-1", "indexer_query_block"),
-    ("model.dsa.indexer_pool_block=2.5", "indexer_pool_block"),
+    ("model.dsa.torch.indexer_pool_block=2.5", "indexer_pool_block"),
 ])
 def test_bad_recipe_settings_are_refused(override, message):
     from skyrl_megatron_kda.recipes import load_recipe

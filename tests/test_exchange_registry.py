@@ -7,7 +7,8 @@ import torch
 
 from skyrl_megatron_kda.config import CP_EXCHANGE_ENV, MeshRecipe, merge
 from skyrl_megatron_kda.kda import exchanges
-from skyrl_megatron_kda.kda.cost import choose, estimate, exclusions, resolve_cp_exchange
+from skyrl_megatron_kda import auto
+from skyrl_megatron_kda.kda.cost import choose, estimate, exclusions
 from skyrl_megatron_kda.kda.exchanges import A2AExchange, ExchangeShape
 from skyrl_megatron_kda.recipe_rules import load_mesh_recipe
 from tests.support.ranks import run_ranks
@@ -95,8 +96,8 @@ def test_cost_model_estimates_the_toy_and_auto_picks_it(toy):
     shape = ExchangeShape.of(recipe)
     assert estimate(TOY, shape, False, recipe.cluster).cp_in_bytes == by_name[TOY].cp_in_bytes
     assert choice == TOY and reason.startswith(f"{TOY}: ")
-    resolved, _ = resolve_cp_exchange(recipe)
-    assert resolved.kda.cp_exchange == TOY
+    resolved, choices = auto.resolve(recipe)
+    assert resolved.kda.cp_exchange == TOY and choices == {"kda.cp_exchange": reason}
 
 
 def test_auto_without_the_toy_picks_a2a():

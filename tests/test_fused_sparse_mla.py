@@ -196,7 +196,7 @@ def test_keeping_the_output_skips_the_backwards_forward_and_changes_no_bit(block
     # plan's term (FusedKernel.kept_bytes) on this call's shape, at the stand-in's output width
     model = type("StandIn", (FusedKernel,), {
         "value_width": torch_dsa_kernels(**WIDTHS[widths]).value_width})
-    shape = {keep: DSAShape(dsa=DSAConfig(keep_attention_output=keep), whole=TK, cp_rows=TQ,
+    shape = {keep: DSAShape(dsa=DSAConfig(fused={"keep_attention_output": keep}), whole=TK, cp_rows=TQ,
                             sp_rows=TQ, tp=1, cp=1, act_bytes=8, rows=TQ, heads=HEADS,
                             index_rows=TQ, by_rows=False) for keep in (False, True)}
     lse_in_fp64 = TQ * HEADS * 4  # the stand-in's log-sum-exp is fp64, the kernels' fp32

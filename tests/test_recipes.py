@@ -16,6 +16,7 @@ from skyrl_megatron_kda import cli, recipes
 from skyrl_megatron_kda.config import (
     CP_EXCHANGE_ENV,
     DSAConfig,
+    LatentOptions,
     ModelConfig,
     MoEConfig,
     Recipe,
@@ -116,8 +117,8 @@ def test_full_recipe_loads(monkeypatch):
     r = get_recipe(FULL)
     assert isinstance(r, Recipe)
     # The file spells out the model card's sizes, the defaults, and one speed setting besides.
-    assert r.model.dsa.keep_attention_output
-    as_card = r.model.dsa.model_copy(update={"keep_attention_output": False})
+    assert r.model.dsa.latent.keep_attention_output
+    as_card = r.model.dsa.model_copy(update={"latent": LatentOptions()})
     assert r.model.model_copy(update={"dsa": as_card}) == ModelConfig()
     p = r.parallel
     assert (p.tp, p.cp, p.ep, p.etp, p.pp, p.sequence_parallel) == (8, 2, 32, 2, 1, True)
@@ -158,10 +159,11 @@ def test_list_recipes_has_one_line_descriptions():
 
 
 def test_auto_resolves_on_a_whole_recipe(monkeypatch):
-    from skyrl_megatron_kda.kda.cost import resolve_cp_exchange
+    from skyrl_megatron_kda import auto
 
     monkeypatch.delenv(CP_EXCHANGE_ENV, raising=False)
-    resolved, reason = resolve_cp_exchange(get_recipe(FULL))
+    resolved, choices = auto.resolve(get_recipe(FULL))
+    reason = choices["kda.cp_exchange"]
     assert isinstance(resolved, Recipe) and resolved.run.num_workers == 64
     assert resolved.kda.cp_exchange in ("a2a", "allgather", "state")
     assert reason.startswith(resolved.kda.cp_exchange)
@@ -464,21 +466,21 @@ def test_a_recipe_file_with_the_old_exchange_reason_is_refused_in_one_line(tmp_p
 
 def test_load_recipe_resolves_auto_once_and_returns_the_reasons(caplog):
     """get_recipe keeps the file's auto; load_recipe (what a run loads) resolves it after the
-    overrides and the environment, logs the exchange's reason once and returns each pick's
-    reason beside the recipe (not in it)."""
+    overrides and the environment, logs each pick's reason once and returns it beside the
+    recipe (not in it)."""
     import logging
 
     assert get_recipe(FULL, environ={}).kda.cp_exchange == "auto"
-    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.kda.cost"):
+    with caplog.at_level(logging.INFO, logger="skyrl_megatron_kda.auto"):
         loaded = load_recipe(FULL, environ={})
     r, reason = loaded.recipe, loaded.choices["kda.cp_exchange"]
     assert r.kda.cp_exchange == "state" and reason.startswith("state: ")
-    assert [rec.getMessage() for rec in caplog.records] == [f"kda.cp_exchange=auto -> {reason}"]
+    assert [rec.getMessage() for rec in caplog.records] == loaded.choice_lines()
     assert loaded.choices["model.dsa.kernel"].startswith(f"{r.model.dsa.kernel}: ")
     assert list(loaded.choices) == ["model.dsa.kernel", "kda.cp_exchange"]
     assert loaded.choice_lines() == [f"{k}=auto -> {v}" for k, v in loaded.choices.items()]
     assert Recipe.model_validate(r.model_dump(mode="json")) == r  # recipe.yaml round-trips
-    pinned = load_recipe(FULL, ["model.dsa.kernel=fused"], environ={CP_EXCHANGE_ENV: "a2a"})
+    pinned = load_recipe(FULL, ["model.dsa.kernel=latent"], environ={CP_EXCHANGE_ENV: "a2a"})
     assert pinned.recipe.kda.cp_exchange == "a2a" and pinned.choices == {}
     forced = load_recipe(FULL, ["kda.cp_exchange=a2a"], environ={CP_EXCHANGE_ENV: "auto"}).recipe
     assert forced.kda.cp_exchange == "state", "the environment is applied before resolution"

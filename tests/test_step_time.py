@@ -353,15 +353,16 @@ def test_the_docs_tables_are_the_models():
 
 
 def test_each_dsa_kernel_setting_moves_its_own_stage():
-    """model.dsa.indexer_scores=fp8 scales the DSA core's indexer and nothing else;
-    model.dsa.deterministic_backward its attention backward and attention_forward=flashmla its
-    attention forward, each nothing else, by the measured ratios."""
-    base = stm.dsa_core_s(load_recipe("glm53_flash_1m", []).recipe)
-    fp8 = stm.dsa_core_s(load_recipe("glm53_flash_1m", ["model.dsa.indexer_scores=fp8"]).recipe)
-    ordered = stm.dsa_core_s(load_recipe("glm53_flash_1m",
-                                         ["model.dsa.deterministic_backward=true"]).recipe)
-    flashmla = stm.dsa_core_s(load_recipe("glm53_flash_1m",
-                                          ["model.dsa.attention_forward=flashmla"]).recipe)
+    """model.dsa.latent.indexer_scores=fp8 scales the DSA core's indexer and nothing else;
+    model.dsa.latent.deterministic_backward its attention backward and attention_forward=flashmla
+    its attention forward, each nothing else, by the measured ratios."""
+    def core(*overrides):
+        return stm.dsa_core_s(load_recipe("glm53_flash_1m", list(overrides)).recipe)
+
+    base = core()
+    fp8 = core("model.dsa.latent.indexer_scores=fp8")
+    ordered = core("model.dsa.latent.deterministic_backward=true")
+    flashmla = core("model.dsa.latent.attention_forward=flashmla")
     assert flashmla["attention_fwd"] == pytest.approx(
         base["attention_fwd"] * cal.DSA_FLASHMLA_FORWARD_SHARE)
     assert fp8["indexer"] == pytest.approx(base["indexer"] * cal.DSA_FP8_INDEXER_SHARE)

@@ -15,16 +15,28 @@ from .data import DataConfig
 from .dotpath import flatten, merge, parse_overrides, unflatten
 from .kda import KDAConfig
 from .loading import CP_EXCHANGE_ENV, apply_env_overrides, env_cp_exchange
-from .model import DSAConfig, HyperConnectionConfig, LayerType, MLPType, ModelConfig, MoEConfig
+from .model import (
+    KERNEL_OPTIONS,
+    DSAConfig,
+    FusedOptions,
+    HyperConnectionConfig,
+    LatentOptions,
+    LayerType,
+    MLPType,
+    ModelConfig,
+    MoEConfig,
+    TorchOptions,
+)
 from .parallel import ParallelConfig
 from .recipe import MeshRecipe, Recipe
 from .run import RunConfig
 from .train import TrainConfig
 
 __all__ = [
-    "CP_EXCHANGE_ENV", "LINK_PRESETS", "ClusterConfig", "DSAConfig", "DataConfig",
-    "HyperConnectionConfig", "InterNodeKind", "KDAConfig", "LayerType", "LinkConfig", "MLPType",
-    "MeshRecipe", "ModelConfig", "MoEConfig", "NonNegativeInt", "ParallelConfig", "PositiveInt",
-    "Recipe", "RunConfig", "TrainConfig", "apply_env_overrides", "env_cp_exchange", "flatten",
+    "CP_EXCHANGE_ENV", "KERNEL_OPTIONS", "LINK_PRESETS", "ClusterConfig", "DSAConfig", "DataConfig",
+    "FusedOptions", "HyperConnectionConfig", "InterNodeKind", "KDAConfig", "LatentOptions",
+    "LayerType", "LinkConfig", "MLPType", "MeshRecipe", "ModelConfig", "MoEConfig",
+    "NonNegativeInt", "ParallelConfig", "PositiveInt", "Recipe", "RunConfig", "TorchOptions",
+    "TrainConfig", "apply_env_overrides", "env_cp_exchange", "flatten",
     "merge", "parse_overrides", "unflatten",
 ]

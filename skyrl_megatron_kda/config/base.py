@@ -3,7 +3,8 @@ floats."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,3 +19,14 @@ class ConfigSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
                               allow_inf_nan=False)
+
+
+def refuse_former_keys(data: Any, section: str, former: Mapping[str, str]) -> Any:
+    """``data`` (a section's raw mapping, before validation) unless it holds one of ``former``'s
+    keys, settings that moved or went away: such a key is refused in one line,
+    ``{section}.{key} {why}``, ``why`` saying where its meaning went."""
+    if isinstance(data, Mapping):
+        for key, why in former.items():
+            if key in data:
+                raise ValueError(f"{section}.{key} {why}")
+    return data

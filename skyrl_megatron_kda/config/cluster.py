@@ -1,5 +1,5 @@
 """The machines and links of the mesh, as the cost model of ``kda.cp_exchange=auto`` sees them, and
-the measured link presets they default to."""
+the link presets they default to."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from .base import ConfigSection, PositiveInt
 
 # Defaults, to override with measurements of the target cluster.
 LINK_PRESETS: dict[str, dict[str, float]] = {
-    # NVLink 4 (H200 NV18), measured with NCCL on two H200s, 512 MiB
-    # per rank: all-gather 250 GiB/s; all-to-all 537 GiB/s algorithm bandwidth over the whole
-    # per-rank buffer, of which half stays on the rank at 2 ranks, so 268 GiB/s received from the
-    # peer (537 GiB/s across would exceed NV18's 450 GB/s per direction).
+    # NVLink 4 (H200 NV18), from NCCL on two H200s (docs/step_time.md): the all-to-all value is
+    # what a rank receives from its peer, half of the algorithm bandwidth at 2 ranks (the other
+    # half stays on the rank).
     "nvlink": {"bandwidth_gib_s": 250.0, "all_to_all_bandwidth_gib_s": 268.0, "latency_us": 10.0},
-    # One 400 Gb/s NIC per GPU (8x ConnectX-7): 46.6 GiB/s line rate, about 45 achieved.
+    # One NDR NIC per GPU (8x ConnectX-7), a little under its line rate.
     "infiniband": {"bandwidth_gib_s": 45.0, "latency_us": 20.0},
-    # AWS EFA on p5 (3200 Gb/s per 8 GPUs): about 40 GiB/s per GPU, higher latency than IB.
+    # AWS EFA on p5 (its NICs shared by 8 GPUs), with a higher latency than InfiniBand.
     "efa": {"bandwidth_gib_s": 40.0, "latency_us": 40.0},
     # Plain TCP sockets (NCCL's socket transport): a few GiB/s per GPU.
     "tcp": {"bandwidth_gib_s": 3.0, "latency_us": 100.0},

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import ConfigSection, PositiveInt
+from .base import ConfigSection, PositiveInt, refuse_former_keys
 
 
 _FORMER_KEYS = {
@@ -32,8 +32,8 @@ class KDAConfig(ConfigSection):
     (``chunk_kda_bwd_wy_dqkg_fused``): its Triton kernel, or its TileLang one (needs tilelang and
     nvcc). fla would otherwise take TileLang whenever it imports, so a run with DSA's fused kernel
     (which installs TileLang) would run another KDA backward; the run sets fla's switch from this
-    (``kda.kernel.use_fla_backward``). On an H200 the two were within 3% at 256K tokens, and
-    TileLang compiles for minutes on a fresh machine (docs/benchmarks.md), hence Triton."""
+    (``kda.kernel.use_fla_backward``). Triton by default: the two run about as fast, and TileLang
+    compiles for minutes on a fresh machine (docs/benchmarks.md)."""
     num_heads: PositiveInt = 64
     """Number of KDA heads (q, k and v alike; no grouped values)."""
     head_dim: PositiveInt = 128
@@ -71,11 +71,7 @@ class KDAConfig(ConfigSection):
     @model_validator(mode="before")
     @classmethod
     def _former_keys(cls, data):
-        # Keys a recipe of an earlier release may hold, refused with where their meaning went.
-        for key, why in _FORMER_KEYS.items():
-            if isinstance(data, dict) and key in data:
-                raise ValueError(f"kda.{key} {why}")
-        return data
+        return refuse_former_keys(data, "kda", _FORMER_KEYS)
 
     @field_validator("gate_lower_bound")
     @classmethod

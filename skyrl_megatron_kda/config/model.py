@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .base import ConfigSection, NonNegativeInt, PositiveInt
+from .base import ConfigSection, NonNegativeInt, PositiveInt, refuse_former_keys
 
 LayerType = Literal["kda", "dsa"]
 """Token mixer of one trunk layer: KDA linear attention or DSA (MLA + lightning indexer)."""
@@ -71,6 +71,74 @@ class MoEConfig(ConfigSection):
         return self
 
 
+class FusedOptions(ConfigSection):
+    """``model.dsa.fused``: the options of the fused kernel (megatron-core's TileLang sparse MLA
+    with our indexer); refused while another kernel runs (``recipe_rules``)."""
+
+    query_block: PositiveInt = 8192
+    """Queries per call of the sparse-attention kernel (forward and backward): each call's
+    transient tensors are about query_block x heads x the kernel's width in bf16, a few times
+    over."""
+    keep_attention_output: bool = False
+    """Keep each call's latent-space output [rows, heads, width] (bf16) and log-sum-exp
+    [rows, heads] (fp32) from the forward for the backward instead of running the kernel forward
+    again there: one sparse-attention forward less per DSA layer and step, for that memory from
+    the layer's (recomputed) forward to its backward (plan counts it). Off by default: the
+    memory is the price (docs/benchmarks.md)."""
+    indexer_scores: Literal["bf16", "fp8"] = "bf16"
+    """Precision of the indexer's q . k products. bf16: the reference's; fp8: e4m3 with a scale
+    per query head and per pool, as DeepSeek-V3.2's indexer (dsa/index_scores.py), on the FP8
+    tensor cores; pools that score within FP8's rounding of the k-th may be chosen differently,
+    hence bf16 by default (docs/benchmarks.md)."""
+
+
+class LatentOptions(FusedOptions):
+    """``model.dsa.latent``: the options of the latent kernel (our TileLang sparse MLA for the
+    512-wide latent): the fused kernel's, and its own backward order and forward kernel; refused
+    while another kernel runs (``recipe_rules``)."""
+
+    deterministic_backward: bool = False
+    """Sum the sparse attention's latent gradient in a fixed order (the backward writes each
+    query's gradient rows, ``dsa/ordered_row_sums.py`` adds them key by key) instead of with
+    fp32 atomics, so the DSA layers' attention backward gives bitwise-equal gradients on every
+    run (replaying an RL step). Off by default: it is slower and holds one ordered call's
+    gradient rows in backward (plan counts them; docs/benchmarks.md)."""
+    attention_forward: Literal["tilelang", "flashmla"] = "tilelang"
+    """Which kernel runs the sparse attention's forward. tilelang: ours; flashmla: FlashMLA's
+    sparse prefill kernel from vLLM's install (dsa/flashmla_forward.py), equal within bf16
+    rounding (docs/benchmarks.md); needs vllm, hence tilelang by default. The backward is ours
+    either way."""
+
+
+class TorchOptions(ConfigSection):
+    """``model.dsa.torch``: the block sizes of the torch kernel (the CPU path and the GPU
+    kernels' reference); refused while another kernel runs (``recipe_rules``)."""
+
+    attention_block: PositiveInt = 64
+    """Queries per step of the sparse attention (forward and backward): the step's working set
+    is about attention_block x (index_topk + kpool - 1) x kv_lora_rank fp32 values."""
+    indexer_pool_block: PositiveInt = 4096
+    """Pools scored per step of the indexer: the live scores are indexer_query_block x
+    index_num_heads x indexer_pool_block fp32 values."""
+
+
+KERNEL_OPTIONS = ("fused", "latent", "torch")
+"""The ``model.dsa`` sections that hold one kernel's options, each named as its kernel."""
+
+_DSA_FORMER_KEYS = {
+    "fused_query_block": "is now model.dsa.fused.query_block (or model.dsa.latent.query_block)",
+    "keep_attention_output": ("is now model.dsa.latent.keep_attention_output (or "
+                              "model.dsa.fused.keep_attention_output)"),
+    "indexer_scores": "is now model.dsa.latent.indexer_scores (or model.dsa.fused.indexer_scores)",
+    "deterministic_backward": "is now model.dsa.latent.deterministic_backward",
+    "attention_forward": "is now model.dsa.latent.attention_forward",
+    "attention_block": "is now model.dsa.torch.attention_block",
+    "indexer_pool_block": "is now model.dsa.torch.indexer_pool_block",
+}
+"""The kernel options that ``model.dsa`` held before each kernel's own section, refused with the
+key that holds them now."""
+
+
 class DSAConfig(ConfigSection):
     """The DSA layers: MLA without RoPE plus the lightning indexer; defaults are GLM-5.3-Flash's."""
 
@@ -105,8 +173,9 @@ class DSAConfig(ConfigSection):
     unfused: megatron-core's ``unfused_dsa_fn`` on whole-sequence keys and values with the full
     [queries x pools] indexer scores (the oracle the others are tested against); auto: latent
     when run.device=gpu, else torch. latent, fused and torch share the blocked indexer top-k;
-    memory is linear in the tokens for all three. The name, the device and the split are checked
-    against the live registry (``recipe_rules``)."""
+    memory is linear in the tokens for all three. Each kernel's own options sit under its name
+    (``model.dsa.latent``, ``fused``, ``torch``). The name, the device, the split and the options
+    are checked against the live registry (``recipe_rules``)."""
     tp_split: Literal["heads", "sequence"] = "sequence"
     """How tensor parallelism splits the sparse attention. heads: each TP rank attends with its
     heads/tp heads from all query rows of its CP rank (the indexer runs on all of them, on every
@@ -115,46 +184,23 @@ class DSAConfig(ConfigSection):
     queries see as many earlier keys on average), so each selected latent row serves every head
     and the indexer runs once per row; the whole layer then runs on rows (every projection with
     its whole weight, the q latent and the output moved by all-to-all; dsa/layer.py's
-    ``forward_by_rows``). Needs kernel fused, latent or torch. The default by measurement: at the
-    1M recipe's per-rank share, sequence took 3.8x less time per step and less memory
-    (docs/benchmarks.md); with a kernel that cannot attend by rows (unfused) the default is heads
-    (``recipe_rules.kernel_split``)."""
-    attention_block: PositiveInt = 64
-    """Queries per step of the torch sparse attention (forward and backward): the step's working
-    set is about attention_block x (index_topk + kpool - 1) x kv_lora_rank fp32 values."""
-    fused_query_block: PositiveInt = 8192
-    """Queries per call of the fused kernel (forward and backward): each call's transient
-    tensors are about fused_query_block x heads x 576 bf16 values, a few times over."""
-    keep_attention_output: bool = False
-    """fused and latent kernels: keep each call's latent-space output [rows, heads, 512] (bf16)
-    and log-sum-exp [rows, heads] (fp32) from the forward for the backward instead of running
-    the kernel forward again there: one sparse-attention forward less per DSA layer and step,
-    for that memory from the layer's (recomputed) forward to its backward (plan counts it)."""
-    indexer_scores: Literal["bf16", "fp8"] = "bf16"
-    """fused and latent kernels: the precision of the indexer's q . k products. bf16 (the
-    reference's); fp8: e4m3 with a scale per query head and per pool, as DeepSeek-V3.2's
-    indexer (dsa/index_scores.py): the H200's FP8 tensor cores run twice the bf16 rate, and
-    pools that score within FP8's rounding of the k-th may be chosen differently
-    (docs/benchmarks.md measures speed and agreement). Refused with the other kernels."""
-    deterministic_backward: bool = False
-    """latent kernel: sum the sparse attention's latent gradient in a fixed order (the backward
-    writes each query's gradient rows, ``dsa/ordered_row_sums.py`` adds them key by key)
-    instead of with fp32 atomics, so the DSA layers' attention backward gives bitwise-equal
-    gradients on every run (replaying an RL step); for the time docs/benchmarks.md measures and
-    1,024 queries x top-k x 512 fp32 of backward memory (plan counts it). Refused with the
-    other kernels."""
-    attention_forward: Literal["tilelang", "flashmla"] = "tilelang"
-    """latent kernel: which kernel runs the sparse attention's forward. tilelang: ours;
-    flashmla: FlashMLA's sparse prefill kernel from vLLM's install (dsa/flashmla_forward.py):
-    at the 1M share on an H200 the layer's forward in 0.75x the time, equal within bf16
-    rounding (docs/benchmarks.md); needs vllm. The backward is ours either way. Refused with
-    the other kernels."""
+    ``forward_by_rows``). Needs kernel fused, latent or torch. sequence is the default because it
+    takes less time and memory per step (docs/benchmarks.md); with a kernel that cannot attend
+    by rows (unfused) the default is heads (``recipe_rules.kernel_split``)."""
     indexer_query_block: PositiveInt = 1024
     """Queries per step of the indexer (query projection, pool scores, top-k, indices); the
-    fused kernel's step holds indexer_query_block x (visible pools) fp32 scores."""
-    indexer_pool_block: PositiveInt = 4096
-    """Pools scored per step of the torch indexer: the live scores are indexer_query_block x
-    index_num_heads x indexer_pool_block fp32 values."""
+    fused and latent kernels' step holds indexer_query_block x (visible pools) fp32 scores."""
+    fused: FusedOptions = Field(default_factory=FusedOptions)
+    """Options of the fused kernel."""
+    latent: LatentOptions = Field(default_factory=LatentOptions)
+    """Options of the latent kernel."""
+    torch: TorchOptions = Field(default_factory=TorchOptions)
+    """Options of the torch kernel."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_keys(cls, data):
+        return refuse_former_keys(data, "model.dsa", _DSA_FORMER_KEYS)
 
     def attends_by_rows(self, tp: int, sequence_parallel: bool) -> bool:
         """Whether a rank attends with every head on a 1/tp of its CP rank's rows
@@ -184,9 +230,9 @@ class HyperConnectionConfig(ConfigSection):
     map_chunk_rows: PositiveInt = 4096
     """Rows (tokens) per chunk of the maps' normalised projection, forward and backward: its fp32
     upcast of the N*D-wide streams and that upcast's gradients exist for one chunk at a time
-    (4096 rows of GLM's 16,384 columns: 256 MiB each) instead of for every row of the rank (at
-    131,072 rows they held 48 GiB in one backward). The numerics do not depend on it beyond
-    the weight gradient's fp32 summation order over chunks."""
+    (4096 rows of GLM's 16,384 columns: 256 MiB each) instead of for every row of the rank. The
+    numerics do not depend on it beyond the weight gradient's fp32 summation order over
+    chunks."""
 
 
 class ModelConfig(ConfigSection):

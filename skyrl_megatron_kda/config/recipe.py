@@ -15,7 +15,7 @@ from .cluster import ClusterConfig
 from .data import DataConfig
 from .dotpath import flatten
 from .kda import KDAConfig
-from .model import ModelConfig
+from .model import KERNEL_OPTIONS, DSAConfig, ModelConfig
 from .parallel import ParallelConfig
 from .run import RunConfig
 from .train import TrainConfig
@@ -26,14 +26,12 @@ saved it, so a resume refuses a change to any of their settings (``train.run_fol
 ``MODEL_LEVERS``; a new setting in them is compared until it is listed there."""
 
 MODEL_LEVERS = frozenset({
-    # How the DSA layers compute the same function: kernel, TP split, query/pool blocks, what
-    # the backward keeps or recomputes, the latent gradient's summation order, the indexer's
-    # product precision (a kernel choice, like model.dsa.kernel).
-    "model.dsa.kernel", "model.dsa.tp_split", "model.dsa.attention_block",
-    "model.dsa.fused_query_block", "model.dsa.indexer_query_block",
-    "model.dsa.indexer_pool_block", "model.dsa.keep_attention_output",
-    "model.dsa.deterministic_backward", "model.dsa.indexer_scores",
-    "model.dsa.attention_forward",
+    # How the DSA layers compute the same function: kernel, TP split, query blocks, and every
+    # kernel's own options (what the backward keeps or recomputes, the latent gradient's
+    # summation order, the indexer's product precision: kernel choices, like model.dsa.kernel).
+    "model.dsa.kernel", "model.dsa.tp_split", "model.dsa.indexer_query_block",
+    *(f"model.dsa.{kernel}.{option}" for kernel in KERNEL_OPTIONS
+      for option in DSAConfig.model_fields[kernel].annotation.model_fields),
     # mHC's map projection in row chunks (a memory lever: fp32 summation order only).
     "model.hyper_connections.map_chunk_rows",
     # The KDA layer's CP exchange and its choice, kernel and chunking.

@@ -326,14 +326,14 @@ def _whole_linear(linear: ColumnParallelLinear, x: torch.Tensor, group) -> torch
     return F.linear(x, weight, bias)
 
 
-def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, dsa: DSAConfig) -> ModuleSpec:
+def glm_dsa_layer_spec(cp_layout: str, dsa: DSAConfig) -> ModuleSpec:
     """Self-attention spec: megatron MLA (local modules) with the GLM pooled-DSA core.
 
     Needs an MLA config with ``qk_pos_emb_head_dim=0``, ``qk_layernorm=True`` and the
     ``dsa_indexer_*`` fields; ``cp_layout`` is the CP token layout of the batch (as
-    ``parallel.cp_layout``); ``dsa`` the recipe's ``model.dsa`` section, whose resolved ``kernel``
-    is built here, once, and shared by the spec's three modules (``auto`` is refused:
-    ``kernels.get``).
+    ``parallel.cp_layout``); ``dsa`` the recipe's ``model.dsa`` section (its ``index_kpool``
+    pools the indexer's keys), whose resolved ``kernel`` is built here, once, and shared by the
+    spec's three modules (``auto`` is refused: ``kernels.get``).
     """
     kernel = kernels.get(dsa.kernel)(dsa)
     indexer = ModuleSpec(
@@ -344,7 +344,7 @@ def glm_dsa_layer_spec(index_kpool: int, cp_layout: str, dsa: DSAConfig) -> Modu
             k_norm=IndexerKNorm,
             linear_weights_proj=DuplicatedLinear,
         ),
-        params={"index_kpool": index_kpool, "kernel": kernel},
+        params={"index_kpool": dsa.index_kpool, "kernel": kernel},
     )
     return ModuleSpec(
         module=GlmDSASelfAttention,

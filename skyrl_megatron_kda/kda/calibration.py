@@ -55,7 +55,8 @@ STATE_PREPASS = (18.982 + 71.814) / (19.593 + 72.259) - 1.0
 """Extra kernel time of ``state`` per unit of its shard's kernel time: -0.011, i.e. the summaries
 and the correction for the incoming state cost nothing that grows with T beyond the shard's own
 kernel (the table above). On two H200s with NCCL at 1M the recurrence took 82.7 ms against 73.5
-(session 3, with the syncs): this model gives 73.0 there. fla 0.6.0's own state passing
+in a run whose chain still synchronised with the host four times per call: this model gives 73.0
+there. fla 0.6.0's own state passing
 (``cp_context``) took 246.3 ms, +2.35x over the shard's kernel; ``skyrl-kda plan
 --state-prepass 2.35`` prices it."""
 

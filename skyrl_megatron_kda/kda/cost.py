@@ -28,11 +28,9 @@ out: the o_proj reduce-scatter under SP, which every exchange pays alike.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from ..config import ClusterConfig, LinkConfig, MeshRecipe
-from ..config.dotpath import merge
 from . import exchanges
 from .calibration import (
     DEFAULT_CALIBRATION,
@@ -43,12 +41,9 @@ from .calibration import (
 )
 from .exchanges import ExchangeMesh, ExchangeShape
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["Calibration", "DEFAULT_CALIBRATION", "Estimate", "GEMM_FLOP_PER_S", "choose", "estimate",
            "elementwise_s_per_head_token", "exclusions", "gathered_gemm_flops", "head_tokens",
-           "kda_efficiency", "kda_kernel_s", "projection_flops", "regather_hidden_s",
-           "resolve_cp_exchange"]
+           "kda_efficiency", "kda_kernel_s", "projection_flops", "regather_hidden_s"]
 
 GiB = 2**30
 
@@ -62,7 +57,7 @@ def kda_efficiency(heads: float, at_4_heads: float = KDA_EFFICIENCY_AT_4_HEADS) 
 
         efficiency(h) = min(1, [h / (h + h0)] / [8 / (8 + h0)]),  h0 = 8 (e - 1) / (1 - 2e)
 
-    with e = efficiency(4) measured (0.96 -> h0 = 0.35, efficiency(2) = 0.89, efficiency(1) = 0.77).
+    with e = efficiency(4) from the calibration (``KDA_EFFICIENCY_AT_4_HEADS``).
     """
     h0 = KDA_SATURATED_HEADS * (at_4_heads - 1.0) / (1.0 - 2.0 * at_4_heads)
     sat = KDA_SATURATED_HEADS
@@ -234,11 +229,9 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
 
 
 def exclusions(recipe: MeshRecipe) -> dict[str, str]:
-    """Why ``auto`` may not pick an exchange for this recipe (absent: allowed): each registered
-    exchange's own ``refusal`` rule, the one the recipe rules (``recipe_rules``) and the layer ask too."""
-    mesh = ExchangeMesh.of(recipe)
-    refusals = {name: exchanges.get(name).refusal(mesh) for name in exchanges.names()}
-    return {name: why for name, why in refusals.items() if why is not None}
+    """Why ``auto`` may not pick an exchange for this recipe (absent: allowed):
+    ``exchanges.refusals`` on the recipe's mesh."""
+    return exchanges.refusals(ExchangeMesh.of(recipe))
 
 
 def _where(recipe: MeshRecipe, spans_nodes: bool) -> str:
@@ -264,9 +257,8 @@ def choose(recipe: MeshRecipe, calibration: Calibration = DEFAULT_CALIBRATION
         first = table[0].name
         return first, f"{first}: cp=1, no CP exchange (every exchange runs the same code)", table
     excluded = exclusions(recipe)
-    allowed = [e for e in table if e.name not in excluded]
-    if not allowed:
-        raise ValueError(f"kda.cp_exchange=auto has no exchange to pick: {excluded}")
+    pickable = exchanges.allowed(ExchangeMesh.of(recipe))
+    allowed = [e for e in table if e.name in pickable]
     # Ties go to an exact exchange, then to the earlier registered one.
     best = min(allowed, key=lambda e: (e.total_s, not e.exact))
     others = [f"{e.name} {e.total_s * 1e3:.1f} ms" for e in allowed if e is not best]
@@ -276,21 +268,3 @@ def choose(recipe: MeshRecipe, calibration: Calibration = DEFAULT_CALIBRATION
     reason = (f"{best.name}: {best.total_s * 1e3:.1f} ms vs {', '.join(others)} "
               f"({_where(recipe, spans)}, T={recipe.data.seq_len}{note})")
     return best.name, reason, table
-
-
-def resolve_cp_exchange(recipe: MeshRecipe, calibration: Calibration = DEFAULT_CALIBRATION
-                        ) -> tuple[MeshRecipe, str]:
-    """Resolve ``kda.cp_exchange=auto`` to a concrete exchange and log why (``recipes.load_recipe``
-    calls it once, where a recipe is loaded to run).
-
-    Returns the recipe (re-validated with the choice, as its own class: a ``MeshRecipe`` or a
-    whole ``Recipe``; the environment is not re-applied) and the reason. A recipe with a concrete
-    exchange comes back unchanged with the reason "configured".
-    """
-    if recipe.kda.cp_exchange != exchanges.AUTO:
-        return recipe, "configured"
-    choice, reason, _ = choose(recipe, calibration)
-    logger.info("kda.cp_exchange=auto -> %s", reason)
-    resolved = type(recipe).model_validate(
-        merge(recipe.model_dump(), {"kda": {"cp_exchange": choice}}))
-    return resolved, reason

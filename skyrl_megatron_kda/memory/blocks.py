@@ -31,8 +31,8 @@ def mhc_map_backward_bytes(recipe: Recipe) -> int:
     ``model.hyper_connections.map_chunk_rows`` rows six fp32 tensors of that width (the rebuilt
     upcast and its normalised copy, and autograd's gradients through the normalisation); four
     fp32 copies of the projection weight [(2+N)N, N*D] (its gradient per chunk and their sum)
-    and of the chunk's projected rows. An upper bound, within 7% of the CPU census for bf16
-    streams (tests/test_hyper_connections.py). An FFN's map runs it after the FFN's backward
+    and of the chunk's projected rows. An upper bound, held to the CPU census for bf16 streams
+    by tests/test_hyper_connections.py. An FFN's map runs it after the FFN's backward
     and before the attention block's, so it adds to what the layer holds then."""
     m, w = recipe.model, act_bytes(recipe)
     N, rows = m.hyper_connections.num_streams, rows_of(recipe).sp

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from ..config import Recipe
 from ..kda import exchanges
-from ..kda.cost import choose
 from ..kda.exchanges import ExchangeShape
 from .rows import act_bytes, rows_of
 
@@ -57,11 +56,9 @@ def kda_backward_bytes(recipe: Recipe) -> int:
 
 
 def exchange_extra_bytes(recipe: Recipe) -> tuple[str, int]:
-    """The KDA exchange this recipe runs (``auto`` resolved by the cost model) and the transient
+    """The KDA exchange this recipe runs (resolved: ``auto`` is refused) and the transient
     buffers one KDA layer allocates for it (the exchange's own ``extra_memory_bytes``), for one
     packed row."""
-    name = recipe.kda.cp_exchange
-    if name == exchanges.AUTO:  # the plan of an unresolved recipe
-        name, _, _ = choose(recipe)
+    exchange = exchanges.get(recipe.kda.cp_exchange)
     shape = ExchangeShape.of(recipe, batch=1, element_size=act_bytes(recipe))
-    return name, exchanges.get(name).extra_memory_bytes(shape)
+    return exchange.name, exchange.extra_memory_bytes(shape)

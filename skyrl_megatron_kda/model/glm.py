@@ -152,7 +152,7 @@ class GLMDecoderLayer(MegatronModule):
                 pg_collection=pg_collection, ledger=ledger)
         else:
             dsa = recipe.model.dsa
-            spec = glm_dsa_layer_spec(dsa.index_kpool, recipe.parallel.cp_layout, dsa)
+            spec = glm_dsa_layer_spec(recipe.parallel.cp_layout, dsa)
             self.self_attention = build_module(spec, config=config, layer_number=number,
                                                pg_collection=pg_collection)
         if self.mlp_type == "dense":
@@ -340,9 +340,7 @@ def build_model(recipe: Recipe, *, use_cpu: bool, pg_collection: ProcessGroupCol
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     recipe_rules.check(recipe)  # a recipe not made by recipes.load_recipe meets them here
     _check_mesh(recipe, pgs)
-    if recipe.kda.cp_exchange == exchanges.AUTO:
-        raise ValueError("kda.cp_exchange=auto is not resolved: load the recipe with recipes.load_recipe "
-                         "(or kda.cost.resolve_cp_exchange) before building the model")
+    exchanges.get(recipe.kda.cp_exchange)  # refuses an unresolved auto before any layer is built
     use_fla_backward(recipe.kda.fla_backward)
     config = glm_transformer_config(recipe, use_cpu=use_cpu)
     return GLMModel(config, recipe, pgs)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import LinkConfig, Recipe
+from ..config import LatentOptions, LinkConfig, Recipe
 from ..dsa import kernels as dsa_kernels
 from ..kda.cost import estimate as kda_estimate
 from ..kda.cost import kda_kernel_s
@@ -32,7 +32,6 @@ from ..memory.dsa import dsa_projection_weights
 from ..memory.offload import offloaded_tensor_bytes
 from ..memory.rows import act_bytes, rows_of
 from ..memory.states import grad_bytes, optimizer_shards
-from ..registry import AUTO
 from . import calibration as cal
 
 GiB = 2**30
@@ -201,9 +200,10 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     """The DSA attention core of the slowest rank per layer and step: the indexer (once under
     ``train.keep_dsa_selection`` with full recompute, else in every forward), the sparse
     attention forward in each forward pass and its backward (without the backward's kernel
-    forward under ``model.dsa.keep_attention_output``; the indexer, the backward and the forward
-    scaled as measured under ``model.dsa.indexer_scores=fp8``,
-    ``model.dsa.deterministic_backward`` and ``model.dsa.attention_forward=flashmla``).
+    forward under the kernel's ``keep_attention_output``; the indexer, the backward and the
+    forward scaled by their measured shares under its ``indexer_scores=fp8``,
+    ``deterministic_backward`` and ``attention_forward=flashmla``: ``model.dsa.fused.*`` or
+    ``model.dsa.latent.*``).
     The rank indexes ``q`` query rows: under the sequence split its balanced share of its CP
     rank's rows with all heads (``dsa.batch_rows.balanced_row_order``), else all its CP rank's
     rows; either way their mean position is the CP rank's, so the slowest rank is the one of
@@ -215,16 +215,18 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     visible_pools = _latest_cp_rank_mean_position(recipe) / a.index_kpool
     selected = _mean_selected(a.index_topk, T - q, T) * cal.DSA_SELECTED_PER_TOPK
     passes = _passes(recipe, "dsa")
+    kernel = priced_dsa_kernel(recipe)
+    options = kernel.options_of(a)
     indexer = (q * visible_pools * a.index_num_heads * a.index_head_dim
                * cal.DSA_INDEXER_S_PER_SCORE_DIM * _indexer_runs(recipe))
-    if a.indexer_scores == "fp8":
+    if options.indexer_scores == "fp8":
         indexer *= cal.DSA_FP8_INDEXER_SHARE
     work = rows.cp * a.num_heads // p.tp * selected  # the rank's (query, head) pairs
-    rates = cal.DSA_KEPT_OUTPUT_S if a.keep_attention_output else cal.DSA_ATTENTION_S
-    fwd, bwd = rates[dsa_rate_kernel(recipe)]
-    if a.deterministic_backward:
+    rates = cal.DSA_KEPT_OUTPUT_S if options.keep_attention_output else cal.DSA_ATTENTION_S
+    fwd, bwd = rates[kernel.rate_key]
+    if isinstance(options, LatentOptions) and options.deterministic_backward:
         bwd *= cal.DSA_ORDERED_BACKWARD_SHARE
-    if a.attention_forward == "flashmla":
+    if isinstance(options, LatentOptions) and options.attention_forward == "flashmla":
         fwd *= cal.DSA_FLASHMLA_FORWARD_SHARE
     return {"indexer": indexer, "attention_fwd": passes * work * fwd, "attention_bwd": work * bwd}
 
@@ -244,11 +246,26 @@ def _latest_cp_rank_mean_position(recipe: Recipe) -> float:
     return T / 2 if recipe.parallel.cp_layout == "zigzag" and cp > 1 else T - T / (2 * cp)
 
 
-def dsa_rate_kernel(recipe: Recipe) -> str:
-    """The DSA kernel whose measured rates price the attention: the recipe's, or for a kernel
-    with no GPU run at the share (torch, unfused) the one ``auto`` picks on a GPU."""
+def unpriced_dsa_kernel(recipe: Recipe) -> str | None:
+    """Why the step-time model cannot price this recipe's DSA layers, or None: its kernel
+    (resolved: ``auto`` is refused) has no measured rates (``DSAKernel.rate_key``)."""
+    if "dsa" not in recipe.model.layer_types():
+        return None
     name = recipe.model.dsa.kernel
-    return name if name in cal.DSA_ATTENTION_S else dsa_kernels.resolve(AUTO, "gpu")
+    if dsa_kernels.get(name).rate_key is not None:
+        return None
+    priced = " or ".join(n for n, cls in dsa_kernels.REGISTRY.items() if cls.rate_key is not None)
+    return (f"model.dsa.kernel={name} has no measured step-time rates (DSAKernel.rate_key): "
+            f"price the step with model.dsa.kernel={priced}")
+
+
+def priced_dsa_kernel(recipe: Recipe) -> type[dsa_kernels.DSAKernel]:
+    """The recipe's DSA kernel, whose measured rates (``DSAKernel.rate_key``) and options price
+    the attention; refused (``ValueError``) where it has none (``unpriced_dsa_kernel``)."""
+    why = unpriced_dsa_kernel(recipe)
+    if why is not None:
+        raise ValueError(why)
+    return dsa_kernels.get(recipe.model.dsa.kernel)
 
 
 def dsa_part(recipe: Recipe) -> Part:

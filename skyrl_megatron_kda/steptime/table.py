@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from ..config import Recipe
 from ..tables import format_table
-from .model import dsa_rate_kernel, estimate_step_time, levers
+from .model import estimate_step_time, levers, unpriced_dsa_kernel
 
 
 def step_time_lines(recipe: Recipe) -> list[str]:
+    why = unpriced_dsa_kernel(recipe)
+    if why is not None:
+        return [f"step time: not estimated: {why}"]
     step = estimate_step_time(recipe)
     c = recipe.cluster
     lines = [
@@ -18,9 +21,6 @@ def step_time_lines(recipe: Recipe) -> list[str]:
     ]
     if recipe.run.device == "cpu":
         lines.append("(rates measured on one H200: the times below are that GPU's, not this CPU recipe's)")
-    if "dsa" in recipe.model.layer_types() and dsa_rate_kernel(recipe) != recipe.model.dsa.kernel:
-        lines.append(f"(DSA at the measured rates of model.dsa.kernel={dsa_rate_kernel(recipe)}: "
-                     f"{recipe.model.dsa.kernel} has no GPU run at the share)")
     rows = [(p.name, str(p.layers or ""), f"{p.compute_s:.2f}", f"{p.comm_s:.2f}", f"{p.total_s:.2f}",
              f"{100 * p.total_s / step.step_s:.0f}%", p.what) for p in step.parts if p.total_s > 0]
     rows.append(("total", "", f"{step.compute_s:.2f}", f"{step.comm_s:.2f}", f"{step.step_s:.2f}",

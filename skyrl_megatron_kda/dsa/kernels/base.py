@@ -76,20 +76,24 @@ class DSAKernel(ABC):
     """Whether ``model.dsa.kernel=auto`` may pick it (first unrefused in registration order)."""
     working_set_label: ClassVar[str]
     """What dominates its transient memory (the label of ``plan``'s DSA phase)."""
-    keeps_output: ClassVar[bool] = False
-    """Whether ``model.dsa.keep_attention_output`` applies: its backward can read the forward's
-    kept kernel output and log-sum-exp instead of running the kernel forward again."""
-    scores_in_fp8: ClassVar[bool] = False
-    """Whether ``model.dsa.indexer_scores=fp8`` applies: its indexer has an FP8 score kernel."""
-    orders_latent_gradient: ClassVar[bool] = False
-    """Whether ``model.dsa.deterministic_backward`` applies: its backward can sum the latent
-    gradient in a fixed order instead of with atomics."""
-    forwards_on_flashmla: ClassVar[bool] = False
-    """Whether ``model.dsa.attention_forward=flashmla`` applies: its forward can run on
-    FlashMLA's sparse prefill kernel (``dsa/flashmla_forward.py``)."""
+    options: ClassVar[str | None] = None
+    """The ``model.dsa`` section that holds its own options (``config.model.KERNEL_OPTIONS``:
+    ``model.dsa.latent.*`` for the latent kernel), or None; the recipe rules refuse another
+    kernel's section set while it runs."""
+    rate_key: ClassVar[str | None] = None
+    """The key of its measured sparse-attention rates in the step-time calibration
+    (``steptime.calibration.DSA_ATTENTION_S``), or None where it has no GPU run at the rank's
+    share: the step-time model then refuses to price it."""
 
     def __init__(self, dsa: DSAConfig):
         self.dsa = dsa
+
+    @classmethod
+    def options_of(cls, dsa: DSAConfig):
+        """Its own section of ``dsa`` (``options``)."""
+        if cls.options is None:
+            raise ValueError(f"model.dsa.kernel={cls.name} has no options section")
+        return getattr(dsa, cls.options)
 
     # -- what a recipe may use --------------------------------------------------------------
 

@@ -15,16 +15,17 @@ class TorchKernel(AbsorbedKernel):
     name = "torch"
     keeps_lse = True
     working_set_label = "one block's working set"
+    options = "torch"
 
     def top_pools(self, q, weights, pool_k, candidates, rows, n_select, out, later):
         c = candidates
         out.copy_(blocked_pool_topk(q, weights, pool_k, c.starts, c.q_pos[rows], c.doc_start[rows],
                                     c.kpool, n_select, query_block=q.shape[0],
-                                    pool_block=self.dsa.indexer_pool_block))
+                                    pool_block=self.options_of(self.dsa).indexer_pool_block))
 
     def attend(self, query, latent, kv_up_weight, indices, scale, v_head_dim):
         return absorbed_sparse_mla(query, latent, kv_up_weight, indices, scale, v_head_dim,
-                                   self.dsa.attention_block)
+                                   self.options_of(self.dsa).attention_block)
 
     @classmethod
     def working_sets(cls, shape: DSAShape) -> dict[str, int]:
@@ -50,7 +51,8 @@ class TorchKernel(AbsorbedKernel):
         hi, di = a.index_num_heads, a.index_head_dim
         up = 4 if w != 4 else 0  # the fp32 copy of a half tensor; none when already fp32
         qb = min(a.indexer_query_block, shape.index_rows)
-        pb, b = a.indexer_pool_block, a.attention_block
+        o = cls.options_of(a)
+        pb, b = o.indexer_pool_block, o.attention_block
         selected = a.index_topk // a.index_kpool
         block = qb * hi * di * (w + up) + 2 * qb * hi * pb * 4 + qb * (selected + pb) * (4 + 8) * 2
         rows = b * K * R * (w + up)
