@@ -53,25 +53,27 @@ DSA_KEPT_OUTPUT_S = {
     "fused": (84.92471200000296e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5),
               724.3288930000062e-3 / (DSA_SHARE_QUERIES * 64 * 2049.5)),
 }
-"""``DSA_ATTENTION_S`` under ``model.dsa.keep_attention_output``: the forward keeps its output
-and log-sum-exp, and the backward reads them instead of running the kernel forward again."""
+"""``DSA_ATTENTION_S`` under the kernel's ``keep_attention_output`` (``model.dsa.latent`` or
+``fused``): the forward keeps its output and log-sum-exp, and the backward reads them instead of
+running the kernel forward again."""
 
 # bench/results/h200_indexer_syncs/indexer_profile_fp8_keys.txt (one call, the same share): the
 # indexer pass's wall time, best of three, FP8 scores (the keys quantised once per pass) and
 # bf16 scores.
 DSA_FP8_INDEXER_SHARE = 254.9 / 344.5
-"""The indexer's time under ``model.dsa.indexer_scores=fp8`` against bf16 (0.74)."""
+"""The indexer's time under ``model.dsa.latent.indexer_scores=fp8`` (or ``fused``) against bf16
+(0.74)."""
 # bench/results/h200_dsa_ordered_fp8/ (``best`` of each, one device call, the same share, output
 # kept, our kernels): dsa_latent.json (the latent gradient added with atomics) and
 # dsa_latent_fp8_det.json (the ordered latent gradient; FP8 scores, which move only the indexer).
 DSA_ORDERED_BACKWARD_SHARE = 787.5820029999971 / 301.2266100000005
-"""The sparse-MLA backward's time under ``model.dsa.deterministic_backward`` against the
+"""The sparse-MLA backward's time under ``model.dsa.latent.deterministic_backward`` against the
 atomic one (2.61)."""
 # bench/results/h200_dsa_wrapper/layer.json (each run's ``best``, one process, the same share,
 # output kept): ``latent`` with our forward and with FlashMLA's.
 DSA_FLASHMLA_FORWARD_SHARE = 42.58402899998259 / 65.10329600001796
-"""The sparse-MLA forward's time under ``model.dsa.attention_forward=flashmla`` against ours
-(0.65; the layer's forward: the kernel and the absorption around it)."""
+"""The sparse-MLA forward's time under ``model.dsa.latent.attention_forward=flashmla`` against
+ours (0.65; the layer's forward: the kernel and the absorption around it)."""
 
 # --- the head: output layer + loss -----------------------------------------------------------------
 # bench/results/h200_fused_loss/fused_loss.txt: forward+backward of the loss over 65,536 to
