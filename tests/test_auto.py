@@ -10,13 +10,14 @@ import logging
 import pytest
 
 from skyrl_megatron_kda import auto
+from skyrl_megatron_kda.config import Recipe
 from skyrl_megatron_kda.memory import estimate_memory
 from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes
 from skyrl_megatron_kda.memory.kda import exchange_extra_bytes
 from skyrl_megatron_kda.recipes import get_recipe, load_recipe
 
 FULL, TINY = "glm53_flash_1m", "glm53_flash_tiny"
-CPU_KERNEL = "kda.kernel"
+KDA_KERNEL = "kda.kernel"
 
 
 def _kda_kernel(recipe):
@@ -25,14 +26,14 @@ def _kda_kernel(recipe):
     return name, f"{name}: run.device={recipe.run.device}"
 
 
-TOY = auto.AutoSetting(CPU_KERNEL, _kda_kernel, needs=auto.Recipe)
+TOY = auto.AutoSetting(KDA_KERNEL, _kda_kernel, needs=Recipe)
 
 
 @pytest.fixture
 def toy():
     auto.register(TOY)
     yield TOY
-    auto.unregister(CPU_KERNEL)
+    auto.unregister(KDA_KERNEL)
 
 
 def test_one_resolver_picks_both_settings_and_records_why(caplog):
@@ -59,32 +60,32 @@ def test_a_newcomer_is_one_register_call(toy):
     built-in ones and records its reason; a whole recipe's device picks its value."""
     loaded = load_recipe(TINY, ["kda.kernel=auto"], environ={})
     assert loaded.recipe.kda.kernel == "torch"
-    assert list(loaded.choices) == ["model.dsa.kernel", CPU_KERNEL]
-    assert loaded.choices[CPU_KERNEL] == "torch: run.device=cpu"
+    assert list(loaded.choices) == ["model.dsa.kernel", KDA_KERNEL]
+    assert loaded.choices[KDA_KERNEL] == "torch: run.device=cpu"
     on_gpu = load_recipe(TINY, ["kda.kernel=auto", "run.device=gpu"], environ={})
     assert on_gpu.recipe.kda.kernel == "fla"
     auto.register(TOY)  # the same setting again is a no-op
     with pytest.raises(ValueError, match="an auto setting for kda.kernel is already registered"):
-        auto.register(auto.AutoSetting(CPU_KERNEL, _kda_kernel))
+        auto.register(auto.AutoSetting(KDA_KERNEL, _kda_kernel))
 
 
 def test_without_the_toy_its_setting_stays_auto():
     """The negative control: unregistered, kda.kernel=auto is left as written (the layer
     resolves it itself) and no reason is recorded for it."""
     loaded = load_recipe(TINY, ["kda.kernel=auto"], environ={})
-    assert loaded.recipe.kda.kernel == "auto" and CPU_KERNEL not in loaded.choices
+    assert loaded.recipe.kda.kernel == "auto" and KDA_KERNEL not in loaded.choices
 
 
 def test_a_pick_the_config_refuses_is_refused_naming_the_setting():
     """A chooser's value is validated as if the recipe had named it: one line naming the
     setting, the value and the config's reason."""
-    bad = auto.AutoSetting(CPU_KERNEL, lambda recipe: ("cuda", "cuda: always"))
+    bad = auto.AutoSetting(KDA_KERNEL, lambda recipe: ("cuda", "cuda: always"))
     auto.register(bad)
     try:
         with pytest.raises(ValueError, match=r"^kda.kernel=auto picks cuda; Input should be "):
             load_recipe(TINY, ["kda.kernel=auto"], environ={})
     finally:
-        auto.unregister(CPU_KERNEL)
+        auto.unregister(KDA_KERNEL)
 
 
 def test_memory_refuses_an_unresolved_auto_for_kda_and_dsa():
@@ -103,3 +104,16 @@ def test_memory_refuses_an_unresolved_auto_for_kda_and_dsa():
     assert exchange_extra_bytes(resolved)[0] == resolved.kda.cp_exchange
     assert dsa_activation_bytes(resolved) > 0
     assert estimate_memory(resolved).total > 0
+
+
+def test_a_mesh_recipe_resolves_only_what_it_holds():
+    """A ``MeshRecipe`` has no run.device: its exchange is chosen, its DSA kernel (a setting that
+    needs a whole ``Recipe``) stays auto, for its registry to refuse where it is used."""
+    from skyrl_megatron_kda.recipe_rules import load_mesh_recipe
+
+    mesh = load_mesh_recipe({"parallel": {"tp": 8, "cp": 2, "sequence_parallel": True},
+                             "kda": {"cp_exchange": "auto"}, "data": {"seq_len": 2**20}},
+                            environ={})
+    resolved, choices = auto.resolve(mesh)
+    assert list(choices) == ["kda.cp_exchange"] and resolved.kda.cp_exchange != "auto"
+    assert resolved.model.dsa.kernel == "auto"
