@@ -1,5 +1,5 @@
-"""The indexer's pool-score kernel (``dsa/index_scores.py``) and ``torch.topk`` at the 1M recipe's
-rank share, per tile configuration, on one GPU.
+"""The indexer's pool-score kernel (``dsa/ops/index_scores.py``) and ``torch.topk`` at the 1M
+recipe's rank share, per tile configuration, on one GPU.
 
 One block of ``--queries`` indexer queries (32 heads x 128) nearest the end of a 1,048,576-token
 sequence scores all 262,144 pools (the most a block of the rank sees); each configuration of
@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from skyrl_megatron_kda.dsa.index_scores import FP8_TILES, INDEXER_SCORES, TILES, pool_scores
+from skyrl_megatron_kda.dsa.ops.index_scores import FP8_TILES, INDEXER_SCORES, TILES, pool_scores
 
 HEADS, DIM, POOLS, TOPK_POOLS = 32, 128, 262144, 512
 DEFAULTS = {"bf16": TILES, "fp8": FP8_TILES}

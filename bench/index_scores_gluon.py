@@ -1,4 +1,4 @@
-"""The indexer's pool-score kernel written in Gluon, against ``dsa/index_scores.py``'s Triton
+"""The indexer's pool-score kernel written in Gluon, against ``dsa/ops/index_scores.py``'s Triton
 kernel, on one GPU; and, on any machine, the Gluon kernel compiled for sm_90a
 (``ptxas_report``, which the CPU suite checks).
 
@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from index_scores import timed  # bench/ is on sys.path when run as a script
 
-from skyrl_megatron_kda.dsa.index_scores import (
+from skyrl_megatron_kda.dsa.ops.index_scores import (
     FP8_TILES,
     TILES,
     FP8Keys,

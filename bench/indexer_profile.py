@@ -3,7 +3,7 @@ pass of ``dsa_rank_share.py``'s indexer (65,536 queries, 64 blocks of 1,024 over
 after a warm-up pass, per score precision, the CUDA kernels sorted by their total time. Then the
 pass's wall time (synchronised, outside the profiler) against the sum of its kernels' times: the
 difference is the time the GPU waits for the host. The FP8 pass runs three times: with the pool
-keys quantised once per pass (``DSAKernels.index_keys``, the layer's way); for comparison, once
+keys quantised once per pass (``SparseMLAOps.index_keys``, the layer's way); for comparison, once
 per query block inside the score kernel's call; with the top-k's floor and final pick by
 ``torch.topk`` (``threshold_topk``'s way before its own selection kernels); and with each
 block's query quantisation and token indices by torch (``index_scores.fp8_rows_reference``,
@@ -28,11 +28,12 @@ from dsa_rank_share import indexer, make_inputs  # bench/ is on sys.path when ru
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from skyrl_megatron_kda.dsa import index_scores, pool_topk
-from skyrl_megatron_kda.dsa.index_scores import fp8_rows, fp8_rows_reference, keys_as_they_are
+from skyrl_megatron_kda.dsa import pool_topk
+from skyrl_megatron_kda.dsa.ops import index_scores
+from skyrl_megatron_kda.dsa.ops.index_scores import fp8_rows, fp8_rows_reference, keys_as_they_are
+from skyrl_megatron_kda.dsa.ops.latent.interface import latent_sparse_mla_ops
 from skyrl_megatron_kda.dsa.pools import pool_token_indices, write_pool_tokens
-from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
-from skyrl_megatron_kda.dsa.threshold_topk import (
+from skyrl_megatron_kda.dsa.ops.threshold_topk import (
     CANDIDATES_PER_PICK,
     floor_topk,
     grouped_compact_kernel,
@@ -89,7 +90,7 @@ def main() -> None:
                    help="also the Gluon score kernel (bench/index_scores_gluon.py)")
     a = p.parse_args()
     x = make_inputs(KEYS, "sequence", torch.device("cuda"))
-    base = {precision: latent_dsa_kernels(indexer_scores=precision) for precision in ("bf16", "fp8")}
+    base = {precision: latent_sparse_mla_ops(indexer_scores=precision) for precision in ("bf16", "fp8")}
     variants = {**base, "fp8, keys quantised per block": replace(base["fp8"],
                                                                  index_keys=keys_as_they_are)}
     variants["fp8, torch.topk's floor and pick"] = base["fp8"]

@@ -1,8 +1,8 @@
 """What our sparse-MLA TileLang programs compile to for Hopper, without a GPU: each program of
-``dsa/latent_sparse_mla.py`` at the 1M recipe's shape (64 heads, 512 channels, the indices
-padded as ``latent_forward`` / ``latent_backward`` pad GLM's 2,051) lowered by
-``tilelang.lower`` for sm_90a and compiled by ``nvcc -cubin -Xptxas -v``. Per program: the MMA
-instructions in its CUDA source (Hopper's ``wgmma`` with their tile shapes, or the older
+``dsa/ops/latent/`` (and the ping-pong forward of ``bench/experiments/``) at the 1M recipe's
+shape (64 heads, 512 channels, the indices padded as ``latent_forward`` / ``latent_backward``
+pad GLM's 2,051) lowered by ``tilelang.lower`` for sm_90a and compiled by ``nvcc -cubin
+-Xptxas -v``. Per program: the MMA instructions in its CUDA source (Hopper's ``wgmma`` with their tile shapes, or the older
 ``mma.sync``), the shared memory it is launched with, and ptxas's registers and spills.
 Registers spilled in a kernel's loop cost local-memory traffic every key block, and a product
 that lowers to ``mma.sync`` loads its operands through registers, so these are what to check
@@ -23,7 +23,10 @@ import shutil
 import subprocess
 import tempfile
 
-from skyrl_megatron_kda.dsa import latent_sparse_mla as latent
+from experiments import ping_pong_forward as forward  # the package's forward, or ping-pong
+from skyrl_megatron_kda.dsa.ops.latent import backward, interface
+from skyrl_megatron_kda.dsa.ops.latent.common import padded_width
+from skyrl_megatron_kda.dsa.ops.latent.forward import FORWARD_PASS_CONFIGS
 
 HEADS, WIDTH, TOPK, SCALE = 64, 512, 2051, 256 ** -0.5
 FORWARD_CONFIGS = ('[{"warp_specialized": false}, {"warp_specialized": true}, '
@@ -92,19 +95,19 @@ def main() -> None:
         except json.JSONDecodeError as e:
             p.error(f"--{name.replace('_', '-')} is not a JSON list of keyword dicts: {e}")
     forward_passes = {getattr(tilelang.PassConfigKey, k): True
-                      for k in latent.FORWARD_PASS_CONFIGS}
+                      for k in FORWARD_PASS_CONFIGS}
     for config in configs["forward_configs"]:
         try:
-            topk = latent.padded_width(TOPK, latent.forward_index_multiple(HEADS, config))
-            program = latent.forward_program(HEADS, WIDTH, topk, SCALE, **config)
+            topk = padded_width(TOPK, interface.forward_index_multiple(HEADS, config))
+            program = forward.forward_program(HEADS, WIDTH, topk, SCALE, **config)
         except (TypeError, ValueError) as e:
             p.error(f"forward config {json.dumps(config)}: {e}")
         print(json.dumps({"forward": config, "topk": topk,
                           **compiled_resources(*lowered(program, forward_passes))}), flush=True)
     for config in configs["backward_configs"]:
         try:
-            topk = latent.padded_width(TOPK, latent.backward_index_multiple(config))
-            program = latent.backward_program(HEADS, WIDTH, topk, SCALE, **config)
+            topk = padded_width(TOPK, interface.backward_index_multiple(config))
+            program = backward.backward_program(HEADS, WIDTH, topk, SCALE, **config)
         except (TypeError, ValueError) as e:
             p.error(f"backward config {json.dumps(config)}: {e}")
         print(json.dumps({"backward": config, "topk": topk,

@@ -3,7 +3,7 @@ adding its latent gradient cost.
 
 Each row is one build of a backward program, timed on the same inputs in one call:
 
-* ``as it is``: ``latent_sparse_mla.backward_program`` (the latent gradient staged through
+* ``as it is``: ``ops.latent.backward.backward_program`` (the latent gradient staged through
   shared memory in 8-row parts and added with 16-byte fp32 atomics);
 * ``without its latent-gradient atomics``: the same program with each ``T.atomic_addx4`` made a
   no-op while it is built (a timing ablation: its dkv is wrong);
@@ -42,9 +42,10 @@ import torch
 from kda_layer import timed  # bench/ is on sys.path when run as a script
 from latent_sparse_mla import HEADS, R, SCALE, pool_shaped_indices
 
-from skyrl_megatron_kda.dsa import latent_sparse_mla as latent
+from skyrl_megatron_kda.dsa.ops.latent import common, interface
+from skyrl_megatron_kda.dsa.ops.latent.backward import BACKWARD_KEY_BLOCK, backward_program
 
-BK = latent.BACKWARD_KEY_BLOCK
+BK = BACKWARD_KEY_BLOCK
 BULK_ADD = r"""
 __device__ __forceinline__ void bulk_add_f32(float* smem, float* gmem, int bytes) {
   unsigned src = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -69,7 +70,7 @@ def atomics_left_out():
 
 
 def _signature(T, topk: int):
-    """The backward program's query count and tensors (as ``latent.backward_program`` takes
+    """The backward program's query count and tensors (as ``backward_program`` takes
     them)."""
     S, Tk = T.dynamic("S"), T.dynamic("Tk")
     return S, dict(Q=T.Tensor([S, HEADS, R], "bfloat16"), KV=T.Tensor([Tk, R], "bfloat16"),
@@ -102,7 +103,7 @@ def _macros(T):
         T.copy(Q[s, :, :], q_s)
         T.copy(dO[s, :, :], do_s)
         for h in T.Parallel(HEADS):
-            lse_s[h] = Lse[s, h] * latent.LOG2E
+            lse_s[h] = Lse[s, h] * common.LOG2E
             delta_s[h] = Delta[s, h]
 
     @T.macro
@@ -155,7 +156,7 @@ def memory_program(topk: int, gathers: bool = True, adds: str | None = "atomics"
     ``atomics`` (the kernel's staged 16-byte atomics), ``bulk`` (one bulk reduce per staged row,
     ``buffers`` staging buffers), ``stores`` (plain 16-byte stores: the same bytes, no adds) or
     None."""
-    _, T = latent._tilelang()
+    _, T = common.load_tilelang()
     steps, part = topk // BK, BK // store_split
     S, t = _signature(T, topk)
     *_, bulk_adds = _macros(T)
@@ -163,7 +164,7 @@ def memory_program(topk: int, gathers: bool = True, adds: str | None = "atomics"
     @T.prim_func
     def memory_only(Q: t["Q"], KV: t["KV"], dO: t["dO"], Indices: t["Indices"], Lse: t["Lse"],
                     Delta: t["Delta"], dQ: t["dQ"], dKV: t["dKV"]):
-        with T.Kernel(S, threads=latent._threads(HEADS)) as s:
+        with T.Kernel(S, threads=common.threads_for(HEADS)) as s:
             T.import_source(BULK_ADD)
             tx = T.get_thread_binding()
             kv_s = T.alloc_shared([BK, R], "bfloat16")
@@ -207,9 +208,9 @@ def memory_program(topk: int, gathers: bool = True, adds: str | None = "atomics"
 def registers_program(topk: int, scale: float):
     """The previous block's latent gradient added from the MMA registers under the next block's
     products."""
-    _, T = latent._tilelang()
+    _, T = common.load_tilelang()
     steps, half = topk // BK, BK // 2
-    log2_scale = scale * latent.LOG2E
+    log2_scale = scale * common.LOG2E
     S, t = _signature(T, topk)
     FullCol = T.GemmWarpPolicy.FullCol
     operands, accumulators, load_query, gather_block, gradients, bulk_adds = _macros(T)
@@ -217,7 +218,7 @@ def registers_program(topk: int, scale: float):
     @T.prim_func
     def adds_from_registers(Q: t["Q"], KV: t["KV"], dO: t["dO"], Indices: t["Indices"],
                             Lse: t["Lse"], Delta: t["Delta"], dQ: t["dQ"], dKV: t["dKV"]):
-        with T.Kernel(S, threads=latent._threads(HEADS)) as s:
+        with T.Kernel(S, threads=common.threads_for(HEADS)) as s:
             q_s, do_s, kv_s, p_s, ds_s = operands()
             lse_s = T.alloc_shared([HEADS], "float32")
             delta_s = T.alloc_shared([HEADS], "float32")
@@ -254,9 +255,9 @@ def registers_program(topk: int, scale: float):
 def bulk_program(topk: int, scale: float, store_split: int, buffers: int):
     """The kernel with each staged row added by one bulk reduce; ``buffers`` staging buffers of
     BK / store_split rows."""
-    _, T = latent._tilelang()
+    _, T = common.load_tilelang()
     steps, part = topk // BK, BK // store_split
-    log2_scale = scale * latent.LOG2E
+    log2_scale = scale * common.LOG2E
     S, t = _signature(T, topk)
     FullCol = T.GemmWarpPolicy.FullCol
     operands, accumulators, load_query, gather_block, gradients, bulk_adds = _macros(T)
@@ -264,7 +265,7 @@ def bulk_program(topk: int, scale: float, store_split: int, buffers: int):
     @T.prim_func
     def bulk_reduces(Q: t["Q"], KV: t["KV"], dO: t["dO"], Indices: t["Indices"], Lse: t["Lse"],
                      Delta: t["Delta"], dQ: t["dQ"], dKV: t["dKV"]):
-        with T.Kernel(S, threads=latent._threads(HEADS)) as s:
+        with T.Kernel(S, threads=common.threads_for(HEADS)) as s:
             T.import_source(BULK_ADD)
             tx = T.get_thread_binding()
             q_s, do_s, kv_s, p_s, ds_s = operands()
@@ -292,7 +293,7 @@ def bulk_program(topk: int, scale: float, store_split: int, buffers: int):
 
 def programs(topk: int) -> dict:
     """Row name -> (builds the program, whether its gradients are real)."""
-    kernel = lambda: latent.backward_program(HEADS, R, topk, SCALE)  # noqa: E731
+    kernel = lambda: backward_program(HEADS, R, topk, SCALE)  # noqa: E731
 
     def without_atomics():
         with atomics_left_out():
@@ -355,9 +356,9 @@ def main() -> None:
         q = (torch.randn(a.queries, HEADS, R, generator=gen, device=dev) * 0.05).bfloat16()
         kv = torch.randn(a.keys, R, generator=gen, device=dev).bfloat16()
         grad = (torch.randn(a.queries, HEADS, R, generator=gen, device=dev) * 0.01).bfloat16()
-        out, lse = latent.latent_forward(q, kv, idx, SCALE)
+        out, lse = interface.latent_forward(q, kv, idx, SCALE)
         delta = (out.float() * grad.float()).sum(-1)
-        keys = latent._pad_keys(idx.to(torch.int32), BK).contiguous()
+        keys = common.pad_keys(idx.to(torch.int32), BK).contiguous()
         del idx, out
         rows = programs(keys.shape[1])
         chosen = a.rows.split(",") if a.rows else list(rows)

@@ -1,4 +1,4 @@
-"""Our sparse-MLA kernels (``dsa/latent_sparse_mla.py``) against megatron-core 0.19.2's, kernel
+"""Our sparse-MLA kernels (``dsa/ops/latent/``) against megatron-core 0.19.2's, kernel
 alone, at the 1M recipe's per-rank share on one GPU, and checked against an fp32 reference.
 
 Shape: ``--queries`` rows (65,536: one rank's share under ``tp_split=sequence``) x 64 heads, the
@@ -20,7 +20,8 @@ and whether two backward calls give bitwise equal dkv (fp32 atomics: expected no
 warp-specialised forward and the stacked backward; the default ``--backward-configs`` add the
 backward of 32-key rows, ``{"num_stages": 2, "store_split": 4}`` the default before it);
 ``--forward-configs`` times more tunings of our forward (``forward_program``'s keywords: key
-block, pipeline stages, deferred sums; ``{"warp_specialized": false}`` is the pipelined one),
+block, pipeline stages, deferred sums; ``{"warp_specialized": false}`` is the pipelined one;
+``{"warp_specialized": true, "ping_pong": true}`` the ping-pong forward, ``bench/experiments/``),
 each with the default backward; ``--forward-only`` leaves every backward out. ``--flashmla`` adds FlashMLA's
 sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
 build) with our backward on its log-sum-exp.
@@ -47,8 +48,10 @@ from megatron.core.transformer.experimental_attention_variant.ops import (
     tilelang_sparse_mla_fwd,
 )
 
-from skyrl_megatron_kda.dsa import latent_sparse_mla as latent
-from skyrl_megatron_kda.dsa.flashmla_forward import flashmla_forward
+from experiments import ping_pong_forward as forward  # the package's forward, or ping-pong
+from skyrl_megatron_kda.dsa.ops.flashmla_forward import flashmla_forward
+from skyrl_megatron_kda.dsa.ops.latent import backward, interface
+from skyrl_megatron_kda.dsa.ops.latent.common import padded_width
 from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
 
 HEADS, R, WIDTH, KPOOL, TOPK = 64, 512, 576, 4, 2048
@@ -133,11 +136,11 @@ class Ours:
         self.name = "ours " + (json.dumps(named) if named else "(defaults)")
 
     def forward(self):
-        return latent.latent_forward(self.q, self.kv, self.idx, SCALE, **self.forward_config)
+        return forward.latent_forward(self.q, self.kv, self.idx, SCALE, **self.forward_config)
 
     def backward(self, out, lse, grad):
         delta = (out.float() * grad.float()).sum(-1)
-        return latent.latent_backward(self.q, self.kv, grad, self.idx, lse, delta, SCALE,
+        return interface.latent_backward(self.q, self.kv, grad, self.idx, lse, delta, SCALE,
                                       **self.config)
 
     def natural_lse(self, lse):
@@ -174,9 +177,9 @@ def small_checks(dev) -> dict:
         qr, kvr = qb.float().requires_grad_(), kvb.float().requires_grad_()
         ref = sparse_latent_attention(qr, kvr, idx, SCALE)
         ref.backward(gb.float())
-        out, lse = latent.latent_forward(qb, kvb, idx, SCALE)
+        out, lse = interface.latent_forward(qb, kvb, idx, SCALE)
         delta = (out.float() * gb.float()).sum(-1)
-        dq, dkv = latent.latent_backward(qb, kvb, gb, idx, lse, delta, SCALE)
+        dq, dkv = interface.latent_backward(qb, kvb, gb, idx, lse, delta, SCALE)
         results[f"heads_{heads}"] = dict(
             out=rel(out, ref), dq=rel(dq, qr.grad), dkv=rel(dkv, kvr.grad),
             empty_row_out_max=float(out[7].abs().max()), empty_row_lse=float(lse[7].abs().max()),
@@ -189,8 +192,8 @@ def tunings(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, list
     bench's shape first, so that one our programs refuse (or TileLang's absence) is one line
     before any GPU work, not a traceback mid-run."""
     configs = {}
-    for kind, program in (("forward", latent.forward_program),
-                          ("backward", latent.backward_program)):
+    for kind, program in (("forward", forward.forward_program),
+                          ("backward", backward.backward_program)):
         flag = f"--{kind}-configs"
         try:
             configs[kind] = json.loads(getattr(a, f"{kind}_configs"))
@@ -200,9 +203,9 @@ def tunings(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, list
                                                            for c in configs[kind]):
             p.error(f"{flag} is not a JSON list of keyword dicts: {getattr(a, f'{kind}_configs')}")
         for config in configs[kind]:
-            multiple = (latent.forward_index_multiple(HEADS, config) if kind == "forward"
-                        else latent.backward_index_multiple(config))
-            topk = latent.padded_width(TOPK + KPOOL - 1, multiple)
+            multiple = (interface.forward_index_multiple(HEADS, config) if kind == "forward"
+                        else interface.backward_index_multiple(config))
+            topk = padded_width(TOPK + KPOOL - 1, multiple)
             try:
                 program(HEADS, R, topk, SCALE, **config)
             except (TypeError, ValueError) as e:

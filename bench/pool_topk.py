@@ -34,7 +34,7 @@ import torch
 from kda_layer import timed  # bench/ is on sys.path when run as a script
 from radix_topk import reference_row_topk_ids, row_topk_ids
 
-from skyrl_megatron_kda.dsa.threshold_topk import (
+from skyrl_megatron_kda.dsa.ops.threshold_topk import (
     CANDIDATES_PER_PICK,
     compact_kernel,
     group_maxima,

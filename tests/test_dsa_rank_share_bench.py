@@ -14,7 +14,7 @@ import torch
 
 from skyrl_megatron_kda.dsa.sparse_mla import split_kv_up_weight
 from skyrl_megatron_kda.recipes import load_recipe
-from tests.support.dsa_kernels import torch_dsa_kernels
+from tests.support.sparse_mla_ops import torch_sparse_mla_ops
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "dsa_rank_share.py"
 
@@ -183,7 +183,7 @@ def test_kernel_alone_gets_what_the_layer_gives_it(bench):
     the value projection, are the layer's forward (torch stand-in kernels, megatron's widths);
     an index shifted by one in one block is far off."""
     x, idx = _layer_inputs(bench)
-    kernels, block = torch_dsa_kernels(), 3
+    kernels, block = torch_sparse_mla_ops(), 3
     _, w_uv = split_kv_up_weight(x["weight"], x["heads"], bench.DN, bench.DV)
 
     def through_kernel(inputs):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.dsa_kernels import torch_dsa_kernels
+from tests.support.sparse_mla_ops import torch_sparse_mla_ops
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -51,7 +51,7 @@ def test_the_indexer_profile_swaps_in_each_gluon_variant_with_its_group():
     sys.path.insert(0, str(BENCH))
     import indexer_profile
 
-    base = {"bf16": torch_dsa_kernels(), "fp8": torch_dsa_kernels()}
+    base = {"bf16": torch_sparse_mla_ops(), "fp8": torch_sparse_mla_ops()}
     variants = indexer_profile.gluon_variants(base)
     assert len(variants) == 2 * len(indexer_profile.GLUON_VARIANTS)
     for name, kernels in variants.items():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_megatron_kda.dsa.latent_sparse_mla import SHARED_BYTES
+from skyrl_megatron_kda.dsa.ops.latent.common import SHARED_BYTES
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "kernel_resources.py"
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None

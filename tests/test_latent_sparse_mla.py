@@ -1,4 +1,4 @@
-"""``model.dsa.kernel=latent``: our TileLang sparse-MLA kernels (``dsa/latent_sparse_mla.py``).
+"""``model.dsa.kernel=latent``: our TileLang sparse-MLA programs (``dsa/ops/latent/``).
 
 On CPU: the head padding rule, the refusals, and (in ``tests/test_fused_sparse_mla.py`` and
 ``tests/test_dsa.py``) the wrapper and the layer on a torch stand-in with the kernels' contract
@@ -6,8 +6,10 @@ On CPU: the head padding rule, the refusals, and (in ``tests/test_fused_sparse_m
 fp32 torch attention (``sparse_mla.sparse_latent_attention``) with -1 holes, a query with no
 key, 8 heads (padded to 16) and 64; each tuning of the forward and the backward; and controls
 (every index shifted by one; each head given the next head's query) that the tolerance
-catches. The layer's wrapper on these kernels against the fp32 torch kernel at GLM's widths is
-``tests/test_fused_sparse_mla.py::test_fused_dsa_kernels_match_torch`` (both kernel sets)."""
+catches. The ping-pong forward, an experiment outside the package, is
+``tests/test_ping_pong_forward.py``. The layer's wrapper on these kernels against the fp32 torch
+kernel at GLM's widths is ``tests/test_fused_sparse_mla.py::test_fused_dsa_kernels_match_torch``
+(both kernel sets)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ import pytest
 import torch
 
 from skyrl_megatron_kda.dsa import kernels as dsa_kernels
-from skyrl_megatron_kda.dsa.latent_sparse_mla import (
-    backward_program,
-    forward_program,
+from skyrl_megatron_kda.dsa.ops.latent.backward import backward_program
+from skyrl_megatron_kda.dsa.ops.latent.common import padded_heads
+from skyrl_megatron_kda.dsa.ops.latent.forward import forward_program
+from skyrl_megatron_kda.dsa.ops.latent.interface import (
     latent_backward,
-    latent_dsa_kernels,
     latent_forward,
-    padded_heads,
+    latent_sparse_mla_ops,
 )
 from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
 from tests.support.flashmla import needs_flashmla
@@ -41,7 +43,7 @@ def test_heads_are_padded_as_the_kernels_take_them():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_latent_kernels_need_cuda():
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        latent_dsa_kernels()
+        latent_sparse_mla_ops()
     assert "run.device=gpu" in dsa_kernels.get("latent").refusal("cpu")
     assert dsa_kernels.resolve("auto", "cpu") == "torch"
 
@@ -49,7 +51,7 @@ def test_latent_kernels_need_cuda():
 def test_a_forward_tuning_names_our_forward():
     """FlashMLA's forward has no tunings of ours: refused in one line before anything runs."""
     with pytest.raises(ValueError, match="forward_config tunes our forward, not 'flashmla'"):
-        latent_dsa_kernels(attention_forward="flashmla", forward_config={"ping_pong": True})
+        latent_sparse_mla_ops(attention_forward="flashmla", forward_config={"key_block": 32})
 
 
 def test_the_backward_refuses_key_blocks_that_do_not_tile_its_keys():
@@ -74,8 +76,9 @@ def test_the_stacked_backward_refuses_buffers_beyond_shared_memory():
     """Checked before TileLang is needed: half the channels added at once (a 32 KiB fp32 store
     part) would need 240 KiB, beyond sm_90's 227 (on the GPU it compiled and failed at its
     launch); the default's parts, and half the channels in four store parts, fit."""
-    from skyrl_megatron_kda.dsa.latent_sparse_mla import (SHARED_BYTES, _stacked_shared_bytes,
-                                                          default_backward_config)
+    from skyrl_megatron_kda.dsa.ops.latent.backward import _stacked_shared_bytes
+    from skyrl_megatron_kda.dsa.ops.latent.common import SHARED_BYTES
+    from skyrl_megatron_kda.dsa.ops.latent.interface import default_backward_config
 
     with pytest.raises(ValueError, match="KiB of shared memory"):
         backward_program(64, 512, 2080, SCALE, stacked=True, channel_split=2, store_split=1)
@@ -87,7 +90,7 @@ def test_the_stacked_backward_refuses_buffers_beyond_shared_memory():
 def test_whole_head_groups_take_the_stacked_backward_by_default():
     """64-head groups (atomic and ordered alike): the stacked backward; fewer heads the
     backward of key-block rows."""
-    from skyrl_megatron_kda.dsa.latent_sparse_mla import default_backward_config
+    from skyrl_megatron_kda.dsa.ops.latent.interface import default_backward_config
 
     stacked = {"stacked": True, "channel_split": 4, "store_split": 1}
     assert default_backward_config(64) == default_backward_config(128) == stacked
@@ -105,19 +108,14 @@ def test_the_warp_specialised_forward_refuses_shapes_it_does_not_cover():
                                 (64, 2176, {"deferred_sum": True})):
         with pytest.raises(ValueError, match="warp-specialised"):
             forward_program(heads, 512, topk, SCALE, warp_specialized=True, **config)
-    for heads, topk in ((32, 2176), (64, 2112)):
-        with pytest.raises(ValueError, match="ping-pong"):
-            forward_program(heads, 512, topk, SCALE, warp_specialized=True, ping_pong=True)
-    with pytest.raises(ValueError, match="name warp_specialized"):
-        forward_program(64, 512, 2176, SCALE, ping_pong=True)
 
 
 def test_whole_head_groups_take_the_warp_specialised_forward_by_default():
     """64-head groups: the warp-specialised forward, its indices padded to a pair of key blocks
     (2,051 -> 2,176); fewer heads: the pipelined forward (-> 2,112); a named tuning replaces
     the default."""
-    from skyrl_megatron_kda.dsa.latent_sparse_mla import (default_forward_config,
-                                                          forward_index_multiple)
+    from skyrl_megatron_kda.dsa.ops.latent.interface import (default_forward_config,
+                                                             forward_index_multiple)
 
     assert default_forward_config(64) == default_forward_config(128) == {"warp_specialized": True}
     assert default_forward_config(16) == default_forward_config(32) == {}
@@ -178,10 +176,7 @@ def test_kernels_match_the_fp32_attention(heads, config):
                                             {"deferred_sum": True, "key_block": 32,
                                              "num_stages": 4},
                                             {"warp_specialized": True},
-                                            {"warp_specialized": True, "key_block": 32},
-                                            {"warp_specialized": True, "ping_pong": True},
-                                            {"warp_specialized": True, "ping_pong": True,
-                                             "key_block": 32}])
+                                            {"warp_specialized": True, "key_block": 32}])
 def test_forward_tunings_match_the_fp32_attention(forward_config):
     """The forward's other key blocks and pipeline depths (``bench/latent_sparse_mla.py
     --forward-configs`` times them) compute the same attention."""
@@ -220,11 +215,8 @@ def test_a_shifted_index_is_caught(config):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("forward_config, config", [
-    ({}, {}), ({"warp_specialized": False}, {}),
-    ({"warp_specialized": True, "ping_pong": True}, {"stacked": True, "channel_split": 4,
-                                                      "store_split": 1})],
-    ids=["defaults", "pipelined", "ping_pong_stacked"])
+@pytest.mark.parametrize("forward_config, config", [({}, {}), ({"warp_specialized": False}, {})],
+                         ids=["defaults", "pipelined"])
 def test_a_wrong_head_is_caught(forward_config, config):
     """Control: each head given the next head's query; the comparison with the fp32 attention
     is far off for the output, dq and the latent gradient (queries 4x the other tests', so each
@@ -288,7 +280,7 @@ def test_flashmla_forward_adapts_the_contract(heads, calls):
     multiple of 128 and cut back by the lengths, and +inf log-sum-exps (a query with no key)
     made 0, so it equals the fp32 attention (1e-5) and the natural log-sum-exp our backward
     takes; control: every index shifted by one is far off."""
-    from skyrl_megatron_kda.dsa.flashmla_forward import flashmla_forward
+    from skyrl_megatron_kda.dsa.ops.flashmla_forward import flashmla_forward
 
     gen = torch.Generator().manual_seed(heads)
     q = torch.randn(40, heads, 512, generator=gen) * 0.05
@@ -317,7 +309,7 @@ def test_flashmla_needs_vllm(monkeypatch, tmp_path):
     import importlib.machinery
     import importlib.util
 
-    from skyrl_megatron_kda.dsa import flashmla_forward as fm
+    from skyrl_megatron_kda.dsa.ops import flashmla_forward as fm
 
     fm.sparse_prefill.cache_clear()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
@@ -341,7 +333,7 @@ def test_flashmla_forward_with_our_backward_matches_the_fp32_attention(heads):
     """FlashMLA's forward (bf16) against the fp32 torch attention with -1 holes, a query with no
     key and one whose selection is only its 3-token tail; our backward on its log-sum-exp gives
     dq and the latent gradient within the bound; control: every index shifted by one."""
-    from skyrl_megatron_kda.dsa.flashmla_forward import flashmla_forward
+    from skyrl_megatron_kda.dsa.ops.flashmla_forward import flashmla_forward
 
     gen = torch.Generator(device="cuda").manual_seed(heads + 1)
     q, kv, idx, grad = _case(heads, gen, torch.device("cuda"))
@@ -367,7 +359,7 @@ def test_flashmla_forward_with_our_backward_matches_the_fp32_attention(heads):
 _ROW_DOTS = """
 import json
 import torch
-from skyrl_megatron_kda.dsa.row_dots import row_dots
+from skyrl_megatron_kda.dsa.ops.row_dots import row_dots
 g = torch.Generator().manual_seed(3)
 a, b = torch.randn(5, 3, 64, generator=g), torch.randn(5, 3, 64, generator=g)
 ref = (a.double() * b.double()).sum(-1)
@@ -385,7 +377,7 @@ def test_the_delta_kernel_equals_the_row_sums_interpreted():
 
 
 def test_the_delta_kernel_refuses_other_shapes():
-    from skyrl_megatron_kda.dsa.row_dots import row_dots
+    from skyrl_megatron_kda.dsa.ops.row_dots import row_dots
 
     with pytest.raises(ValueError, match="one shape"):
         row_dots(torch.ones(2, 3, 8), torch.ones(2, 3, 6))
@@ -394,7 +386,7 @@ def test_the_delta_kernel_refuses_other_shapes():
 _ORDERED_SUMS = """
 import json
 import torch
-from skyrl_megatron_kda.dsa.ordered_row_sums import add_rows_in_index_order
+from skyrl_megatron_kda.dsa.ops.ordered_row_sums import add_rows_in_index_order
 g = torch.Generator().manual_seed(0)
 rows = torch.randn(400, 160, generator=g)
 index = torch.randint(-1, 50, (400,), generator=g)
@@ -420,7 +412,7 @@ def test_the_ordered_row_sums_equal_index_add_interpreted():
 
 
 def test_the_ordered_row_sums_refuse_other_shapes():
-    from skyrl_megatron_kda.dsa.ordered_row_sums import add_rows_in_index_order
+    from skyrl_megatron_kda.dsa.ops.ordered_row_sums import add_rows_in_index_order
 
     with pytest.raises(ValueError, match="fp32"):
         add_rows_in_index_order(torch.zeros(4, 8), torch.zeros(3, 8, dtype=torch.float64),
@@ -434,7 +426,7 @@ def test_the_ordered_row_sums_refuse_other_shapes():
 def test_the_delta_kernel_on_the_gpu():
     """bf16 [8192, 64, 512] (one call's shape at GLM's widths): equal to the fp32 sums of the
     bf16 values to fp32 rounding."""
-    from skyrl_megatron_kda.dsa.row_dots import row_dots
+    from skyrl_megatron_kda.dsa.ops.row_dots import row_dots
 
     g = torch.Generator(device="cuda").manual_seed(0)
     a, b = (torch.randn(8192, 64, 512, generator=g, device="cuda").bfloat16() for _ in range(2))

@@ -1,4 +1,4 @@
-"""The indexer's exact top-k from a floor (``dsa/threshold_topk.py``): the same values and ids as
+"""The indexer's exact top-k from a floor (``dsa/ops/threshold_topk.py``): the same values and ids as
 ``torch.topk`` over whole rows on the score shapes the indexer makes (ties of exact zeros, rows
 that see nothing, best scores crowded into few groups), the Triton compaction equal to its torch
 reference (Triton's interpreter on CPU, the kernel itself on a GPU), and controls that a floor
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron_kda.dsa.threshold_topk import (
+from skyrl_megatron_kda.dsa.ops.threshold_topk import (
     compact_reference,
     group_maxima,
     grouped_compact_kernel,
@@ -133,7 +133,7 @@ def test_maxima_of_the_wrong_shape_are_refused():
 _INTERPRETED = """
 import json
 import torch
-from skyrl_megatron_kda.dsa.threshold_topk import (
+from skyrl_megatron_kda.dsa.ops.threshold_topk import (
     compact_kernel, compact_reference, group_maxima, grouped_compact_kernel, kth_largest_kernel,
     kth_largest_reference, pick_kernel, pick_reference)
 from tests.support.interpreted import run_interpreted

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .pools import write_pool_tokens
-from .threshold_topk import floor_topk
+from .ops.threshold_topk import floor_topk
 
 LAG = 2
 """Query blocks the indexer queues on the GPU before the host reads a block's crowded rows

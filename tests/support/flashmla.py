@@ -6,7 +6,7 @@ import torch
 
 
 def _has_flashmla() -> bool:
-    from skyrl_megatron_kda.dsa.flashmla_forward import sparse_prefill
+    from skyrl_megatron_kda.dsa.ops.flashmla_forward import sparse_prefill
 
     try:
         sparse_prefill()

@@ -1,7 +1,7 @@
 """A torch stand-in for the TileLang DSA kernels (sparse MLA and indexer scores) with their
 contract (widths, shapes, int32 indices, -1 = not selected; the indexer's scores with their
 maxima over groups of 4 pools): megatron-core's (576 channels in,
-512 out) or ours (``latent_sparse_mla``: the latent's own width in and out), so the fused and
+512 out) or ours (``ops/latent/``: the latent's own width in and out), so the fused and
 latent paths' padding, absorption and blocking run on CPU. It computes in the inputs' dtype
 (fp32/fp64), so it checks layout, not rounding."""
 
@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_megatron_kda.dsa.fused_sparse_mla import (
-    KERNEL_VALUE_WIDTH,
-    KERNEL_WIDTH,
-    DSAKernels,
-)
+from skyrl_megatron_kda.dsa.ops.contract import KERNEL_VALUE_WIDTH, KERNEL_WIDTH, SparseMLAOps
+from skyrl_megatron_kda.dsa.ops.threshold_topk import group_maxima
 from skyrl_megatron_kda.dsa.sparse_mla import sparse_latent_attention
-from skyrl_megatron_kda.dsa.threshold_topk import group_maxima
 
 
 def _sparse_mla(width: int, value_width: int):
@@ -69,12 +65,12 @@ def _index_scores(q, keys, weights, ks, ke):
     return scores, group_maxima(scores, STAND_IN_GROUP)
 
 
-def torch_dsa_kernels(width: int = KERNEL_WIDTH, value_width: int = KERNEL_VALUE_WIDTH,
-                      backward_adds_dkv: bool = False) -> DSAKernels:
+def torch_sparse_mla_ops(width: int = KERNEL_WIDTH, value_width: int = KERNEL_VALUE_WIDTH,
+                         backward_adds_dkv: bool = False) -> SparseMLAOps:
     """The stand-in: no dtype cast (fp32 or fp64 in, the same out); megatron-core's widths by
     default, ``width = value_width =`` the latent's for ours (whose backward can add its latent
     gradient into a given buffer: ``backward_adds_dkv``)."""
     forward, delta, backward = _sparse_mla(width, value_width)
-    return DSAKernels(forward=forward, delta=delta, backward=backward,
-                      index_scores=_index_scores, index_group=STAND_IN_GROUP, dtype=None,
-                      width=width, value_width=value_width, backward_adds_dkv=backward_adds_dkv)
+    return SparseMLAOps(forward=forward, delta=delta, backward=backward,
+                        index_scores=_index_scores, index_group=STAND_IN_GROUP, dtype=None,
+                        width=width, value_width=value_width, backward_adds_dkv=backward_adds_dkv)

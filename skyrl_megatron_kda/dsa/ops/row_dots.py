@@ -2,11 +2,10 @@
 
 The backward needs, for every query and head, the dot product of the latent-space output and
 its gradient ([S, H, 512] bf16 each) in fp32. In torch that is two fp32 copies of both, their
-product and a sum: about 4 GB of traffic per call of 8,192 queries at GLM's widths, 12 ms per
-layer step at the 1M share. Here each program reads a few rows of both once, multiplies in fp32
-and writes the sums: the bytes of the inputs once. megatron-core's TileLang ``sparse_mla_delta``
-computes the same for its own kernel set (``fused`` keeps it); it was not tried for ours, whose
-delta had been the torch expression above.
+product and a sum: several times the inputs' bytes of traffic. Here each program reads a few
+rows of both once, multiplies in fp32 and writes the sums: the bytes of the inputs once.
+megatron-core's TileLang ``sparse_mla_delta`` computes the same for its own kernel set
+(``fused`` keeps it).
 """
 
 from __future__ import annotations

@@ -10,24 +10,21 @@ registers of the threads that hold those columns (a few shuffles, no shared memo
 [queries x heads x pools] products are never written. Pools outside the walk only get -inf
 written. Each program also writes the maxima of its rows over groups of ``GROUP`` pools
 (``threshold_topk`` takes its exact top-k's floor from them, so the scores are not read again
-for it). An earlier layout (64 queries x 128 pools per program, one product per head with the
-head sum across rows) re-read every query head for each pool tile and ran 1.13x (bf16) and
-1.19x (FP8) slower on an H200 (bench/results/h200_index_scores).
+for it). Holding the queries' heads along the columns means each query head is read once per
+program, not once per pool tile.
 
-megatron-core 0.19.2 has the same computation as a TileLang kernel (``indexer_fwd_interface``);
-on one H200 it took 51.0 ms per 1,024 queries over 262,144 pools (about 43 TFLOP/s: its programs
-cover 4 queries each and write their scores one by one), which made the indexer 87% of a DSA
-layer's step at 1M tokens. Our first layout took 5.6 ms on the same block, equal to megatron's
-to 7.7e-8 relative (docs/benchmarks.md); this one 4.7 ms. It has the same contract
-(``fused_sparse_mla.DSAKernels.index_scores``) and is tested against an fp32 torch reference on
-the GPU, its FP8 form also under Triton's CPU interpreter (tests/test_fused_sparse_mla.py).
+megatron-core 0.19.2 has the same computation as a TileLang kernel (``indexer_fwd_interface``),
+whose programs cover 4 queries each and write their scores one by one; this kernel replaces it
+(docs/benchmarks.md compares them). It has the same contract (``SparseMLAOps.index_scores``) and
+is tested against an fp32 torch reference on the GPU, its FP8 form also under Triton's CPU
+interpreter (tests/test_fused_sparse_mla.py).
 
 ``fp8_pool_scores`` (``model.dsa.indexer_scores=fp8``) runs the same kernel on FP8 (e4m3)
 products, as DeepSeek-V3.2's lightning indexer does: each query head and each pool are scaled
 to FP8's range by their own absolute maximum, and since ``relu(a * b * x) = a * b * relu(x)`` for
 positive scales, the query heads' scales fold into the head weights and the pools' scales
 multiply each finished score, so the kernel's inner loop is unchanged; the pool keys are
-quantised once per indexer pass (``FP8Keys``), not once per query block. The H200's FP8 tensor
+quantised once per indexer pass (``FP8Keys``), not once per query block. Hopper's FP8 tensor
 cores run twice the bf16 rate; the scores carry FP8's rounding (3 mantissa bits per factor), so
 pools that score close to the k-th may be chosen differently (docs/benchmarks.md measures how
 often).
@@ -44,7 +41,7 @@ import triton.language as tl
 
 TILES = (4, 64, 4, 3)
 """Queries per program, pools per step of its loop, its warps and pipeline stages (bf16): the
-fastest of ``bench/index_scores.py``'s sweep on an H200 (bench/results/h200_index_scores)."""
+fastest of ``bench/index_scores.py``'s sweep (docs/benchmarks.md)."""
 FP8_TILES = (4, 128, 4, 3)
 """The same for FP8 products (twice the pools per step for the same bytes)."""
 GROUP = 32
@@ -254,8 +251,9 @@ def keys_as_they_are(keys: torch.Tensor) -> torch.Tensor:
 
 
 class Scoring(NamedTuple):
-    """A score precision: ``keys`` prepares the pass's pool keys once (``DSAKernels.index_keys``),
-    ``scores`` is the score kernel on them (``DSAKernels.index_scores``)."""
+    """A score precision: ``keys`` prepares the pass's pool keys once
+    (``SparseMLAOps.index_keys``), ``scores`` is the score kernel on them
+    (``SparseMLAOps.index_scores``)."""
 
     keys: Callable
     scores: Callable

@@ -4,9 +4,9 @@
 FlashMLA (DeepSeek's MLA kernels) has a Hopper forward for exactly this attention: queries [S, H,
 D] over one shared latent [T, 1, D] at int32 indices [S, 1, K] (-1 = not selected), D = 512 for
 both the scores and the values, returning the output, the row maxima and the natural
-log-sum-exp. At the 1M recipe's rank share it took 44.9 ms against our TileLang forward's 61.0 ms
-on one H200 (docs/benchmarks.md), equal to it within bf16 rounding. It has no backward; ours
-takes its log-sum-exp (the same natural log-sum-exp of ``scale * q . k``).
+log-sum-exp, equal to our TileLang forward within bf16 rounding (docs/benchmarks.md times
+both). It has no backward; ours takes its log-sum-exp (the same natural log-sum-exp of
+``scale * q . k``).
 
 We load the build vLLM ships (``vllm/_flashmla_C``, an op library on torch's stable ABI, so
 one build serves several torch versions): SkyRL's generation already installs vLLM, and
@@ -70,7 +70,7 @@ def _pad_heads(q: torch.Tensor) -> torch.Tensor:
 
 def flashmla_forward(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                      op=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``latent_sparse_mla.latent_forward``'s contract on FlashMLA: q [S, H, D] bf16, kv [T, D]
+    """``latent.interface.latent_forward``'s contract on FlashMLA: q [S, H, D] bf16, kv [T, D]
     bf16, indices [S, K] (natural positions, -1 = none) -> the latent-space output [S, H, D]
     and the natural log-sum-exp of ``scale * q . k`` [S, H] fp32 (0 for a query with no key,
     whose output is 0). ``op``: the kernel (``sparse_prefill()``; the CPU tests pass a torch

@@ -1,10 +1,10 @@
 """The indexer's exact top-k without a top-k over a whole row of scores.
 
 The fused indexer picks the k best of up to 262,144 pool scores per query; ``torch.topk`` over
-each whole row was a third of its time (3.1 ms per block of 1,024 queries on an H200). The score
-kernel already holds every score on chip once, so it also writes the maxima of consecutive
-groups of pools (``index_scores.pool_scores``). The k-th largest of those maxima is a floor for
-the k-th largest score: the k groups whose maxima reach it hold k distinct scores that do. So
+each whole row would be a large share of its time. The score kernel already holds every score
+on chip once, so it also writes the maxima of consecutive groups of pools
+(``index_scores.pool_scores``). The k-th largest of those maxima is a floor for the k-th largest
+score: the k groups whose maxima reach it hold k distinct scores that do. So
 every score of the top-k is at or above the floor, and so is every score equal to the k-th one
 (the tie rule is then the final top-k's, as for a top-k over the whole row), and only groups
 whose maximum reaches the floor hold such scores. Two Triton kernels, one program per row, keep
@@ -13,7 +13,7 @@ the groups whose maxima reach it (``_compact_at_least`` over the maxima), the se
 those groups (``_gather_at_least``); on random scores that is about k groups of 32 of the row's
 8,192. The top-k then runs over the kept scores. A row with more than ``capacity`` such groups
 or scores (its floor is -inf when fewer than k groups hold a visible pool; or ties crowd at the
-floor) gets ``torch.topk`` over its whole row: the same answer, at the old speed.
+floor) gets ``torch.topk`` over its whole row: the same answer, at that top-k's cost.
 ``floor_topk`` leaves those rows to its caller (flagged) instead of finding them with a host
 sync: the fused indexer (``pool_topk.fused_block_topk``) reads the flags two blocks later
 (``pool_topk.DeferredRows``) and redoes those rows, so its blocks queue on the GPU without
@@ -23,7 +23,7 @@ The floor (the k-th largest group maximum) and the final pick among the kept sco
 Triton program per row each (``_kth_largest``, ``_pick``): the row sits in registers, its
 values mapped to int32 keys of the same order, and the k-th largest key is built bit by bit
 from the top (32 counts over the row). ``torch.topk`` takes a radix select of many small
-kernels per call, and those launches were most of the host's time per query block. The pick
+kernels per call, whose launches would dominate the host's time per query block. The pick
 keeps every value above the k-th and the first of the values equal to it in column order, so
 ties resolve the same way on every run.
 
@@ -40,14 +40,13 @@ import triton
 import triton.language as tl
 
 CANDIDATES_PER_PICK = 8
-"""Room per row in the compacted buffer, in multiples of k: at k = 512 and maxima over groups
-of 32 pools, random scores leave 528 candidates per row, at most 544 (bench/pool_topk.py)."""
+"""Room per row in the compacted buffer, in multiples of k: random scores leave little more
+than k candidates per row (``bench/pool_topk.py`` counts them); a crowded row is redone."""
 COMPACT_BLOCK = 4096
 """Scores per step of a whole row's compaction (the group maxima's)."""
 GATHER_BLOCK = 1024
 """Scores per step of the compaction over the listed groups: the fastest of
-``bench/pool_topk.py --gather-sweep`` on an H100 (0.27 against 0.36 ms a block of 1,024 queries
-at 4,096; bench/results/h100_indexer_selection)."""
+``bench/pool_topk.py --gather-sweep`` (docs/benchmarks.md)."""
 
 
 def group_maxima(scores: torch.Tensor, group: int) -> torch.Tensor:
