@@ -1,6 +1,7 @@
 """The package's shape: each module imports only from its own floor or below (the table in the
 README's "## Layout"), no module imports back into one that imports it, ``config`` loads neither
-torch nor megatron-core, the config modules stay small, and imports sit at the top of each module
+torch nor megatron-core, the config modules stay small, no module runs past MAX_MODULE_LINES
+lines nor any function past MAX_FUNCTION_LINES, and imports sit at the top of each module
 (except optional dependencies)."""
 
 from __future__ import annotations
@@ -114,6 +115,44 @@ def test_cycle_finder_finds_a_cycle():
 def test_config_modules_are_small():
     sizes = {p.name: len(p.read_text().splitlines()) for p in (PACKAGE / "config").glob("*.py")}
     assert sizes and max(sizes.values()) < 300, sizes
+
+
+MAX_MODULE_LINES = 500
+"""A module longer than this holds more than one concern: split it by concern or phase (as
+``dsa/ops/latent/`` splits our sparse-MLA programs by phase)."""
+MAX_FUNCTION_LINES = 120
+"""A function (nested ones counted on their own too) longer than this does several jobs: give
+each its own function or macro."""
+
+
+def _oversized(sources: dict[str, str]) -> list[str]:
+    """``name: N lines`` for each module over MAX_MODULE_LINES and ``name:line function: N
+    lines`` for each function over MAX_FUNCTION_LINES (decorators not counted)."""
+    found = []
+    for name, text in sorted(sources.items()):
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            found.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    found.append(f"{name}:{node.lineno} {node.name}: {n} lines")
+    return found
+
+
+def test_no_module_or_function_is_oversized():
+    sources = {str(p.relative_to(PACKAGE)): p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert not _oversized(sources)
+
+
+def test_size_check_finds_a_long_module_and_a_long_function():
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    long_function = f"def outer():\n    def inner():\n{body}\n    return inner\n"
+    long_module = "x = 0\n" * (MAX_MODULE_LINES + 1)
+    assert _oversized({"f.py": long_function}) == [
+        f"f.py:1 outer: {MAX_FUNCTION_LINES + 3} lines",
+        f"f.py:2 inner: {MAX_FUNCTION_LINES + 1} lines"]
+    assert _oversized({"m.py": long_module}) == [f"m.py: {MAX_MODULE_LINES + 1} lines"]
+    assert _oversized({"ok.py": "def f():\n    return 1\n"}) == []
 
 
 def test_imports_are_at_the_top_except_optional_dependencies():
