@@ -7,13 +7,13 @@ runs that rank's work with the model's own functions on random data of GLM's siz
 stage (measured unless said otherwise):
 
 * indexer: pooled keys (``pools.pooled_keys``), per query block the indexer scores and
-  top-k (``pool_topk.fused_block_topk`` on our Triton scores, ``index_scores.py``, and the
-  floor's exact top-k, ``threshold_topk.py``; or the torch ``blocked_pool_topk``; the last
+  top-k (``pool_topk.fused_block_topk`` on our Triton scores, ``ops/index_scores.py``, and
+  the floor's exact top-k, ``ops/threshold_topk.py``; or the torch ``blocked_pool_topk``; the last
   block is also scored by megatron-core's TileLang indexer kernel and its top-k taken by
   ``torch.topk``, for their times) and the token indices (``pools.pool_token_indices``), the
   blocks queued without host syncs as in the layer (``pool_topk.DeferredRows``);
 * sparse attention: ``fused_sparse_mla.fused_absorbed_sparse_mla`` on megatron-core's TileLang
-  kernels (``--kernel fused``) or ours (``latent``, ``latent_sparse_mla.py``), or
+  kernels (``--kernel fused``) or ours (``latent``, ``ops/latent/``), or
   ``sparse_mla.absorbed_sparse_mla`` (torch), forward and backward; the kv up projection and its
   absorption are inside it;
 * projections: the layer's other linear layers at the rank's share, as
@@ -80,7 +80,8 @@ and ``--deterministic`` runs our backward with its latent gradient summed in a f
 ``--tp-rows balanced,slice`` runs every set on both row choices in turn (``@slice`` labels).
 ``--latent-configs '[{}, {"forward": {"warp_specialized": true, "ping_pong": true},
 "backward": {"stacked": true, "channel_split": 4, "store_split": 1}}]'`` runs the latent set
-(with our forward) once per entry, each with those tunings of our kernels (``latent#1``, ...).
+(with our forward) once per entry, each with those tunings of our kernels (``latent#1``, ...);
+``"ping_pong": true`` runs the ping-pong forward (``bench/experiments/``).
 
 ``--projection-shapes`` times only the projections' step, at megatron's head-split shapes and at
 those of the layer on rows (``projection_shapes``), and stops.
@@ -96,9 +97,11 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -109,12 +112,12 @@ from skyrl_megatron_kda.dsa.batch_rows import balanced_row_order
 from skyrl_megatron_kda.dsa.fused_sparse_mla import (
     absorbed_queries,
     fused_absorbed_sparse_mla,
-    fused_dsa_kernels,
     kernel_indices,
     kernel_latent,
 )
-from skyrl_megatron_kda.dsa.latent_sparse_mla import (backward_program, forward_program,
-                                                      latent_dsa_kernels)
+from skyrl_megatron_kda.dsa.ops.fused import fused_sparse_mla_ops
+from skyrl_megatron_kda.dsa.ops.latent.backward import backward_program
+from skyrl_megatron_kda.dsa.ops.latent.forward import forward_program
 from skyrl_megatron_kda.dsa.pools import (
     document_starts,
     index_violations,
@@ -129,12 +132,15 @@ from skyrl_megatron_kda.dsa.pool_topk import (
     fused_block_topk,
 )
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla, split_kv_up_weight
-from skyrl_megatron_kda.dsa.threshold_topk import (
+from skyrl_megatron_kda.dsa.ops.threshold_topk import (
     CANDIDATES_PER_PICK,
     grouped_compact_kernel,
     threshold_topk,
 )
 from skyrl_megatron_kda.recipes import load_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for its experiments
+from experiments.ping_pong_forward import latent_ops  # noqa: E402
 
 RECIPE = "glm53_flash_1m"
 HEADS, TP, CP = 64, 8, 2
@@ -490,7 +496,7 @@ def run_kernel(x: dict, a, kernel: str, forward: str, gemms: list[Gemm], a2a: di
         options["attention_forward"] = forward
         options["forward_config"] = tuning[1].get("forward")
         options["backward_config"] = tuning[1].get("backward")
-    kernels = ({"fused": fused_dsa_kernels, "latent": latent_dsa_kernels}[kernel](**options)
+    kernels = ({"fused": fused_sparse_mla_ops, "latent": latent_ops}[kernel](**options)
                if kernel != "torch" else None)
     rows = x["pos"].numel()
     log(f"{kernel} kernel, split {a.split}: {rows} queries x {x['heads']} heads over {a.keys} keys")
@@ -640,6 +646,7 @@ def main():
         for part, keywords in tuning.items():
             known = set(inspect.signature(programs[part]).parameters) - {"heads", "dim", "topk",
                                                                          "scale"}
+            known |= {"ping_pong"} if part == "forward" else set()  # bench/experiments/
             if unknown := set(keywords) - known:
                 p.error(f"--latent-configs: {part} keywords {sorted(unknown)} not among "
                         f"{sorted(known)}")

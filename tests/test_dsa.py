@@ -83,12 +83,12 @@ def _ours(config, kpool, pg=None, cp_layout="zigzag", kernel="torch", tp_split="
 
     from skyrl_megatron_kda.dsa import layer as dsa
     from skyrl_megatron_kda.dsa.kernels import FusedKernel, LatentKernel
-    from tests.support.dsa_kernels import torch_dsa_kernels
+    from tests.support.sparse_mla_ops import torch_sparse_mla_ops
 
     if not torch.cuda.is_available():
-        FusedKernel.load_kernels = staticmethod(lambda **_: stand_in or torch_dsa_kernels())
+        FusedKernel.load_kernels = staticmethod(lambda **_: stand_in or torch_sparse_mla_ops())
         rank = config.kv_lora_rank
-        LatentKernel.load_kernels = staticmethod(lambda **_: torch_dsa_kernels(rank, rank))
+        LatentKernel.load_kernels = staticmethod(lambda **_: torch_sparse_mla_ops(rank, rank))
     pg = pg or ProcessGroupCollection.use_mpu_process_groups()
     return build_module(dsa.glm_dsa_layer_spec(cp_layout, _kernel(kernel, tp_split, kpool)),
                         config=config, layer_number=4, pg_collection=pg)
@@ -227,10 +227,10 @@ def _keys_prepared_once(rank, world):
 
     from megatron.core import parallel_state
 
-    from tests.support.dsa_kernels import torch_dsa_kernels
+    from tests.support.sparse_mla_ops import torch_sparse_mla_ops
 
     parallel_state.initialize_model_parallel()
-    plain, prepared = torch_dsa_kernels(), []
+    plain, prepared = torch_sparse_mla_ops(), []
 
     def index_keys(keys):
         prepared.append(keys.shape[0])
@@ -250,7 +250,7 @@ def _keys_prepared_once(rank, world):
 
 
 def test_the_fused_layer_prepares_the_pool_keys_once_per_pass():
-    """``DSAKernels.index_keys`` (FP8: the keys quantised) runs once per batch row and pass,
+    """``SparseMLAOps.index_keys`` (FP8: the keys quantised) runs once per batch row and pass,
     not once per indexer block (``indexer_query_block`` 9 gives several blocks here), and the
     score kernel gets its result."""
     (r,) = run_ranks(1, _keys_prepared_once)

@@ -1,7 +1,7 @@
 """``model.dsa.kernel=fused``: our wrapper around megatron-core's TileLang sparse-MLA kernels.
 
 On CPU the kernels are replaced by a torch stand-in with their contract (576-wide queries and
-latent, 512-wide output, int32 [S, 1, k] indices; ``tests/support/dsa_kernels.py``), so what is
+latent, 512-wide output, int32 [S, 1, k] indices; ``tests/support/sparse_mla_ops.py``), so what is
 checked here is ours: the zero padding of the absorbed queries and the latent, the value
 projection, the query blocks, the recomputed forward in backward and the summed latent gradient.
 The fused path equals the torch kernel (``absorbed_sparse_mla``) in fp64 to 1e-10; controls show
@@ -18,19 +18,16 @@ import pytest
 import torch
 
 from skyrl_megatron_kda.config.model import DSAConfig
-from skyrl_megatron_kda.dsa.fused_sparse_mla import (
-    KERNEL_VALUE_WIDTH,
-    _per_head_product,
-    fused_absorbed_sparse_mla,
-    fused_dsa_kernels,
-)
+from skyrl_megatron_kda.dsa.fused_sparse_mla import _per_head_product, fused_absorbed_sparse_mla
 from skyrl_megatron_kda.dsa.kernels import DSAShape
 from skyrl_megatron_kda.dsa.kernels.fused import FusedKernel
-from skyrl_megatron_kda.dsa.latent_sparse_mla import latent_dsa_kernels
+from skyrl_megatron_kda.dsa.ops.contract import KERNEL_VALUE_WIDTH
+from skyrl_megatron_kda.dsa.ops.fused import fused_sparse_mla_ops
+from skyrl_megatron_kda.dsa.ops.latent.interface import latent_sparse_mla_ops
 from skyrl_megatron_kda.dsa.sparse_mla import absorbed_sparse_mla
-from tests.support.dsa_kernels import torch_dsa_kernels
 from tests.support.flashmla import needs_flashmla
 from tests.support.interpreted import run_interpreted
+from tests.support.sparse_mla_ops import torch_sparse_mla_ops
 
 TQ, TK, HEADS, DN, DV, RANK, TOPK = 37, 45, 3, 8, 6, 16, 12
 SCALE = 0.3
@@ -78,7 +75,7 @@ def test_fused_wrapper_equals_torch_kernel(block, widths):
     q, latent, weight, idx = _inputs(torch.float64, gen)
     grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=torch.float64)
     ref = _run(_torch, q, latent, weight, idx, grad)
-    got = _run(_fused(torch_dsa_kernels(**WIDTHS[widths]), block), q, latent, weight, idx, grad)
+    got = _run(_fused(torch_sparse_mla_ops(**WIDTHS[widths]), block), q, latent, weight, idx, grad)
     errors = {k: _rel(got[k], ref[k]) for k in ref}
     print(block, errors)
     assert max(errors.values()) < 1e-10, errors
@@ -121,12 +118,12 @@ def test_a_backward_that_adds_into_the_latent_gradient_changes_nothing(block):
     for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 0.0)):
         q, latent, weight, idx = _inputs(dtype, gen)
         grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=dtype)
-        ref = _run(_fused(torch_dsa_kernels(**widths), block), q, latent, weight, idx, grad)
-        got = _run(_fused(torch_dsa_kernels(**widths, backward_adds_dkv=True), block), q,
+        ref = _run(_fused(torch_sparse_mla_ops(**widths), block), q, latent, weight, idx, grad)
+        got = _run(_fused(torch_sparse_mla_ops(**widths, backward_adds_dkv=True), block), q,
                    latent, weight, idx, grad)
         errors = {k: _rel(got[k], ref[k]) for k in ref}
         assert max(errors.values()) <= tol, (dtype, errors)
-    kernels = torch_dsa_kernels(**widths, backward_adds_dkv=True)
+    kernels = torch_sparse_mla_ops(**widths, backward_adds_dkv=True)
     q, latent, weight, idx = _inputs(torch.float32, gen)
     shared = torch.zeros(TK, 1, RANK)  # one buffer across the calls, returned by each
     doubled = replace(kernels, backward_adds_dkv=False,
@@ -145,7 +142,7 @@ def test_controls_are_caught(control, widths):
     q, latent, weight, idx = _inputs(torch.float64, gen)
     grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=torch.float64)
     ref = _run(_torch, q, latent, weight, idx, grad)
-    got = _run(_fused(control(torch_dsa_kernels(**WIDTHS[widths])), 8), q, latent, weight, idx, grad)
+    got = _run(_fused(control(torch_sparse_mla_ops(**WIDTHS[widths])), 8), q, latent, weight, idx, grad)
     assert _rel(got["out"], ref["out"]) > 1e-2
 
 
@@ -185,7 +182,7 @@ def test_keeping_the_output_skips_the_backwards_forward_and_changes_no_bit(block
     blocks = -(-TQ // block)
     for keep in (False, True):
         calls = []
-        kernels = _counting(torch_dsa_kernels(**WIDTHS[widths]), calls)
+        kernels = _counting(torch_sparse_mla_ops(**WIDTHS[widths]), calls)
         attend = lambda q, c, w, i: fused_absorbed_sparse_mla(  # noqa: E731
             q, c, w, i, SCALE, DV, block, kernels, keep_output=keep)
         runs[keep] = _run(attend, q, latent, weight, idx, grad)
@@ -195,7 +192,7 @@ def test_keeping_the_output_skips_the_backwards_forward_and_changes_no_bit(block
         assert torch.equal(runs[True][name], value), name
     # plan's term (FusedKernel.kept_bytes) on this call's shape, at the stand-in's output width
     model = type("StandIn", (FusedKernel,), {
-        "value_width": torch_dsa_kernels(**WIDTHS[widths]).value_width})
+        "value_width": torch_sparse_mla_ops(**WIDTHS[widths]).value_width})
     shape = {keep: DSAShape(dsa=DSAConfig(fused={"keep_attention_output": keep}), whole=TK, cp_rows=TQ,
                             sp_rows=TQ, tp=1, cp=1, act_bytes=8, rows=TQ, heads=HEADS,
                             index_rows=TQ, by_rows=False) for keep in (False, True)}
@@ -226,7 +223,7 @@ def test_nothing_is_kept_without_a_backward():
     gen = torch.Generator().manual_seed(4)
     q, latent, weight, idx = _inputs(torch.float64, gen)
     calls = []
-    kernels = _counting(torch_dsa_kernels(), calls)
+    kernels = _counting(torch_sparse_mla_ops(), calls)
     with torch.no_grad():
         kept = fused_absorbed_sparse_mla(q, latent, weight, idx, SCALE, DV, 8, kernels,
                                          keep_output=True)
@@ -239,25 +236,25 @@ def test_latent_wider_than_the_kernel_is_refused():
     gen = torch.Generator().manual_seed(2)
     q, latent, weight, idx = _inputs(torch.float64, gen, rank=KERNEL_VALUE_WIDTH + 1)
     with pytest.raises(ValueError, match="latent"):
-        _fused(torch_dsa_kernels(), 8)(q, latent, weight, idx)
+        _fused(torch_sparse_mla_ops(), 8)(q, latent, weight, idx)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_fused_kernel_needs_cuda():
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        fused_dsa_kernels()
+        fused_sparse_mla_ops()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
 @pytest.mark.parametrize("load", [
-    fused_dsa_kernels, latent_dsa_kernels, lambda: latent_dsa_kernels(ordered=True),
-    pytest.param(lambda: latent_dsa_kernels(attention_forward="flashmla"), marks=needs_flashmla)],
+    fused_sparse_mla_ops, latent_sparse_mla_ops, lambda: latent_sparse_mla_ops(ordered=True),
+    pytest.param(lambda: latent_sparse_mla_ops(attention_forward="flashmla"), marks=needs_flashmla)],
     ids=["megatron", "latent", "latent_ordered", "latent_flashmla"])
 @pytest.mark.parametrize("heads", [8, 64])  # 8: TP8's heads-split share (padded to 16 inside)
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_output"])
 def test_fused_dsa_kernels_match_torch(heads, load, keep):
-    """The wrapper on bf16 TileLang kernels (megatron-core's, and ours: latent_sparse_mla.py) vs
+    """The wrapper on bf16 TileLang kernels (megatron-core's, and ours: dsa/ops/latent/) vs
     the fp32 torch kernel at GLM's widths (latent 512, head 256): out, dq, d latent and d
     weight within 1e-2 relative, with -1 padded indices; the backward recomputing the kernel
     output or reading the kept one."""
@@ -310,7 +307,7 @@ def test_fused_indexer_selects_the_torch_pools():
     # (a 3-token document: no pool at all)
     starts, pos, first, q, w, keys = _gpu_indexer_case([0, 1500, 1503, 4000], 1000, seed=4)
     ref = blocked_pool_topk(q, w, keys, starts, pos, first, 4, 64, query_block=256)
-    kernels = fused_dsa_kernels()
+    kernels = fused_sparse_mla_ops()
     got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 64, 700, kernels.index_scores,
                           kernels.index_group)
     same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(got.cpu(), ref.cpu())]
@@ -331,7 +328,7 @@ def test_fp8_keys_quantised_once_select_what_per_block_quantisation_selects():
     from skyrl_megatron_kda.dsa.pool_topk import fused_pool_topk
 
     starts, pos, first, q, w, keys = _gpu_indexer_case([0, 1500, 6000], 1000, seed=11)
-    fp8, bf16 = fused_dsa_kernels(indexer_scores="fp8"), fused_dsa_kernels()
+    fp8, bf16 = fused_sparse_mla_ops(indexer_scores="fp8"), fused_sparse_mla_ops()
     select = lambda k, pool_keys: fused_pool_topk(  # noqa: E731
         q, w, pool_keys, starts, pos, first, 4, 64, 700, k.index_scores, k.index_group)
     once, per_block = select(fp8, fp8.index_keys(keys)), select(fp8, keys)
@@ -433,7 +430,7 @@ def test_fused_indexer_selects_the_blocked_pools(block):
     q, w = torch.randn(192, 4, 8, generator=gen), torch.rand(192, 4, generator=gen)
     keys = torch.randn(starts.numel(), 8, generator=gen)
     ref = blocked_pool_topk(q, w, keys, starts, pos, first, 4, 5, query_block=9, pool_block=3)
-    scores, group = torch_dsa_kernels().index_scores, torch_dsa_kernels().index_group
+    scores, group = torch_sparse_mla_ops().index_scores, torch_sparse_mla_ops().index_group
     got = fused_pool_topk(q, w, keys, starts, pos, first, 4, 5, block, scores, group)
     assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
     assert (got[:3] == -1).all()  # tokens 0..2: no complete pool
@@ -454,7 +451,8 @@ def test_crowded_rows_are_redone_after_the_blocks(block, device, monkeypatch):
     (``floor_topk`` flags them); ``fused_pool_topk`` redoes those a few blocks later
     (``DeferredRows``) with a whole-row top-k and still equals ``blocked_pool_topk``. Control:
     without the redo (flags dropped) the selection differs."""
-    from skyrl_megatron_kda.dsa import pool_topk, threshold_topk
+    from skyrl_megatron_kda.dsa import pool_topk
+    from skyrl_megatron_kda.dsa.ops import threshold_topk
     from skyrl_megatron_kda.dsa.pools import document_starts, pool_starts
 
     monkeypatch.setattr(threshold_topk, "CANDIDATES_PER_PICK", 1)
@@ -468,7 +466,7 @@ def test_crowded_rows_are_redone_after_the_blocks(block, device, monkeypatch):
     ref = pool_topk.blocked_pool_topk(q, w, keys, starts, pos, first, 4, 5, query_block=9,
                                       pool_block=3)
     q, w, keys, starts, pos, first = (t.to(device) for t in (q, w, keys, starts, pos, first))
-    scores, group = torch_dsa_kernels().index_scores, torch_dsa_kernels().index_group
+    scores, group = torch_sparse_mla_ops().index_scores, torch_sparse_mla_ops().index_group
     flagged = []
     floor_topk = pool_topk.floor_topk
 
@@ -519,8 +517,8 @@ def test_triton_pool_scores_equal_the_reference(n, pools):
     bf16-rounded inputs: the same -inf pattern (visible ranges, empty ranges) and finite scores
     within 1e-3 relative (bf16 products, fp32 sums in another order); its group maxima are
     exactly its scores' (partial last group included)."""
-    from skyrl_megatron_kda.dsa.index_scores import GROUP, pool_scores
-    from skyrl_megatron_kda.dsa.threshold_topk import group_maxima
+    from skyrl_megatron_kda.dsa.ops.index_scores import GROUP, pool_scores
+    from skyrl_megatron_kda.dsa.ops.threshold_topk import group_maxima
 
     gen, dev = torch.Generator().manual_seed(6), torch.device("cuda")
     q = torch.randn(n, 32, 128, generator=gen).bfloat16()
@@ -528,7 +526,7 @@ def test_triton_pool_scores_equal_the_reference(n, pools):
     w = torch.rand(n, 32, generator=gen)
     ks = torch.randint(0, pools, (n,), generator=gen, dtype=torch.int32)
     ke = (ks + torch.randint(-3, pools, (n,), generator=gen, dtype=torch.int32)).clamp(0, pools)
-    ref = torch_dsa_kernels().index_scores(q.float(), keys.float(), w, ks, ke)[0]
+    ref = torch_sparse_mla_ops().index_scores(q.float(), keys.float(), w, ks, ke)[0]
     got, maxima = (t.cpu() for t in pool_scores(*(t.to(dev) for t in (q, keys, w, ks, ke))))
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     finite = torch.isfinite(ref)
@@ -550,15 +548,15 @@ def _fp8_case(gen, n, pools, heads=4, dim=32):
 def _fp8_errors(q, keys, w, ks, ke, **tiles):
     """fp8_pool_scores against the fp64 scores of its own dequantised inputs, of the exact bf16
     inputs, and (control) of the dequantised inputs with each pool's scale moved one pool on."""
-    from skyrl_megatron_kda.dsa.index_scores import GROUP, fp8_keys, fp8_pool_scores, fp8_rows
-    from skyrl_megatron_kda.dsa.threshold_topk import group_maxima
+    from skyrl_megatron_kda.dsa.ops.index_scores import GROUP, fp8_keys, fp8_pool_scores, fp8_rows
+    from skyrl_megatron_kda.dsa.ops.threshold_topk import group_maxima
 
     got, maxima = (t.cpu() for t in fp8_pool_scores(q, keys, w, ks, ke, **tiles))
     assert torch.equal(maxima, group_maxima(got, tiles.get("group", GROUP)))
     # The keys quantised once for the pass (the layer's index_keys) score the same.
     assert torch.equal(fp8_pool_scores(q, fp8_keys(keys), w, ks, ke, **tiles)[0].cpu(), got)
     (q8, q_scale), (k8, k_scale) = (tuple(t.cpu() for t in fp8_rows(x)) for x in (q, keys))
-    reference = torch_dsa_kernels().index_scores
+    reference = torch_sparse_mla_ops().index_scores
     q_deq = q8.double() * q_scale[..., None]
     scores = lambda k: reference(q_deq, k, w.float().cpu(), ks.cpu(), ke.cpu())[0]  # noqa: E731
     ref = scores(k8.double() * k_scale[:, None])
@@ -575,7 +573,7 @@ def test_a_range_of_fp8_keys_is_the_range_quantised():
     """``FP8Keys`` quantised once per pass and sliced by a block's pool range hold exactly what
     quantising that range alone gives (each pool's scale is its own row's). Control: scales
     taken one pool off differ."""
-    from skyrl_megatron_kda.dsa.index_scores import FP8Keys, fp8_keys
+    from skyrl_megatron_kda.dsa.ops.index_scores import FP8Keys, fp8_keys
 
     keys = torch.randn(300, 16, generator=torch.Generator().manual_seed(9)).bfloat16()
     whole, alone = fp8_keys(keys)[50:200], fp8_keys(keys[50:200])
@@ -614,7 +612,7 @@ def test_fp8_pool_scores_on_the_gpu():
     the maxima are its scores'. Then the selection it makes for 1,024 queries over 20,000 pools
     (top 512) against the bf16 kernel's: the share of the same pools is printed and must be
     most of them (> 0.8); random scores crowd near the k-th, real ones less."""
-    from skyrl_megatron_kda.dsa.index_scores import fp8_pool_scores, pool_scores
+    from skyrl_megatron_kda.dsa.ops.index_scores import fp8_pool_scores, pool_scores
 
     gen, dev = torch.Generator().manual_seed(8), torch.device("cuda")
     case = [t.to(dev) for t in _fp8_case(gen, 300, 1000, heads=32, dim=128)]
@@ -637,7 +635,7 @@ def test_fp8_pool_scores_on_the_gpu():
 def test_pool_scores_refuse_a_tile_the_product_cannot_take():
     """Queries per program that are not a power of two, or too few columns (queries x heads
     below 16), are refused in one line before any kernel is compiled."""
-    from skyrl_megatron_kda.dsa.index_scores import pool_scores
+    from skyrl_megatron_kda.dsa.ops.index_scores import pool_scores
 
     q, keys = torch.zeros(8, 2, 16), torch.zeros(40, 16)
     w, ks, ke = torch.zeros(8, 2), torch.zeros(8, dtype=torch.int32), torch.ones(8, dtype=torch.int32)
@@ -649,7 +647,7 @@ def test_pool_scores_refuse_a_tile_the_product_cannot_take():
 _FP8_ROWS = """
 import json
 import torch
-from skyrl_megatron_kda.dsa.index_scores import FP8_MAX, fp8_rows_kernel, fp8_rows_reference
+from skyrl_megatron_kda.dsa.ops.index_scores import FP8_MAX, fp8_rows_kernel, fp8_rows_reference
 g = torch.Generator().manual_seed(4)
 x = (torch.randn(37, 3, 128, generator=g) * torch.logspace(-4, 3, 37)[:, None, None]).bfloat16()
 x[5, 1] = 0  # an all-zero row keeps scale 1
@@ -686,7 +684,7 @@ def test_the_indexer_blocks_small_kernels_equal_torch_on_the_gpu():
     """On CUDA, at an indexer block's shape (1,024 queries x 32 heads x 128; 512 pools a query
     over 262,144): ``fp8_rows_kernel`` gives torch's FP8 bits and scales (the compiled rounding,
     not only the interpreter's), and ``write_pool_tokens`` gives ``pool_token_indices``'s tokens."""
-    from skyrl_megatron_kda.dsa.index_scores import fp8_rows_kernel, fp8_rows_reference
+    from skyrl_megatron_kda.dsa.ops.index_scores import fp8_rows_kernel, fp8_rows_reference
     from skyrl_megatron_kda.dsa.pools import pool_token_indices, pool_starts, write_pool_tokens
 
     gen = torch.Generator(device="cuda").manual_seed(8)

@@ -87,7 +87,7 @@ class FusedOptions(ConfigSection):
     memory is the price (docs/benchmarks.md)."""
     indexer_scores: Literal["bf16", "fp8"] = "bf16"
     """Precision of the indexer's q . k products. bf16: the reference's; fp8: e4m3 with a scale
-    per query head and per pool, as DeepSeek-V3.2's indexer (dsa/index_scores.py), on the FP8
+    per query head and per pool, as DeepSeek-V3.2's indexer (dsa/ops/index_scores.py), on the FP8
     tensor cores; pools that score within FP8's rounding of the k-th may be chosen differently,
     hence bf16 by default (docs/benchmarks.md)."""
 
@@ -99,13 +99,13 @@ class LatentOptions(FusedOptions):
 
     deterministic_backward: bool = False
     """Sum the sparse attention's latent gradient in a fixed order (the backward writes each
-    query's gradient rows, ``dsa/ordered_row_sums.py`` adds them key by key) instead of with
+    query's gradient rows, ``dsa/ops/ordered_row_sums.py`` adds them key by key) instead of with
     fp32 atomics, so the DSA layers' attention backward gives bitwise-equal gradients on every
     run (replaying an RL step). Off by default: it is slower and holds one ordered call's
     gradient rows in backward (plan counts them; docs/benchmarks.md)."""
     attention_forward: Literal["tilelang", "flashmla"] = "tilelang"
     """Which kernel runs the sparse attention's forward. tilelang: ours; flashmla: FlashMLA's
-    sparse prefill kernel from vLLM's install (dsa/flashmla_forward.py), equal within bf16
+    sparse prefill kernel from vLLM's install (dsa/ops/flashmla_forward.py), equal within bf16
     rounding (docs/benchmarks.md); needs vllm, hence tilelang by default. The backward is ours
     either way."""
 

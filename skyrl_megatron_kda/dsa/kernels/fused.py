@@ -1,21 +1,18 @@
 """``model.dsa.kernel=fused`` (GPU): megatron-core's TileLang sparse-MLA kernels in the absorbed
-layout (``fused_sparse_mla``) and our Triton indexer scores (``index_scores``) with the exact
-top-k from a floor (``threshold_topk``) per query block (``pool_topk.fused_block_topk``). The
-kernels are loaded when the model is built (``load_kernels``: a clear error where CUDA or
-TileLang is missing); the CPU tests replace ``load_kernels`` with a torch stand-in of the same
-contract."""
+layout (``fused_sparse_mla`` on ``ops/fused.py``) and our Triton indexer scores
+(``ops/index_scores.py``) with the exact top-k from a floor (``ops/threshold_topk.py``) per query
+block (``pool_topk.fused_block_topk``). The kernels are loaded when the model is built
+(``load_kernels``: a clear error where CUDA or TileLang is missing); the CPU tests replace
+``load_kernels`` with a torch stand-in of the same contract."""
 
 from __future__ import annotations
 
-from ..fused_sparse_mla import (
-    KERNEL_VALUE_WIDTH,
-    KERNEL_WIDTH,
-    fused_absorbed_sparse_mla,
-    fused_dsa_kernels,
-)
-from ..index_scores import GROUP
+from ..fused_sparse_mla import fused_absorbed_sparse_mla
+from ..ops.contract import KERNEL_VALUE_WIDTH, KERNEL_WIDTH
+from ..ops.fused import fused_sparse_mla_ops
+from ..ops.index_scores import GROUP
+from ..ops.threshold_topk import CANDIDATES_PER_PICK
 from ..pool_topk import LAG, fused_block_topk
-from ..threshold_topk import CANDIDATES_PER_PICK
 from .absorbed import AbsorbedKernel, indexer_inputs_bytes
 from .base import DSAShape
 
@@ -25,16 +22,16 @@ class FusedKernel(AbsorbedKernel):
     working_set_label = "one call's working set"
     options = "fused"
     rate_key = "fused"
-    load_kernels = staticmethod(fused_dsa_kernels)
-    """Where the ``fused_sparse_mla.DSAKernels`` come from (the CPU tests swap in a stand-in)."""
+    load_kernels = staticmethod(fused_sparse_mla_ops)
+    """Where the ``ops.contract.SparseMLAOps`` come from (the CPU tests swap in a stand-in)."""
     width, value_width = KERNEL_WIDTH, KERNEL_VALUE_WIDTH
     """The sparse-MLA kernels' input and output channels (the latent is zero-padded to width)."""
     backward_adds_dkv = False
-    """The backward adds into the layer's fp32 latent gradient (``DSAKernels.backward_adds_dkv``)
+    """The backward adds into the layer's fp32 latent gradient (``SparseMLAOps.backward_adds_dkv``)
     rather than returning its own [T, width] fp32 and bf16 copies."""
     masks_empty_queries = True
     """The wrapper masks the output and its gradient of queries with no selected key
-    (``DSAKernels.zero_without_keys`` false): one more [f, n, value_width] copy each."""
+    (``SparseMLAOps.zero_without_keys`` false): one more [f, n, value_width] copy each."""
 
     def __init__(self, dsa):
         super().__init__(dsa)

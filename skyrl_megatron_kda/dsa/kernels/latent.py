@@ -1,30 +1,28 @@
 """``model.dsa.kernel=latent`` (GPU): the ``fused`` kernel's indexer and absorbed layout with our
-TileLang sparse-MLA kernels (``latent_sparse_mla``), built for GLM's 512-wide NoPE latent: no
+TileLang sparse-MLA programs (``ops/latent/``), built for GLM's 512-wide NoPE latent: no
 padding to 576 channels, every head of a query in one thread block; and, under
 ``model.dsa.latent.deterministic_backward``, a backward that sums the latent gradient in a fixed
 order; under ``model.dsa.latent.attention_forward=flashmla``, FlashMLA's sparse forward."""
 
 from __future__ import annotations
 
-from ..latent_sparse_mla import (
+from ..ops.flashmla_forward import KEY_BLOCK as FLASHMLA_KEY_BLOCK
+from ..ops.latent.common import LATENT_WIDTH, padded_heads, padded_width
+from ..ops.latent.interface import (
     BACKWARD_ADDS_DKV,
-    LATENT_WIDTH,
     ORDERED_QUERY_BLOCK,
     backward_index_multiple,
     default_backward_config,
     forward_index_multiple,
-    latent_dsa_kernels,
-    padded_heads,
-    padded_width,
+    latent_sparse_mla_ops,
 )
-from ..flashmla_forward import KEY_BLOCK as FLASHMLA_KEY_BLOCK
 from .base import DSAShape
 from .fused import FusedKernel
 
 
 class LatentKernel(FusedKernel):
     name = "latent"
-    load_kernels = staticmethod(latent_dsa_kernels)
+    load_kernels = staticmethod(latent_sparse_mla_ops)
     width, value_width = LATENT_WIDTH, LATENT_WIDTH
     backward_adds_dkv = BACKWARD_ADDS_DKV
     options = "latent"
@@ -39,7 +37,7 @@ class LatentKernel(FusedKernel):
 
     @classmethod
     def forward_index_multiple(cls, shape: DSAShape) -> int:
-        """FlashMLA's 128-key blocks, or ours (``latent_sparse_mla.forward_index_multiple``: a
+        """FlashMLA's 128-key blocks, or ours (``ops.latent.interface.forward_index_multiple``: a
         pair of 64-key blocks for the warp-specialised forward that whole 64-head groups take,
         else one)."""
         if cls.options_of(shape.dsa).attention_forward == "flashmla":
