@@ -5,7 +5,8 @@ One block of ``--queries`` indexer queries (32 heads x 128) nearest the end of a
 sequence scores all 262,144 pools (the most a block of the rank sees); each configuration of
 (query tile, pool tile, warps, stages) is timed after a compile call and checked against the
 default configuration's bf16 scores; ``--precision bf16,fp8`` also sweeps the FP8 products
-(``fp8_pool_scores``, ``model.dsa.indexer_scores=fp8``, its quantisation included in its time).
+(``fp8_pool_scores``, ``model.dsa.latent.indexer_scores=fp8``, its quantisation included in its
+time).
 FLOPs: 2 x queries x pools x heads x head width (every pool is visible to the last block, so the
 causal skip saves nothing here).
 

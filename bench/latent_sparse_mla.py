@@ -23,7 +23,7 @@ backward of 32-key rows, ``{"num_stages": 2, "store_split": 4}`` the default bef
 block, pipeline stages, deferred sums; ``{"warp_specialized": false}`` is the pipelined one;
 ``{"warp_specialized": true, "ping_pong": true}`` the ping-pong forward, ``bench/experiments/``),
 each with the default backward; ``--forward-only`` leaves every backward out. ``--flashmla`` adds FlashMLA's
-sparse forward (``model.dsa.attention_forward=flashmla``; vLLM's
+sparse forward (``model.dsa.latent.attention_forward=flashmla``; vLLM's
 build) with our backward on its log-sum-exp.
 
 Each tuning is built into its program first: one our programs refuse (a keyword they do not
@@ -148,8 +148,8 @@ class Ours:
 
 
 class FlashMLAForward(Ours):
-    """FlashMLA's sparse forward (``model.dsa.attention_forward=flashmla``), our backward on its
-    log-sum-exp."""
+    """FlashMLA's sparse forward (``model.dsa.latent.attention_forward=flashmla``), our backward on
+    its log-sum-exp."""
 
     def __init__(self, q, kv, idx):
         super().__init__(q, kv, idx)

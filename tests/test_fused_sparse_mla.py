@@ -171,10 +171,10 @@ def _saved_bytes(attend, q, latent, weight, idx):
 @pytest.mark.parametrize("widths", list(WIDTHS))
 @pytest.mark.parametrize("block", [8, TQ])
 def test_keeping_the_output_skips_the_backwards_forward_and_changes_no_bit(block, widths):
-    """``keep_output`` (model.dsa.keep_attention_output): the backward reads the forward's kernel
-    output and log-sum-exp instead of calling the kernel forward again per block; every gradient
-    is bitwise the recomputing path's, and autograd keeps exactly the output [S, H, value_width]
-    and log-sum-exp [S, H] more (what FusedKernel.kept_bytes adds)."""
+    """``keep_output`` (model.dsa.fused.keep_attention_output): the backward reads the forward's
+    kernel output and log-sum-exp instead of calling the kernel forward again per block; every
+    gradient is bitwise the recomputing path's, and autograd keeps exactly the output [S, H,
+    value_width] and log-sum-exp [S, H] more (what FusedKernel.kept_bytes adds)."""
     gen = torch.Generator().manual_seed(3)
     q, latent, weight, idx = _inputs(torch.float64, gen)
     grad = torch.randn(TQ, HEADS, DV, generator=gen, dtype=torch.float64)
@@ -321,7 +321,7 @@ def test_fused_indexer_selects_the_torch_pools():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TileLang kernels need CUDA")
 def test_fp8_keys_quantised_once_select_what_per_block_quantisation_selects():
-    """``model.dsa.indexer_scores=fp8``: the pool keys quantised once for the pass
+    """``model.dsa.fused.indexer_scores=fp8``: the pool keys quantised once for the pass
     (``index_keys``) and sliced per block give the fused indexer exactly the selection that
     quantising each block's range gives, over several blocks and a document boundary; and the
     FP8 selection is close to the bf16 one (most pools the same)."""
@@ -585,8 +585,8 @@ def test_a_range_of_fp8_keys_is_the_range_quantised():
 
 @pytest.mark.parametrize("heads, tiles", [(4, (32, 64, 4, 1)), (3, (4, 64, 4, 2))])
 def test_fp8_pool_scores_equal_their_dequantised_inputs_interpreted(heads, tiles):
-    """model.dsa.indexer_scores=fp8 under Triton's CPU interpreter (which runs FP8 products but
-    not bf16 ones: the bf16 kernel is checked on the GPU): the kernel's scores with the query
+    """model.dsa.fused.indexer_scores=fp8 under Triton's CPU interpreter (which runs FP8 products
+    but not bf16 ones: the bf16 kernel is checked on the GPU): the kernel's scores with the query
     heads' scales folded into the weights and the pools' applied after the relu equal the
     fp64 scores of the dequantised FP8 inputs (1e-5), differ from the exact bf16 scores by
     FP8's rounding (a few percent), and a pool scale applied to the wrong pool is caught. Also

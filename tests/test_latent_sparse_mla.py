@@ -233,9 +233,9 @@ def test_a_wrong_head_is_caught(forward_config, config):
 @pytest.mark.gpu
 @cuda
 def test_the_ordered_backward_repeats_bitwise():
-    """model.dsa.deterministic_backward: 2,500 queries (three ordered calls, the last partial)
-    whose selections crowd onto 3,000 keys, so every key gathers many queries' rows: two runs
-    give the same dq and latent gradient bit for bit, and they equal the atomic backward's to
+    """model.dsa.latent.deterministic_backward: 2,500 queries (three ordered calls, the last
+    partial) whose selections crowd onto 3,000 keys, so every key gathers many queries' rows: two
+    runs give the same dq and latent gradient bit for bit, and they equal the atomic backward's to
     fp32 summation order (dkv 1e-5; dq is summed alike in both, 1e-6). The atomic backward's own repeatability is printed, not
     asserted: its order is the scheduler's."""
     gen = torch.Generator(device="cuda").manual_seed(6)
@@ -275,7 +275,7 @@ def _flashmla_stand_in(calls: list):
 
 @pytest.mark.parametrize("heads, calls", [(3, [8]), (64, [64]), (192, [128, 128])])
 def test_flashmla_forward_adapts_the_contract(heads, calls):
-    """model.dsa.attention_forward=flashmla on a torch stand-in of FlashMLA's kernel: heads
+    """model.dsa.latent.attention_forward=flashmla on a torch stand-in of FlashMLA's kernel: heads
     padded to the counts it runs (more than 128 in groups of 128), the top-k width padded to a
     multiple of 128 and cut back by the lengths, and +inf log-sum-exps (a query with no key)
     made 0, so it equals the fp32 attention (1e-5) and the natural log-sum-exp our backward
@@ -321,7 +321,7 @@ def test_flashmla_needs_vllm(monkeypatch, tmp_path):
     spec.submodule_search_locations = [str(tmp_path)]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
     with pytest.raises(RuntimeError, match=r"could not load .*_flashmla_C.*; use "
-                                           r"model.dsa.attention_forward=tilelang"):
+                                           r"model.dsa.latent.attention_forward=tilelang"):
         fm.sparse_prefill()
     fm.sparse_prefill.cache_clear()
 
@@ -403,7 +403,7 @@ print(json.dumps({"err": summed(index),
 
 
 def test_the_ordered_row_sums_equal_index_add_interpreted():
-    """model.dsa.deterministic_backward's scatter-add (``ordered_row_sums``, Triton) under
+    """model.dsa.latent.deterministic_backward's scatter-add (``ordered_row_sums``, Triton) under
     Triton's CPU interpreter: 400 rows onto 50 keys, 160 columns (two column programs, the
     second partial), -1 rows skipped, one key with 30+ rows: equal to the fp64 ``index_add``
     to fp32 rounding; control: every index shifted by one."""

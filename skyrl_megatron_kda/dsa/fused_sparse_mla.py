@@ -9,11 +9,11 @@ inputs and outputs are transient. The latent and the queries are zero-padded to 
 ``width`` (576 for megatron-core's: zero channels add nothing to q . k, and the value is the
 first 512 channels: exact). Backward recomputes each block's forward for its output and
 log-sum-exp (megatron's own ``SparseMLA`` autograd does the same rather than keep them) and sums
-the blocks' latent gradients in fp32. With ``keep_output`` (``model.dsa.keep_attention_output``)
-the forward keeps every block's latent-space output [S, H, 512] and log-sum-exp [S, H] instead,
-and backward reads them: one kernel forward less per step, for that memory until the backward
-(the value projection's weight gradient needs the latent-space output itself, so the log-sum-exp
-alone cannot replace the recompute).
+the blocks' latent gradients in fp32. With ``keep_output``
+(``model.dsa.fused.keep_attention_output``) the forward keeps every block's latent-space output
+[S, H, 512] and log-sum-exp [S, H] instead, and backward reads them: one kernel forward less per
+step, for that memory until the backward (the value projection's weight gradient needs the
+latent-space output itself, so the log-sum-exp alone cannot replace the recompute).
 
 The programs come in as ``ops``: ``ops.fused.fused_sparse_mla_ops()`` (megatron-core's) or
 ``ops.latent.interface.latent_sparse_mla_ops()`` (ours) on CUDA; the CPU tests pass a torch

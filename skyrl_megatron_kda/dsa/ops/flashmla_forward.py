@@ -1,5 +1,5 @@
 """The latent kernel's sparse-attention forward on FlashMLA's sparse prefill kernel
-(``model.dsa.attention_forward=flashmla``).
+(``model.dsa.latent.attention_forward=flashmla``).
 
 FlashMLA (DeepSeek's MLA kernels) has a Hopper forward for exactly this attention: queries [S, H,
 D] over one shared latent [T, 1, D] at int32 indices [S, 1, K] (-1 = not selected), D = 512 for
@@ -45,15 +45,15 @@ def sparse_prefill():
     folders = list(spec.submodule_search_locations or []) if spec else []
     library = next((Path(f) / LIBRARY for f in folders if (Path(f) / LIBRARY).is_file()), None)
     if library is None:
-        raise RuntimeError("model.dsa.attention_forward=flashmla needs vLLM's FlashMLA build "
-                           f"(vllm/{LIBRARY}; pip install vllm), or use "
-                           "model.dsa.attention_forward=tilelang")
+        raise RuntimeError("model.dsa.latent.attention_forward=flashmla needs vLLM's FlashMLA "
+                           f"build (vllm/{LIBRARY}; pip install vllm), or use "
+                           "model.dsa.latent.attention_forward=tilelang")
     try:
         torch.ops.load_library(str(library))
     except OSError as e:  # built for another CUDA or torch, or no driver here
-        raise RuntimeError(f"model.dsa.attention_forward=flashmla could not load {library}: "
-                           f"{str(e).splitlines()[0]}; use model.dsa.attention_forward=tilelang"
-                           ) from e
+        raise RuntimeError(f"model.dsa.latent.attention_forward=flashmla could not load {library}: "
+                           f"{str(e).splitlines()[0]}; use "
+                           "model.dsa.latent.attention_forward=tilelang") from e
     return torch.ops._flashmla_C.sparse_prefill_fwd
 
 

@@ -19,7 +19,7 @@ whose programs cover 4 queries each and write their scores one by one; this kern
 is tested against an fp32 torch reference on the GPU, its FP8 form also under Triton's CPU
 interpreter (tests/test_fused_sparse_mla.py).
 
-``fp8_pool_scores`` (``model.dsa.indexer_scores=fp8``) runs the same kernel on FP8 (e4m3)
+``fp8_pool_scores`` (``model.dsa.latent.indexer_scores=fp8``) runs the same kernel on FP8 (e4m3)
 products, as DeepSeek-V3.2's lightning indexer does: each query head and each pool are scaled
 to FP8's range by their own absolute maximum, and since ``relu(a * b * x) = a * b * relu(x)`` for
 positive scales, the query heads' scales fold into the head weights and the pools' scales
@@ -261,4 +261,4 @@ class Scoring(NamedTuple):
 
 INDEXER_SCORES = {"bf16": Scoring(keys_as_they_are, pool_scores),
                   "fp8": Scoring(fp8_keys, fp8_pool_scores)}
-"""``model.dsa.indexer_scores`` -> the score kernel of the fused and latent kernel sets."""
+"""``model.dsa.latent.indexer_scores`` -> the score kernel of the fused and latent kernel sets."""

@@ -1,5 +1,6 @@
 """``out[index[j]] += rows[j]`` with every row of ``out`` summed in one fixed order: the
-deterministic latent gradient of the sparse-MLA backward (``model.dsa.deterministic_backward``).
+deterministic latent gradient of the sparse-MLA backward
+(``model.dsa.latent.deterministic_backward``).
 
 The backward's latent gradient is a scatter-add: each (query, selected key) pair adds a [512]
 row into the selected key's row. With fp32 atomics (our kernel's default, megatron-core's
