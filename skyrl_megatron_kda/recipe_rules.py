@@ -1,8 +1,8 @@
 """The recipe rules that ask a registry: which names ``kda.cp_exchange`` and ``model.dsa.kernel``
 may take, whether the exchange can run on the mesh (``CPExchange.refusal``), whether the DSA
-kernel runs on the device and attends by rows (``DSAKernel.refusal``, ``splits_rows``) and reads
-the options the recipe sets (``DSAKernel.options``), and what
-a packed row's length must divide by under ``parallel.cp_layout`` (the layout kind's row rule).
+kernel runs on the device, attends by rows (``DSAKernel.refusal``, ``splits_rows``) and reads
+the options the recipe sets (``DSAKernel.options``), and what a packed row's length must divide
+by under ``parallel.cp_layout`` (the layout kind's row rule).
 
 They live here, not in ``config``: the rules are the strategies' own, whose modules import torch
 and megatron-core, and ``config`` imports nothing above it. Every recipe made to run or plan
@@ -46,8 +46,8 @@ def _validated(cls: type[R], raw: dict, environ: Mapping[str, str] | None) -> R:
 
 
 def checked(recipe: R) -> R:
-    """``recipe`` validated by the config, with the defaults that follow the DSA kernel
-    completed (``with_kernel_split``) and every rule here kept (``check``)."""
+    """``recipe`` (validated by the config) with the defaults that follow the DSA kernel
+    completed (``with_kernel_split``), if it keeps every rule here (``check``)."""
     return check(with_kernel_split(recipe))
 
 
