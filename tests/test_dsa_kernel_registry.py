@@ -183,14 +183,14 @@ def test_the_layer_never_names_a_kernel():
 
 
 class FusedAttentionTorchSelection(kernels.FusedKernel):
-    """The fused kernel's attention with the torch kernel's (fp32) selection: the layer's
-    output then differs from the torch kernel's by bf16 rounding alone, not by the few pools
-    that bf16 scores rank the other way."""
+    """The fused kernel's attention with the torch kernel's (fp32) selection, at the torch
+    kernel's own options (``model.dsa.torch``): the layer's output then differs from the torch
+    kernel's by bf16 rounding alone, not by the few pools that bf16 scores rank the other way."""
 
     name = "fused_attention"
 
     def top_pools(self, *args):
-        return TorchKernel.top_pools(self, *args)
+        return TorchKernel(self.dsa).top_pools(*args)
 
 
 class LatentAttentionTorchSelection(kernels.LatentKernel):
@@ -199,7 +199,7 @@ class LatentAttentionTorchSelection(kernels.LatentKernel):
     name = "latent_attention"
 
     def top_pools(self, *args):
-        return TorchKernel.top_pools(self, *args)
+        return TorchKernel(self.dsa).top_pools(*args)
 
 
 def _gpu_layers(rank, world, gpu_kernel, torch_selection):
