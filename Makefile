@@ -27,7 +27,7 @@ run: setup
 	$(VENV)/bin/skyrl-kda run glm53_flash_tiny --overwrite  # a rerun moves the last run aside
 
 test: setup
-	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q tests
+	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q --durations=15 tests
 
 # On a CUDA machine: the GPU parity tests with fla kernels.
 test-gpu: setup
