@@ -88,8 +88,7 @@ SCENARIOS = [
     # tokens and their comm is NVLink-cheap; allgather moves 17% fewer CP bytes forward (8.75 vs
     # 10.5 GiB, crossover near CP10), gathers its 1M rows again in backward behind its
     # input-gradient GEMMs and projects f_a/g_a on all of them, and a2a's profiled copies cost
-    # more per head-token: allgather 444 < a2a 478 (kda/README.md section 7 said a2a before the
-    # re-gather's overlap was modelled; see the test below).
+    # more per head-token: allgather 444 < a2a 478 (the re-gather's overlap is what tips it; see the test below).
     ("tp1-cp8-1M-node-exact", {"parallel": {**NO_TP, "cp": 8}, "kda": EXACT}, None, "allgather"),
     # Short sequences, 8K tokens at TP8 x CP2 over IB: all comm is sub-millisecond; state has no
     # fixed cost per call beyond its kernel's (fitted at 256K and 1M, not measured at 8K) and it

@@ -7,7 +7,7 @@ meant for a SkyRL environment (``skyrl``, ``loggers``). Two requirements of one 
 when no version satisfies both.
 
 The ``sampler`` and ``dev`` extras move exactly one of skyrl's pins, transformers (glm5_next; why:
-the comments above them in pyproject.toml and docs/skyrl.md, "Install"). The test states that too,
+docs/skyrl.md, "Install"). The test states that too,
 so a second moved pin, or a new conflict in the base dependencies, fails here in CI. The fresh
 install that proves the same by installing (``make test-skyrl-install``) takes too long for CI.
 """

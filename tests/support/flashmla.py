@@ -1,4 +1,4 @@
-"""Whether FlashMLA's forward can run here (``model.dsa.attention_forward=flashmla``): CUDA and
+"""Whether FlashMLA's forward can run here (``model.dsa.latent.attention_forward=flashmla``): CUDA and
 vLLM's FlashMLA build; the GPU tests that need it skip with this reason otherwise."""
 
 import pytest
