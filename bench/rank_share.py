@@ -118,16 +118,24 @@ def leaf(shape, device, dtype, grad=True):
 def layer_terms(recipe, index: int) -> dict[str, dict[str, float]]:
     """What ``skyrl-kda plan`` says of each part of layer ``index`` at the recipe's own rows: the
     step-time model's seconds (this layer's share of its part) and the memory plan's
-    kept-activation term (the measured peak of a part adds its backward's working set)."""
+    kept-activation term (the measured peak of a part adds its backward's working set). A DSA
+    kernel without measured rates (torch, the CPU path) has no model seconds: ``model_s`` is
+    None and ``model_not_priced`` says why."""
     from skyrl_megatron_kda.memory.blocks import mhc_activation_bytes
     from skyrl_megatron_kda.memory.layers import attention_activation_bytes, mlp_activation_bytes
     from skyrl_megatron_kda.steptime import model as stm
 
     m = recipe.model
-    attention = {"kda": stm.kda_part, "dsa": stm.dsa_part}[m.layer_types()[index]](recipe)
+    kind = m.layer_types()[index]
+    unpriced = stm.unpriced_dsa_kernel(recipe) if kind == "dsa" else None
+    if unpriced is None:
+        attention = {"kda": stm.kda_part, "dsa": stm.dsa_part}[kind](recipe)
+        modelled = {"model_s": attention.compute_s / attention.layers}
+    else:
+        modelled = {"model_s": None, "model_not_priced": unpriced}
     mlp = {"dense": stm.dense_part, "moe": stm.moe_part}[m.mlp_types()[index]](recipe)
     return {
-        "attention_part": {"model_s": attention.compute_s / attention.layers,
+        "attention_part": {**modelled,
                            "plan_kept_gib": attention_activation_bytes(recipe, index) / 2**30},
         "mlp_part": {"model_s": mlp.compute_s / mlp.layers,
                      "plan_kept_gib": mlp_activation_bytes(recipe, index) / 2**30},

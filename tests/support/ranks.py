@@ -29,6 +29,10 @@ import torch.multiprocessing as mp
 
 from skyrl_megatron_kda.distributed.cpu import redirect_cuda_device_queries
 
+# The largest group kept between calls: the suite's groups of 1, 2 and 4 ranks stay (7 idle
+# processes holding torch and megatron-core); a rarer larger group is ended after its call, so
+# that its memory is not held through the Ray and SkyRL jobs that follow.
+MAX_POOLED_WORLD = 4
 # How long the other ranks of a group get to report after one rank fails, before the group is
 # ended: a peer waiting in a collective for the failed rank never reports. Only what the failure
 # message includes depends on it.
@@ -193,6 +197,12 @@ def _close_groups() -> None:
 
 
 def _pooled(world: int, fn, args) -> list[tuple[str, object]]:
+    if world > MAX_POOLED_WORLD:
+        group = _RankGroup(world)
+        try:
+            return group.call(fn, args)
+        finally:
+            group.close(kill=not group.alive)
     group = _GROUPS.get(world)
     if group is None or not group.alive:
         group = _GROUPS[world] = _RankGroup(world)
