@@ -78,7 +78,7 @@ def _megatron_layer(moe: MoEConfig, mesh: dict, checkpoint: dict, **overrides):
 
     from skyrl_megatron_kda.model.moe import moe_layer_spec
 
-    kwargs = moe_transformer_config_kwargs(moe, dispatcher="allgather")
+    kwargs = moe_transformer_config_kwargs(moe.model_copy(update={"dispatcher": "allgather"}))
     kwargs.update(overrides)
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, params_dtype=torch.float32,

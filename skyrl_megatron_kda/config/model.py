@@ -36,6 +36,10 @@ class MoEConfig(ConfigSection):
     """Renormalise the selected top-k scores to sum to 1."""
     swiglu_limit: float | None = Field(default=10.0, gt=0)
     """SwiGLU clamp: gate <= limit, up in [-limit, limit] (None: no clamp); dense FFN too."""
+    dispatcher: Literal["alltoall", "allgather", "flex"] = "allgather"
+    """megatron-core's token dispatcher: how routed rows reach their experts' ranks over EP x ETP
+    (``alltoall``: the routed rows only; ``allgather``: every row of the group; ``flex``:
+    DeepEP). It moves rows, not parameters: free to change on a resume."""
 
     @model_validator(mode="after")
     def _top_k_fits_experts(self) -> MoEConfig:

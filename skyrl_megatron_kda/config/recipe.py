@@ -32,6 +32,8 @@ MODEL_LEVERS = frozenset({
     "model.dsa.kernel", "model.dsa.tp_split", "model.dsa.indexer_query_block",
     *(f"model.dsa.{kernel}.{option}" for kernel in KERNEL_OPTIONS
       for option in DSAConfig.model_fields[kernel].annotation.model_fields),
+    # How routed rows reach their experts (the same parameters and arithmetic per row).
+    "model.moe.dispatcher",
     # mHC's map projection in row chunks (a memory lever: fp32 summation order only).
     "model.hyper_connections.map_chunk_rows",
     # The KDA layer's CP exchange and its choice, kernel and chunking.

@@ -48,8 +48,6 @@ frozen, pass ``bias_update_rate=0``.
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
@@ -60,13 +58,9 @@ from ..config import MoEConfig
 from ..distributed.mesh_init import init_shard_from_full, name_seed
 from .moe_layer import GLMMoELayer
 
-Dispatcher = Literal["allgather", "alltoall", "flex"]
-
-
 def moe_transformer_config_kwargs(
     moe: MoEConfig,
     *,
-    dispatcher: Dispatcher = "allgather",
     grouped_gemm: bool = False,
     bias_update_rate: float = 1e-3,
 ) -> dict:
@@ -100,7 +94,7 @@ def moe_transformer_config_kwargs(
         moe_aux_loss_coeff=0.0,
         moe_router_fusion=False,
         moe_apply_probs_on_input=False,
-        moe_token_dispatcher_type=dispatcher,
+        moe_token_dispatcher_type=moe.dispatcher,
         moe_grouped_gemm=grouped_gemm,
         add_bias_linear=False,
         gated_linear_unit=True,
