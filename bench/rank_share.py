@@ -21,7 +21,13 @@ it only hosts the trainer). Then:
 on one GPU is a small recipe whose layers have the rank's widths (heads, experts, FFN columns)
 fed the rank's rows (docs/step_time.md gives the share recipes of the 1M recipe).
 
+``--parts moe`` times the first MoE layer's MLP block only (pre-MLP norm + the MoE layer, whose
+token dispatcher is ``model.moe.dispatcher``): its forward without grad (full recompute's first
+pass), its forward with grad and its backward each on their own, and their sum as the step runs
+them; ``--compare-moe A.json B.json`` prints B's times over A's (two dispatchers, same card).
+
 Usage (CUDA):  python3 bench/rank_share.py --set data.seq_len=32768 --steps 2 --json out.json
+               python3 bench/rank_share.py --steps 0 --parts moe --rows moe=131072 --json moe.json
                python3 bench/rank_share.py --recipe glm53_flash_tiny --cpu   # a CPU smoke run
 """
 
@@ -66,6 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--layers", default=None, help="layer indices to time (default: one of each kind)")
     p.add_argument("--no-parts", action="store_true",
                    help="time the training steps only (a comparison of whole steps)")
+    p.add_argument("--parts", choices=("all", "moe"), default="all",
+                   help="all: every part of one layer of each kind; moe: the MoE block only, "
+                        "forward and backward timed apart")
+    p.add_argument("--compare-moe", nargs=2, default=None, metavar=("BASE.json", "OTHER.json"),
+                   help="no run: OTHER's MoE block times over BASE's (two --parts moe runs)")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo (a smoke run)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -295,6 +306,8 @@ def default_layers(recipe) -> list[int]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.compare_moe:
+        return compare_moe(*args.compare_moe, args.json)
     from skyrl_megatron_kda.memory import estimate_memory
     from skyrl_megatron_kda.recipes import load_recipe
     from skyrl_megatron_kda.train.trainer import RankTrainer
@@ -324,7 +337,12 @@ def main(argv=None) -> dict:
         log(f"training {args.steps} timed steps after one warm-up")
         result["step"] = timed_steps(trainer, args.steps, clock)
         log(json.dumps(result["step"]))
-    if not args.no_parts:
+    if args.no_parts:
+        pass
+    elif args.parts == "moe":
+        result["moe_block"] = moe_block_part(trainer, rows, clock, args.iters)
+        log(json.dumps(result["moe_block"]))
+    else:
         time_parts(trainer, recipe, args, rows, clock, result)
     if args.json:
         with open(args.json, "w") as f:
@@ -354,6 +372,91 @@ def time_parts(trainer, recipe, args, rows: dict, clock: Clock, result: dict) ->
     if args.steps > 0 and not rows:
         result["parts_sum_s"] = parts_sum(recipe, result)
     log(json.dumps({k: result[k] for k in ("embedding", "head", "offload")}))
+
+
+def moe_block_part(trainer, rows: dict, clock: Clock, iters: int) -> dict:
+    """The first MoE layer's MLP block (pre-MLP norm + MoE layer) on ``rows["moe"]`` rows (the
+    recipe's rows without it): the median over ``iters`` calls (after one warm-up) of a forward
+    without grad, a forward with grad and its backward, each drained and timed on its own, and of
+    their sum in the layer's recompute pattern (``full``: all three; else the last two)."""
+    model = trainer.model.module
+    recipe = trainer.recipe
+    index = recipe.model.mlp_types().index("moe")
+    layer = model.layers[index]
+    dev = next(model.parameters()).device
+    dtype = torch.bfloat16 if recipe.model.params_dtype == "bfloat16" else torch.float32
+    n = rows.get("moe", rows.get("mlp", recipe.data.seq_len))
+    x = leaf((n, 1, recipe.model.hidden_size), dev, dtype)
+    grad_out = torch.full((n, 1, recipe.model.hidden_size), 1e-3, device=dev, dtype=dtype)
+
+    def block():
+        o, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+        return o if bias is None else o + bias
+
+    spent = {"forward_no_grad_s": [], "forward_s": [], "backward_s": [], "step_s": []}
+    peak = 0.0
+    for i in range(max(1, iters) + 1):
+        if clock.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        clock.sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            block()
+        clock.sync()
+        t1 = time.perf_counter()
+        out = block()
+        clock.sync()
+        t2 = time.perf_counter()
+        out.backward(grad_out)
+        clock.sync()
+        t3 = time.perf_counter()
+        del out
+        x.grad = None
+        trainer.model.zero_grad_buffer()
+        if i == 0:  # warm-up: allocator growth, kernel selection
+            continue
+        spent["forward_no_grad_s"].append(t1 - t0)
+        spent["forward_s"].append(t2 - t1)
+        spent["backward_s"].append(t3 - t2)
+        spent["step_s"].append((t3 - t0) if layer.recompute == "full" else (t3 - t1))
+        if clock.cuda:
+            peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2**30)
+    moe = recipe.model.moe
+    with torch.no_grad():  # how evenly the random router spreads the rows over the experts
+        _, routing_map = layer.mlp.router(layer.pre_mlp_layernorm(x))
+        per_expert = routing_map.sum(0)
+    return {"layer": index, "dispatcher": moe.dispatcher, "rows": n, "routed_pairs": n * moe.top_k,
+            "experts": moe.num_experts, "top_k": moe.top_k, "expert_ffn": moe.ffn_hidden_size,
+            "chunk_tokens": recipe.train.moe_chunk_tokens, "recompute": layer.recompute,
+            "rows_per_expert_min_max": [int(per_expert.min()), int(per_expert.max())],
+            **{k: statistics.median(v) for k, v in spent.items()},
+            "all_s": spent, "peak_gib_above": peak if clock.cuda else None}
+
+
+def compare_moe(base_path: str, other_path: str, json_path: str | None) -> dict:
+    """OTHER's MoE block seconds over BASE's, part by part (two ``--parts moe`` runs)."""
+    runs = []
+    for path in (base_path, other_path):
+        with open(path) as f:
+            runs.append(json.load(f)["moe_block"])
+    base, other = runs
+    parts = ("forward_no_grad_s", "forward_s", "backward_s", "step_s")
+    result = {"base": base["dispatcher"], "other": other["dispatcher"], "rows": base["rows"],
+              base["dispatcher"]: {k: base[k] for k in parts},
+              other["dispatcher"]: {k: other[k] for k in parts},
+              "ratio": {k: other[k] / base[k] for k in parts}}
+    if (base["rows"], base["experts"]) != (other["rows"], other["experts"]):
+        raise ValueError(f"{base_path} and {other_path} ran different shares: {base} {other}")
+    print(f"MoE block, {base['rows']} rows, {base['experts']} experts x {base['expert_ffn']} "
+          f"columns, top-{base['top_k']}, chunks of {base['chunk_tokens']} rows")
+    print(f"{'part':18s} {base['dispatcher']:>10s} {other['dispatcher']:>10s} {'ratio':>7s}")
+    for k in parts:
+        print(f"{k:18s} {base[k]:10.4f} {other[k]:10.4f} {other[k] / base[k]:7.3f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@
 #   kda1m    the KDA layer at the 1M recipe's rank share, each CP2 exchange's rank in turn
 #            (bench/kda_layer.py's per-rank emulation, as docs/benchmarks.md runs it)
 #   dsa1m    the DSA attention core at the 1M recipe's rank share (bench/dsa_rank_share.py)
+#   moe      the MoE block of `share` (131,072 rows, 9 experts of 1,024 columns, chunks of 8,192
+#            rows) at EP=1 under each one-GPU dispatcher, allgather then alltoall, forward and
+#            backward timed apart; moe_dispatch.* gives alltoall over allgather. flex (DeepEP)
+#            is not run: its kernels need 2 to 8 ranks
 set -uo pipefail
 out=${OUT:-.}
 levers="--set train.offload_activations=true --set train.loss_chunk_tokens=8192 \
@@ -27,6 +31,17 @@ for step in "$@"; do
         --set train.moe_chunk_tokens=8192 --set train.loss_chunk_tokens=8192 \
         --rows mhc=65536 --rows moe=131072 --rows dense=524288 --rows head=524288 --rows offload=65536 \
         --json "$out/share_1m.json" 2>&1 | tee "$out/share_1m.txt" || status=1 ;;
+    moe)
+      for dispatcher in allgather alltoall; do
+        python3 bench/rank_share.py --steps 0 --iters 5 --parts moe --set model.num_layers=2 \
+          --set kda.num_heads=8 --set kda.kernel_head_group=4 --set model.moe.num_experts=9 \
+          --set model.moe.ffn_hidden_size=1024 --set model.dense_ffn_hidden_size=1536 \
+          --set model.vocab_size=19360 --set data.seq_len=524288 --set train.moe_chunk_tokens=8192 \
+          --set train.loss_chunk_tokens=8192 --set model.moe.dispatcher=$dispatcher --rows moe=131072 \
+          --json "$out/moe_$dispatcher.json" 2>&1 | tee "$out/moe_$dispatcher.txt" || status=1
+      done
+      python3 bench/rank_share.py --compare-moe "$out/moe_allgather.json" "$out/moe_alltoall.json" \
+        --json "$out/moe_dispatch.json" 2>&1 | tee "$out/moe_dispatch.txt" || status=1 ;;
     slice:*)
       t=${step#slice:}
       # shellcheck disable=SC2086
