@@ -4,6 +4,7 @@ step outlives its backward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from skyrl_megatron_kda.memory import GiB, estimate_memory, memory_lines
@@ -45,27 +46,48 @@ def test_offload_keeps_only_one_layer_on_the_gpu():
     assert offload.phases["loss: kept + head + bf16 logits"] > head
 
 
-def test_moe_chunks_shrink_the_moe_phase():
-    """The MoE backward phase of the 1M recipe: without chunks the allgather dispatcher's
-    transients over the 64 ranks of EP32 x ETP2 make it the peak, far beyond an H200; with
-    ``train.moe_chunk_tokens`` it grows linearly with the chunk (its transients and one chunk's
-    rebuilt experts), while what the MoE layers keep does not depend on the chunk."""
-    whole = estimate_memory(full_recipe("train.moe_chunk_tokens=0"))
-    assert whole.peak_phase[0] == "MoE layer backward (largest)" and whole.total > H200_BYTES
+@pytest.mark.parametrize("dispatcher, shrink", [("allgather", 3), ("alltoall", 2)])
+def test_moe_chunks_shrink_the_moe_phase(dispatcher, shrink):
+    """The MoE backward phase of the 1M recipe: without chunks the dispatcher's transients (the
+    allgather dispatcher's over the 64 ranks of EP32 x ETP2, the alltoall dispatcher's over the
+    rank's 16 assignments per row) and the rebuilt layer's expert tensors make it the peak,
+    beyond an H200; with ``train.moe_chunk_tokens`` it grows linearly with the chunk (its
+    transients and one chunk's rebuilt experts), while what the MoE layers keep does not depend
+    on the chunk."""
+    d = f"model.moe.dispatcher={dispatcher}"
+    whole_recipe = full_recipe(d, "train.moe_chunk_tokens=0")
+    whole = estimate_memory(whole_recipe)
+    assert whole.peak_phase[0] == moe_phase_label(whole_recipe) and whole.total > H200_BYTES
     phases, kept = {}, {}
     for chunk in (2048, 4096, 8192):
-        recipe = full_recipe(f"train.moe_chunk_tokens={chunk}")
+        recipe = full_recipe(d, f"train.moe_chunk_tokens={chunk}")
         phases[chunk] = estimate_memory(recipe).phases[moe_phase_label(recipe)]
         kept[chunk] = moe_activation_bytes(recipe)
     assert phases[8192] - phases[4096] == 2 * (phases[4096] - phases[2048]) > 0
-    assert phases[8192] < whole.phases["MoE layer backward (largest)"] / 3
+    assert phases[8192] < whole.peak_phase[1] / shrink
     assert len(set(kept.values())) == 1
-    recipe = full_recipe("train.moe_chunk_tokens=8192")
+    recipe = full_recipe(d, "train.moe_chunk_tokens=8192")
     r, e = rows_of(recipe), recipe.model.moe
-    assert moe_activation_bytes(full_recipe("train.moe_chunk_tokens=0")) - kept[8192] == (
+    assert moe_activation_bytes(whole_recipe) - kept[8192] == (
         moe_routed_bytes(recipe, r.sp) - r.sp * 5 * e.num_experts)
-    assert any(line.lstrip().startswith("MoE layer backward, chunks of 8192")
+    assert any(line.lstrip().startswith(f"MoE layer backward, {dispatcher}, chunks of 8192")
                for line in memory_lines(recipe))
+
+
+def test_alltoall_moves_fewer_rows_than_allgather():
+    """At the 1M recipe's chunk (8,192 rows of EP32 x ETP2) the allgather dispatcher's combine
+    holds every gathered row (524,288) and the alltoall dispatcher's its 131,072 assignments:
+    the transients differ by the rows' ratio, ep / top_k = 4, and only allgather grows
+    megatron's all-gather buffer (16,384-row chunks: 8 GiB against the SP gather's 4 GiB)."""
+    from skyrl_megatron_kda.memory.moe import moe_transient_bytes
+    from skyrl_megatron_kda.memory.states import gather_buffer_bytes
+
+    gather, a2a = (full_recipe(f"model.moe.dispatcher={d}") for d in ("allgather", "alltoall"))
+    assert moe_transient_bytes(gather, 8192) == 4 * moe_transient_bytes(a2a, 8192)
+    assert moe_transient_bytes(a2a, 8192) == 131072 * 4096 * (2 + 4)
+    big = ("train.moe_chunk_tokens=16384",)
+    assert gather_buffer_bytes(full_recipe("model.moe.dispatcher=allgather", *big)) == 8 * GiB
+    assert gather_buffer_bytes(full_recipe("model.moe.dispatcher=alltoall", *big)) == 4 * GiB
 
 
 def test_slice_phases_the_gpu_measured():
@@ -101,6 +123,8 @@ def _live_tensors(model, exclude: list) -> dict[int, tuple]:
 
 
 def _after_backward_on_rank(rank, world, overrides_list, keep_dispatch_state):
+    """Per recipe, after two steps: what is alive beyond the model's state and the first
+    forward's caches, and the dispatcher's attributes that still hold autograd history."""
     from skyrl_megatron_kda.model.moe_layer import GLMMoELayer
 
     if keep_dispatch_state:  # negative control: megatron's dispatcher as it is
@@ -117,22 +141,32 @@ def _after_backward_on_rank(rank, world, overrides_list, keep_dispatch_state):
         for _ in range(2):  # the second step starts from what the first left behind
             token_loss(model, ids, labels).sum().backward()
         live = _live_tensors(model, [ids, labels])
-        out.append({ptr: v for ptr, v in live.items() if ptr not in cached})
+        graphs = {name for layer in model.layers if isinstance(layer.mlp, GLMMoELayer)
+                  for name, v in vars(layer.mlp.token_dispatcher).items()
+                  if isinstance(v, torch.Tensor) and v.grad_fn is not None}
+        out.append(({ptr: v for ptr, v in live.items() if ptr not in cached}, graphs))
     return out
 
 
 def test_nothing_outlives_the_backward():
     """After forward and backward nothing of the step is alive but parameters and gradients,
-    with every recompute mode and MoE chunks. Negative control: megatron's dispatcher keeps its
-    last routing state; under full recompute the rebuilt ``local_probs`` holds the layer's
-    detached input streams and their gradient (two [s, N, D] tensors per MoE layer)."""
+    with every recompute mode and MoE chunks, for both dispatchers. Negative control: megatron's
+    dispatchers keep their last routing state; under full recompute the rebuilt probabilities
+    (allgather's ``local_probs``, alltoall's ``probs``: what SkyRL's
+    ``patch_moe_release_dispatcher_probs`` releases) hold the layer's detached input streams and
+    their gradient (two [s, N, D] tensors per MoE layer)."""
     base = SINGLE + ["model.params_dtype=bfloat16", "data.seq_len=96"]
-    variants = [base + ["train.recompute=full"], base + ["train.recompute=selective"], base,
-                base + ["train.recompute=full", "train.moe_chunk_tokens=40"]]
-    for overrides, live in zip(variants, run_ranks(1, _after_backward_on_rank, variants, False)[0]):
-        assert live == {}, (overrides, live)
-    (leaked,) = run_ranks(1, _after_backward_on_rank, variants[:1], True)[0]
-    recipe = load_recipe(TINY, variants[0]).recipe
+    full = base + ["train.recompute=full"]
+    variants = [full, base + ["train.recompute=selective"], base,
+                full + ["train.moe_chunk_tokens=40"], full + ["model.moe.dispatcher=allgather"]]
+    for overrides, (live, graphs) in zip(variants, run_ranks(1, _after_backward_on_rank, variants, False)[0]):
+        assert live == {} and graphs == set(), (overrides, live, graphs)
+    controls = {"alltoall": full + ["model.moe.dispatcher=alltoall"], "allgather": variants[-1]}
+    leaks = run_ranks(1, _after_backward_on_rank, list(controls.values()), True)[0]
+    recipe = load_recipe(TINY, full).recipe
     streams = (96, 1, recipe.model.hyper_connections.num_streams, recipe.model.hidden_size)
     n_moe = recipe.model.mlp_types().count("moe")
-    assert sum(shape == streams for _, shape, _ in leaked.values()) == 2 * n_moe, leaked
+    holders = {"alltoall": {"probs"}, "allgather": {"local_probs"}}
+    for dispatcher, (leaked, graphs) in zip(controls, leaks):
+        assert sum(shape == streams for _, shape, _ in leaked.values()) == 2 * n_moe, leaked
+        assert graphs == holders[dispatcher], (dispatcher, graphs)

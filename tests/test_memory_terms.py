@@ -15,10 +15,11 @@ from skyrl_megatron_kda.memory.blocks import (
 from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes, dsa_projection_weights
 from skyrl_megatron_kda.memory.head import head_activation_bytes
 from skyrl_megatron_kda.memory.kda import kda_activation_bytes, kda_backward_bytes
-from skyrl_megatron_kda.memory.moe import moe_activation_bytes, moe_routed_bytes
+from skyrl_megatron_kda.memory.moe import local_assignments, moe_activation_bytes, moe_routed_bytes
 from skyrl_megatron_kda.memory.rows import rows_of
+from skyrl_megatron_kda.memory.states import gather_buffer_bytes
 from skyrl_megatron_kda.recipes import load_recipe
-from tests.support.memory_recipes import SINGLE, TINY, full_recipe
+from tests.support.memory_recipes import EP2, EP2_ETP2, SINGLE, TINY, full_recipe, moe_census
 from tests.support.ranks import run_ranks
 from tests.support.tiny_models import build_on_mesh
 
@@ -60,6 +61,36 @@ def test_moe_chunks_keep_only_the_router_and_the_chunk_inputs(census):
         if mlp == "moe":
             assert whole[f"{i}.mlp"] - chunked[f"{i}.mlp"] == (
                 moe_routed_bytes(recipe, r.sp) - r.sp * 5 * e.num_experts) > 0
+
+
+@pytest.mark.parametrize("world, mesh", [(2, EP2), (4, EP2_ETP2)], ids=["ep2", "ep2_etp2"])
+def test_moe_terms_equal_saved_tensors_per_dispatcher(world, mesh):
+    """Each dispatcher, whole and in 40-row chunks, on every rank: what each MoE block keeps
+    equals ``moe_activation_bytes`` for the rows that reached the rank's experts, and megatron's
+    all-gather buffer equals ``gather_buffer_bytes`` (allgather's dispatch gathers into it,
+    alltoall's does not). The balanced share the plan prices is the ranks' mean. Negative
+    control: the other dispatcher's terms miss every unchunked census."""
+    recipes, ranks = moe_census(world, mesh)
+    other = {"allgather": "alltoall", "alltoall": "allgather"}
+    for rank, per_variant in enumerate(ranks):
+        for name, got in per_variant.items():
+            recipe = recipes[name]
+            for i, kept in got["kept"].items():
+                n = got["assignments"][i]
+                assert kept == moe_activation_bytes(recipe, n), (rank, name, i, kept, n)
+                if not recipe.train.moe_chunk_tokens:
+                    moe = recipe.model.moe.model_copy(
+                        update={"dispatcher": other[recipe.model.moe.dispatcher]})
+                    swapped = recipe.model_copy(
+                        update={"model": recipe.model.model_copy(update={"moe": moe})})
+                    assert kept != moe_activation_bytes(swapped, n), (rank, name, i)
+            assert got["gather_buffer"] == gather_buffer_bytes(recipe), (rank, name, got)
+    for name, recipe in recipes.items():
+        for i in ranks[0][name]["assignments"]:
+            total = sum(per_variant[name]["assignments"][i] for per_variant in ranks)
+            assert total == world * local_assignments(recipe, rows_of(recipe).sp), (name, i)
+    if world == 4:  # the allgather dispatch's [s ep etp, D] outgrows the SP gather's [S, D]
+        assert ranks[0]["allgather"]["gather_buffer"] == 2 * ranks[0]["alltoall"]["gather_buffer"]
 
 
 def test_cp_halves_sequence_sharded_terms():

@@ -142,33 +142,3 @@ def test_chunks_refuse_what_they_do_not_reproduce():
 
     with pytest.raises(ValueError, match="recompute_modules 'moe'.*moe_expert_capacity_factor"):
         _check_chunkable(Layer())
-
-
-def _gather_buffers_on_rank(rank, world, meshes):
-    """Bytes in megatron's global memory buffer after one forward + backward, per mesh."""
-    from megatron.core import parallel_state
-
-    out = []
-    for overrides in meshes:
-        recipe = load_recipe(TINY, overrides).recipe
-        _loss_and_grads(recipe)
-        buffers = parallel_state.get_global_memory_buffer().buffer
-        out.append(sum(t.numel() * t.element_size() for t in buffers.values()))
-    return out
-
-
-def test_gather_buffer_is_the_plans_state():
-    """Megatron's global all-gather buffer keeps its largest request: the SP linears' [S, D]
-    gather, or the MoE dispatch's [rows x ep x etp, D] when that is larger (ETP2 x EP2 here,
-    unchunked and with chunks of 40 rows): what ``memory.gather_buffer_bytes`` counts."""
-    from skyrl_megatron_kda.memory.states import gather_buffer_bytes
-
-    mesh = ["parallel.tp=2", "parallel.cp=1", "parallel.ep=2", "parallel.etp=2",
-            "parallel.sequence_parallel=true", "run.num_workers=4", "data.seq_len=128"]
-    meshes = [mesh, mesh + ["train.moe_chunk_tokens=40"], mesh + ["train.moe_chunk_tokens=16"]]
-    measured = run_ranks(4, _gather_buffers_on_rank, meshes)
-    planned = [gather_buffer_bytes(load_recipe(TINY, m).recipe) for m in meshes]
-    assert all(rank == planned for rank in measured), (measured, planned)
-    # The three requests differ: the unchunked dispatch (256 rows), a 40-row chunk's (160) and
-    # the SP gather (128 rows, larger than a 16-row chunk's 64).
-    assert len(set(planned)) == 3, planned

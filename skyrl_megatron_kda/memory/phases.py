@@ -14,9 +14,9 @@ head and the later layers are gone. The phases:
 - a DSA layer's working set (``model.dsa.kernel``: one block of the torch kernel, or the
   unfused path's indexer scores and whole-sequence keys);
 - an mHC map projection's backward;
-- an MoE layer's backward (the whole rebuilt layer, the allgather dispatcher's token-sized
-  transients and, under ``train.moe_chunk_tokens``, one chunk's rebuilt experts), or a dense
-  MLP's;
+- an MoE layer's backward (the whole rebuilt layer, the token dispatcher's token-sized
+  transients, ``model.moe.dispatcher``, and, under ``train.moe_chunk_tokens``, one chunk's
+  rebuilt experts), or a dense MLP's;
 - with a bf16 gradient buffer, the optimizer step, when the distributed optimizer holds fp32
   casts of the rank's gradient shard and no activation is alive.
 

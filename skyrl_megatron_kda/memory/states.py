@@ -12,7 +12,8 @@ megatron's all-gather buffer.
   ``train.optimizer_offload_fraction`` f moves f of it to host memory (``optimizer_split``;
   modelled only: a run refuses it, see ``train/optimizer.py``).
 - **Megatron's all-gather buffer** (``gather_buffer_bytes``): the sequence-parallel linears and
-  the MoE dispatcher gather into one global buffer, which keeps its largest size for the run.
+  the allgather MoE dispatcher gather into one global buffer, which keeps its largest size for
+  the run (the alltoall dispatcher allocates its rows afresh).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from ..config import Recipe
 from .census import ParamGroup, rank_parameters
-from .moe import moe_call_rows
+from .moe import dispatch_terms, moe_call_rows
 from .rows import act_bytes, rows_of
 
 
@@ -78,13 +79,14 @@ def optimizer_split(recipe: Recipe) -> OptimizerSplit:
 
 def gather_buffer_bytes(recipe: Recipe) -> int:
     """Megatron's global all-gather buffer ("mpu", ``get_global_memory_buffer``), per rank. The
-    sequence-parallel linears gather their input [S, D] into it (TP > 1 with SP) and the MoE
-    dispatcher its tokens [g, D] over EP x ETP (g = rows per call * ep * etp, a chunk's rows
-    under ``train.moe_chunk_tokens``); it grows to the largest request and stays allocated
+    sequence-parallel linears gather their input [S, D] into it (TP > 1 with SP) and the
+    allgather MoE dispatcher its tokens [g, D] over EP x ETP (g = rows per call * ep * etp, a
+    chunk's rows under ``train.moe_chunk_tokens``; the alltoall dispatcher requests none:
+    ``DispatchTerms.gather_buffer_rows``); it grows to the largest request and stays allocated
     for the rest of the run, so it counts like a state."""
     m, p, w, r = recipe.model, recipe.parallel, act_bytes(recipe), rows_of(recipe)
     sp_gather = r.cp * m.hidden_size * w if p.sequence_parallel and p.tp > 1 else 0
     moe_gather = 0
-    if "moe" in m.mlp_types() and p.ep * p.etp > 1:
-        moe_gather = moe_call_rows(recipe) * p.ep * p.etp * m.hidden_size * w
-    return max(sp_gather, moe_gather)
+    if "moe" in m.mlp_types():
+        moe_gather = dispatch_terms(recipe).gather_buffer_rows(recipe, moe_call_rows(recipe))
+    return max(sp_gather, moe_gather * m.hidden_size * w)

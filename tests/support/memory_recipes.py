@@ -123,3 +123,61 @@ def saved_tensor_census() -> tuple[dict, dict]:
     }
     (result,) = run_ranks(1, _census_on_rank, list(variants.values()))
     return dict(zip(variants, result)), {k: load_recipe(TINY, v).recipe for k, v in variants.items()}
+
+EP2 = ["parallel.tp=2", "parallel.cp=1", "parallel.ep=2", "parallel.etp=1",
+       "parallel.sequence_parallel=true", "run.num_workers=2"]
+"""TP2 +SP x EP2 on 2 ranks: the routed rows cross EP only."""
+
+
+EP2_ETP2 = ["parallel.tp=2", "parallel.cp=1", "parallel.ep=2", "parallel.etp=2",
+            "parallel.sequence_parallel=true", "run.num_workers=4"]
+"""TP2 +SP x EP2 x ETP2 on 4 ranks: the routed rows cross EP, then ETP."""
+
+
+def moe_variants(mesh: list[str]) -> dict[str, list[str]]:
+    """Each dispatcher with and without MoE token chunks (40 rows: a partial last chunk of a
+    rank's 64), bf16 (the fp32 combine copy exists), at ``mesh``."""
+    base = mesh + ["model.params_dtype=bfloat16", "data.seq_len=128"]
+    return {f"{dispatcher}{' chunks' if chunks else ''}":
+            base + [f"model.moe.dispatcher={dispatcher}", f"train.moe_chunk_tokens={chunks}"]
+            for dispatcher in ("allgather", "alltoall") for chunks in (0, 40)}
+
+
+def _moe_census_on_rank(rank, world, overrides_list):
+    """Per recipe: the bytes autograd keeps in each MoE layer's block at the end of the forward,
+    the rows that reached the layer's experts in the forward, and megatron's global all-gather
+    buffer after the backward."""
+    from megatron.core import parallel_state
+
+    out = []
+    for overrides in overrides_list:
+        recipe = load_recipe(TINY, overrides).recipe
+        model = build_on_mesh(recipe)
+        rows: dict[int, int] = {}
+        for i, layer in enumerate(model.layers):
+            if recipe.model.mlp_types()[i] == "moe":
+                layer.mlp.experts.register_forward_pre_hook(
+                    lambda mod, args, i=i: rows.__setitem__(i, rows.get(i, 0) + args[0].shape[0]))
+        census = _SavedTensorCensus(model)
+        ids = token_ids(recipe)
+        with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda h: h.t):
+            loss = token_loss(model, ids, ids.roll(-1, 1))
+        assignments = dict(rows)  # the forward's; chunks rebuilt in backward add to ``rows``
+        kept = {}
+        for module, nbytes in census.by_module().items():
+            part = _part(module)
+            kept[part] = kept.get(part, 0) + nbytes
+        loss.sum().backward()
+        buffers = parallel_state.get_global_memory_buffer().buffer
+        out.append(dict(kept={i: kept[f"{i}.mlp"] for i in assignments}, assignments=assignments,
+                        gather_buffer=sum(t.numel() * t.element_size() for t in buffers.values())))
+    return out
+
+
+def moe_census(world: int, mesh: list[str]) -> tuple[dict, list[dict]]:
+    """``moe_variants(mesh)``' recipes, and per rank per variant what ``_moe_census_on_rank``
+    reads: one call of ``world`` pooled ranks."""
+    variants = moe_variants(mesh)
+    results = run_ranks(world, _moe_census_on_rank, list(variants.values()))
+    recipes = {name: load_recipe(TINY, overrides).recipe for name, overrides in variants.items()}
+    return recipes, [dict(zip(variants, per_rank)) for per_rank in results]
