@@ -63,14 +63,17 @@ def test_moe_chunks_keep_only_the_router_and_the_chunk_inputs(census):
                 moe_routed_bytes(recipe, r.sp) - r.sp * 5 * e.num_experts) > 0
 
 
-@pytest.mark.parametrize("world, mesh", [(2, EP2), (4, EP2_ETP2)], ids=["ep2", "ep2_etp2"])
-def test_moe_terms_equal_saved_tensors_per_dispatcher(world, mesh):
-    """Each dispatcher, whole and in 40-row chunks, on every rank: what each MoE block keeps
-    equals ``moe_activation_bytes`` for the rows that reached the rank's experts, and megatron's
-    all-gather buffer equals ``gather_buffer_bytes`` (allgather's dispatch gathers into it,
-    alltoall's does not). The balanced share the plan prices is the ranks' mean. Negative
-    control: the other dispatcher's terms miss every unchunked census."""
-    recipes, ranks = moe_census(world, mesh)
+@pytest.fixture(scope="module")
+def moe_ep2():
+    """The MoE census at TP2 +SP x EP2 and the MoE backward peaks there: one call of 2 ranks."""
+    return moe_census(2, EP2, backward=True)
+
+
+def _assert_moe_census(recipes, ranks):
+    """What each MoE block keeps equals ``moe_activation_bytes`` for the rows that reached the
+    rank's experts, and megatron's all-gather buffer ``gather_buffer_bytes``, on every rank; the
+    balanced share the plan prices is the ranks' mean. Negative control: the other dispatcher's
+    terms miss every unchunked census."""
     other = {"allgather": "alltoall", "alltoall": "allgather"}
     for rank, per_variant in enumerate(ranks):
         for name, got in per_variant.items():
@@ -88,9 +91,45 @@ def test_moe_terms_equal_saved_tensors_per_dispatcher(world, mesh):
     for name, recipe in recipes.items():
         for i in ranks[0][name]["assignments"]:
             total = sum(per_variant[name]["assignments"][i] for per_variant in ranks)
-            assert total == world * local_assignments(recipe, rows_of(recipe).sp), (name, i)
-    if world == 4:  # the allgather dispatch's [s ep etp, D] outgrows the SP gather's [S, D]
-        assert ranks[0]["allgather"]["gather_buffer"] == 2 * ranks[0]["alltoall"]["gather_buffer"]
+            assert total == len(ranks) * local_assignments(recipe, rows_of(recipe).sp), (name, i)
+
+
+def test_moe_terms_equal_saved_tensors_at_ep2(moe_ep2):
+    """Each dispatcher, whole and in 40-row chunks, on both ranks of TP2 +SP x EP2."""
+    recipes, ranks = moe_ep2[:2]
+    _assert_moe_census(recipes, ranks)
+
+
+def test_moe_terms_equal_saved_tensors_at_ep2_etp2():
+    """The same on the 4 ranks of TP2 +SP x EP2 x ETP2, where the allgather dispatch's
+    [s ep etp, D] rows outgrow the SP gather's [S, D] in megatron's buffer and the alltoall
+    dispatch's all-gather over ETP takes none of it."""
+    recipes, ranks = moe_census(4, EP2_ETP2)
+    _assert_moe_census(recipes, ranks)
+    assert ranks[0]["allgather"]["gather_buffer"] == 2 * ranks[0]["alltoall"]["gather_buffer"]
+
+
+def test_moe_backward_working_set_per_dispatcher(moe_ep2):
+    """TP2 +SP x EP2, unchunked, on a shape where the tokens' tensors dominate: on every rank the
+    MoE block's backward allocates at least its dispatcher's transients
+    (``moe_transient_bytes``: allgather's fp32 combine copy and its cast over every gathered
+    row, alltoall's expert outputs over the rank's assignments) and at most the plan's working
+    set (``moe_working_bytes``: those plus the experts' output and input gradients, which are
+    not all alive with them, so it bounds from above). Negative control: alltoall priced with
+    allgather's transients exceeds its whole peak. ETP > 1 is not checked here: on gloo the
+    uneven all-gathers and reduce-scatters over ETP run through padded CPU copies that NCCL
+    does not make."""
+    from skyrl_megatron_kda.memory.moe import moe_transient_bytes, moe_working_bytes
+
+    _, _, recipes, ranks = moe_ep2
+    for rank, peaks in enumerate(ranks):
+        for name, peak in peaks.items():
+            recipe = recipes[name]
+            rows = rows_of(recipe).sp
+            assert moe_transient_bytes(recipe, rows) <= peak <= moe_working_bytes(recipe), (
+                rank, name, peak, moe_transient_bytes(recipe, rows), moe_working_bytes(recipe))
+        gathered = recipes["allgather"]
+        assert moe_transient_bytes(gathered, rows_of(gathered).sp) > peaks["alltoall"]
 
 
 def test_cp_halves_sequence_sharded_terms():

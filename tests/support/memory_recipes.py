@@ -174,10 +174,50 @@ def _moe_census_on_rank(rank, world, overrides_list):
     return out
 
 
-def moe_census(world: int, mesh: list[str]) -> tuple[dict, list[dict]]:
+def moe_backward_variants(mesh: list[str]) -> dict[str, list[str]]:
+    """Each dispatcher, unchunked, on a shape where the tokens' D-wide tensors outweigh the
+    experts' own (hidden 256, 16 experts of width 16, 512 tokens), bf16."""
+    base = mesh + ["model.params_dtype=bfloat16", "data.seq_len=512", "model.hidden_size=256",
+                   "model.moe.num_experts=16", "model.moe.ffn_hidden_size=16"]
+    return {d: base + [f"model.moe.dispatcher={d}"] for d in ("allgather", "alltoall")}
+
+
+def _moe_backward_peak(rank: int, recipe) -> int:
+    """The bytes the first MoE block's backward allocates at its highest point (LiveBytes), its
+    parameters' gradients handed off as they accumulate, as DDP's hook does."""
+    from tests.support.live_bytes import LiveBytes
+
+    from skyrl_megatron_kda.memory.rows import rows_of
+
+    model = build_on_mesh(recipe)
+    mlp = model.layers[recipe.model.mlp_types().index("moe")].mlp
+    for param in mlp.parameters():
+        param.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(rows_of(recipe).sp, 1, recipe.model.hidden_size, generator=g)
+    out, _ = mlp(x.to(torch.bfloat16).requires_grad_())
+    grad = torch.randn(out.shape, generator=g).to(out.dtype)
+    with LiveBytes() as live:
+        out.backward(grad)
+    return live.peak
+
+
+def _moe_census_and_peaks_on_rank(rank, world, census_list, backward_list):
+    recipes = [load_recipe(TINY, overrides).recipe for overrides in backward_list]
+    return _moe_census_on_rank(rank, world, census_list), [_moe_backward_peak(rank, r) for r in recipes]
+
+
+def moe_census(world: int, mesh: list[str], backward: bool = False):
     """``moe_variants(mesh)``' recipes, and per rank per variant what ``_moe_census_on_rank``
-    reads: one call of ``world`` pooled ranks."""
+    reads; with ``backward`` also ``moe_backward_variants(mesh)``' recipes and per rank their
+    MoE block's backward peak (``_moe_backward_peak``): one call of ``world`` pooled ranks."""
     variants = moe_variants(mesh)
-    results = run_ranks(world, _moe_census_on_rank, list(variants.values()))
+    peak_variants = moe_backward_variants(mesh) if backward else {}
+    results = run_ranks(world, _moe_census_and_peaks_on_rank, list(variants.values()),
+                        list(peak_variants.values()))
     recipes = {name: load_recipe(TINY, overrides).recipe for name, overrides in variants.items()}
-    return recipes, [dict(zip(variants, per_rank)) for per_rank in results]
+    census = [dict(zip(variants, per_rank)) for per_rank, _ in results]
+    if not backward:
+        return recipes, census
+    peak_recipes = {name: load_recipe(TINY, o).recipe for name, o in peak_variants.items()}
+    return recipes, census, peak_recipes, [dict(zip(peak_variants, peaks)) for _, peaks in results]
