@@ -233,3 +233,15 @@ def test_fused_loss_replaces_the_logits():
     half = estimate_memory(full_recipe("train.loss_chunk_tokens=4096"))
     assert (fused.phases[loss] - half.phases["loss: kept + head + fused loss chunk of 4096"]
             == 4096 * (m.vocab_size // 8) * (4 + 2))
+
+
+def test_flex_dispatcher_is_refused_with_its_reason():
+    """``flex`` runs DeepEP's GPU kernels: no CPU census can check its buffers, so the plan
+    refuses it in one line (the recipe check refuses it first where ``deep_ep`` is missing)."""
+    recipe = full_recipe()
+    moe = recipe.model.moe.model_copy(update={"dispatcher": "flex"})
+    flex = recipe.model_copy(update={"model": recipe.model.model_copy(update={"moe": moe})})
+    with pytest.raises(ValueError, match=r"^model.moe.dispatcher=flex has no memory terms: its "
+                                         r"DeepEP kernels run on GPUs only") as refused:
+        estimate_memory(flex)
+    assert "\n" not in str(refused.value)
