@@ -33,8 +33,9 @@ def plan_lines(recipe: MeshRecipe, state_prepass: float | None = None,
     _, reason, table = choose(recipe, calibration)
     p, k, c = recipe.parallel, recipe.kda, recipe.cluster
     spans = c.cp_spans_nodes(p.tp, p.cp)
-    link = c.inter_node if spans else c.intra_node
-    where = f"{c.inter_node_kind} between nodes" if spans else "NVLink inside one node"
+    link = c.inter_node_per_gpu if spans else c.intra_node
+    where = (f"{c.inter_node_kind} between nodes, per GPU while all {c.gpus_per_node} of a node "
+             "cross" if spans else "NVLink inside one node")
     lines = [recipe_line(recipe)] if isinstance(recipe, Recipe) else []
     lines += [
         f"KDA layer: {k.num_heads} heads x {k.head_dim}, hidden {recipe.model.hidden_size}, "

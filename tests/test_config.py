@@ -20,6 +20,7 @@ from skyrl_megatron_kda.config import (
     merge,
     parse_overrides,
 )
+from skyrl_megatron_kda.config.cluster import EFA_NODE_GIB_S
 from skyrl_megatron_kda.kda import exchanges
 from skyrl_megatron_kda.recipe_rules import load_mesh_recipe
 
@@ -224,7 +225,8 @@ def test_inter_node_presets(kind):
 def test_link_partial_override_keeps_the_preset():
     c = recipe(cluster={"inter_node_kind": "efa", "inter_node": {"latency_us": 30},
                         "intra_node": {"bandwidth_gib_s": 300}}).cluster
-    assert c.inter_node == LinkConfig(bandwidth_gib_s=40.0, latency_us=30.0)
+    assert c.inter_node == LinkConfig(bandwidth_gib_s=40.0, latency_us=30.0,
+                                      node_bandwidth_gib_s=EFA_NODE_GIB_S)
     assert c.intra_node == LinkConfig(bandwidth_gib_s=300.0, all_to_all_bandwidth_gib_s=268.0,
                                       latency_us=10.0)
     # Without an all-to-all figure a link uses its all-gather bandwidth for both.

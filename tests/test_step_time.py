@@ -324,9 +324,11 @@ def test_plan_prints_the_step_time(capsys):
 DOC = Path(__file__).parents[1] / "docs" / "step_time.md"
 
 
-def _doc_table(heading: str) -> list[list[str]]:
+def _doc_table(heading: str, index: int = 0) -> list[list[str]]:
+    """The body rows of the section's ``index``-th table, cell by cell."""
     section = DOC.read_text().split(heading, 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("|")]
+    tables = [block for block in section.split("\n\n") if block.lstrip().startswith("|")]
+    rows = [line for line in tables[index].strip().splitlines() if line.startswith("|")]
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
 
 
@@ -341,6 +343,13 @@ def test_the_docs_tables_are_the_models():
         part = step.part(name)
         assert cells[2:5] == [f"{part.compute_s:.2f}" if part.compute_s else "",
                               f"{part.comm_s:.2f}", f"{part.total_s:.2f}"], cells
+    for cells in _doc_table("## The 1M recipe", index=1):
+        gpu, dispatcher = cells[0].lower(), cells[1].strip("`")
+        got = estimate_step_time(load_recipe("glm53_flash_1m", [
+            f"cluster.gpu={gpu}", f"model.moe.dispatcher={dispatcher}"]).recipe)
+        assert [c.replace(",", "") for c in cells[2:7]] == [
+            f"{got.step_s:.1f}", f"{got.tokens_per_s_per_gpu:.0f}", f"{got.compute_s:.1f}",
+            f"{got.comm_s:.1f}", f"{got.part('MoE').comm_s:.1f}"], cells
     for cells in _doc_table("## Beyond one machine, on paper"):
         gpus, mesh, T = int(cells[0]), cells[1], cells[2]
         cp = int(mesh.split("CP")[1])

@@ -10,6 +10,11 @@ from pydantic import field_validator, model_validator
 
 from .base import ConfigSection, PositiveInt
 
+EFA_NODE_GIB_S = 38.8
+TCP_NODE_GIB_S = 7.6
+"""What one node's GPUs together move to other nodes (GiB/s): the numbers ``steptime.seed``
+fits to the measured steps it holds (``tests/test_step_time_seed.py`` fits them again)."""
+
 # Defaults, to override with measurements of the target cluster.
 LINK_PRESETS: dict[str, dict[str, float]] = {
     # NVLink 4 (H200 NV18), from NCCL on two H200s (docs/step_time.md): the all-to-all value is
@@ -18,15 +23,20 @@ LINK_PRESETS: dict[str, dict[str, float]] = {
     "nvlink": {"bandwidth_gib_s": 250.0, "all_to_all_bandwidth_gib_s": 268.0, "latency_us": 10.0},
     # One NDR NIC per GPU (8x ConnectX-7), a little under its line rate.
     "infiniband": {"bandwidth_gib_s": 45.0, "latency_us": 20.0},
-    # AWS EFA on p5 (its NICs shared by 8 GPUs), with a higher latency than InfiniBand.
-    "efa": {"bandwidth_gib_s": 40.0, "latency_us": 40.0},
-    # Plain TCP sockets (NCCL's socket transport): a few GiB/s per GPU.
-    "tcp": {"bandwidth_gib_s": 3.0, "latency_us": 100.0},
+    # AWS EFA: a GPU's own path, and what a node's GPUs share when all of them cross nodes at
+    # once (fitted: steptime/seed.py, docs/step_time.md).
+    "efa": {"bandwidth_gib_s": 40.0, "latency_us": 40.0, "node_bandwidth_gib_s": EFA_NODE_GIB_S},
+    # Plain TCP sockets (NCCL's socket transport): a few GiB/s per GPU, the node's share fitted
+    # like EFA's.
+    "tcp": {"bandwidth_gib_s": 3.0, "latency_us": 100.0, "node_bandwidth_gib_s": TCP_NODE_GIB_S},
 }
-"""Link defaults by kind (GiB/s per GPU, microseconds); ``nvlink`` is also the intra-node default."""
+"""Link defaults by kind (GiB/s, microseconds); ``nvlink`` is also the intra-node default."""
 
 InterNodeKind = Literal["nvlink", "infiniband", "efa", "tcp"]
 """Named link presets for the hop between nodes (``nvlink``: a multi-node NVLink domain)."""
+
+GPUKindName = Literal["h200", "h100", "b200"]
+"""GPU kinds the step-time model prices compute on (``steptime/hardware.py``)."""
 
 
 class LinkConfig(ConfigSection):
@@ -39,8 +49,11 @@ class LinkConfig(ConfigSection):
     """Per-GPU all-to-all bandwidth, bytes received from other ranks per second (GiB/s); None: same."""
     latency_us: float
     """Fixed cost per collective (microseconds)."""
+    node_bandwidth_gib_s: float | None = None
+    """What all GPUs of one node together move over this link (GiB/s; None: each GPU has its
+    own path, no limit beyond the per-GPU numbers)."""
 
-    @field_validator("bandwidth_gib_s", "all_to_all_bandwidth_gib_s")
+    @field_validator("bandwidth_gib_s", "all_to_all_bandwidth_gib_s", "node_bandwidth_gib_s")
     @classmethod
     def _bandwidth_positive(cls, value: float | None, info) -> float | None:
         if value is not None and not value > 0:
@@ -54,6 +67,17 @@ class LinkConfig(ConfigSection):
             raise ValueError(f"latency_us={value} must be >= 0 (microseconds per collective)")
         return value
 
+    def shared_by(self, gpus: int) -> LinkConfig:
+        """The link as one of ``gpus`` GPUs of a node sees it while all of them use it at once
+        (every rank of a mesh runs the same collectives together): each gets the per-GPU
+        numbers or its share of the node's, whichever is smaller."""
+        if self.node_bandwidth_gib_s is None:
+            return self
+        share = self.node_bandwidth_gib_s / gpus
+        return self.model_copy(update={
+            "bandwidth_gib_s": min(self.bandwidth_gib_s, share),
+            "all_to_all_bandwidth_gib_s": min(self.a2a_bandwidth_gib_s, share)})
+
     @property
     def a2a_bandwidth_gib_s(self) -> float:
         """The all-to-all bandwidth, falling back to the all-gather one."""
@@ -63,7 +87,8 @@ class LinkConfig(ConfigSection):
 
 
 class ClusterConfig(ConfigSection):
-    """The machines the mesh runs on, for the ``auto`` cost model only (nothing else reads it).
+    """The machines the mesh runs on, as the cost model of ``auto`` and ``plan``'s step time see
+    them (nothing that runs reads it).
 
     Megatron orders ranks tp-cp-ep-dp with TP fastest, so a CP group spans ``tp * cp``
     consecutive ranks and crosses nodes iff ``tp * cp > gpus_per_node``.
@@ -73,6 +98,9 @@ class ClusterConfig(ConfigSection):
 
     gpus_per_node: PositiveInt = 8
     """GPUs per node connected by NVLink (ranks per node)."""
+    gpu: GPUKindName = "h200"
+    """The GPU kind ``plan``'s step time prices compute on (rates measured on an H200, others
+    derived by spec ratios)."""
     inter_node_kind: InterNodeKind = "infiniband"
     """Preset for the link between nodes; inter_node overrides its numbers."""
     intra_node: LinkConfig
@@ -101,6 +129,11 @@ class ClusterConfig(ConfigSection):
             elif isinstance(value, Mapping):
                 out[field] = {**LINK_PRESETS[preset], **value}
         return out
+
+    @property
+    def inter_node_per_gpu(self) -> LinkConfig:
+        """The link between nodes as each GPU sees it while every GPU of its node uses it."""
+        return self.inter_node.shared_by(self.gpus_per_node)
 
     def cp_spans_nodes(self, tp: int, cp: int) -> bool:
         """Whether a CP group (stride tp, size cp) holds ranks of more than one node."""

@@ -67,7 +67,7 @@ class MeshRecipe(ConfigSection):
     data: DataConfig = Field(default_factory=DataConfig)
     """Batch shape."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    """Nodes and links, read only by the cost model of kda.cp_exchange=auto."""
+    """Nodes, GPUs and links, read only by the cost models (``auto`` and the step time)."""
 
     @model_validator(mode="after")
     def _heads_divisible_by_tp(self) -> MeshRecipe:

@@ -188,8 +188,9 @@ def estimate(name: str, shape: ExchangeShape, spans_nodes: bool, cluster: Cluste
     cp_in, cp_in_bwd = moved["cp"] - cp_out, moved_bwd["cp"] - cp_out
     tp_bytes, tp_bytes_bwd = moved["tp"], moved_bwd["tp"]
 
-    cp_link: LinkConfig = cluster.inter_node if spans_nodes else cluster.intra_node
-    tp_link: LinkConfig = cluster.inter_node if cluster.tp_spans_nodes(s.tp) else cluster.intra_node
+    between = cluster.inter_node_per_gpu
+    cp_link: LinkConfig = between if spans_nodes else cluster.intra_node
+    tp_link: LinkConfig = between if cluster.tp_spans_nodes(s.tp) else cluster.intra_node
     cp_comm = tp_comm = 0.0
     if s.cp > 1:
         # Two CP collectives per pass each: a2a = all-to-all in and out; allgather = all-gather in,

@@ -205,3 +205,14 @@ the KV latent's copies not priced)."""
 
 EMBEDDING_S_PER_ROW = 0.0
 """Not priced: a table lookup and its scatter-add, well under a millisecond per 32,768 rows."""
+
+# --- the optimizer on the host (train.optimizer_offload_fraction) ------------------------------
+# bench/results/h100_host_optimizer/cpu_optimizer_t12.json (bench/cpu_optimizer.py, one H100
+# machine of 16 cores, 12 torch threads: a host of eight GPUs and about a hundred cores gives
+# each GPU's rank about that many): megatron's hybrid optimizer's phases over 268,435,456 fp32
+# elements, one after another.
+HOST_ADAM_S_PER_ELEMENT = 0.36615772800000457 / 268435456
+"""``torch.optim.AdamW`` on the CPU per parameter element: 1.36 ns."""
+HOST_COPY_S_PER_BYTE = (0.019535194000006584 + 0.01935860999999761) / (8 * 268435456)
+"""The fp32 gradient to pinned host memory and the fp32 parameter back, per byte: 18.1 ps
+(55 GB/s over PCIe)."""

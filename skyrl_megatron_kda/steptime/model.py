@@ -21,35 +21,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import LatentOptions, LinkConfig, Recipe
+from ..config import LatentOptions, Recipe
 from ..dsa import kernels as dsa_kernels
+from ..kda import exchanges
 from ..kda.cost import estimate as kda_estimate
 from ..kda.cost import kda_kernel_s
-from ..kda import exchanges
 from ..kda.exchanges import ExchangeShape
 from ..memory.census import rank_parameters
 from ..memory.dsa import dsa_projection_weights
-from ..memory.offload import offloaded_tensor_bytes
 from ..memory.rows import act_bytes, rows_of
-from ..memory.states import grad_bytes, optimizer_shards
 from . import calibration as cal
+from .common import (GiB, Part, forward_passes, gemm_s, group_link, recompute_share, scale,
+                     seconds)
+from .host import offload_part, optimizer_part
+from .moe import (PRICED_DISPATCHERS, moe_dispatch_s, moe_pairs, moe_part, unpriced_dispatcher,
+                  with_dispatcher)
 
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class Part:
-    """One layer type (all its layers) or step phase of one rank: seconds per step."""
-
-    name: str
-    layers: int  # how many layers of this type (0: not a layer: head, optimizer, copies)
-    compute_s: float
-    comm_s: float
-    what: str = ""  # what the communication is and over which link
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.comm_s
+__all__ = ["GiB", "Part", "moe_pairs", "moe_part", "unpriced_dispatcher"]
 
 
 @dataclass(frozen=True)
@@ -102,33 +90,6 @@ class StepTime:
 # --- shapes of one rank -------------------------------------------------------------------------
 
 
-def _seconds(nbytes: float, link: LinkConfig, a2a: bool = False) -> float:
-    bw = link.a2a_bandwidth_gib_s if a2a else link.bandwidth_gib_s
-    return nbytes / (bw * GiB) + link.latency_us * 1e-6
-
-
-def _group_link(recipe: Recipe, stride: int, size: int) -> LinkConfig:
-    """The link a group of ``size`` ranks ``stride`` apart runs at: between nodes as soon as it
-    holds ranks of two nodes (a ring runs at its slowest hop)."""
-    c = recipe.cluster
-    return c.inter_node if size > 1 and stride * size > c.gpus_per_node else c.intra_node
-
-
-def _passes(recipe: Recipe, kind: str) -> int:
-    """Forward passes of a layer's block per step: 2 when it is rebuilt in backward."""
-    return 2 if recipe.train.recompute_of(kind) == "full" else 1
-
-
-def _recompute_share(recipe: Recipe, kind: str) -> float:
-    """A per-row cost measured under full recompute (two forwards and a backward, four
-    forward-equivalents), scaled to the recipe's passes."""
-    return (_passes(recipe, kind) + 2) / 4
-
-
-def _gemm_s(flops: float) -> float:
-    return flops / cal.GEMM_FLOP_PER_S
-
-
 def _layer_params(recipe: Recipe, component: str, layers: int) -> float:
     """Elements of one layer of ``component`` on this rank."""
     n = sum(g.numel for g in rank_parameters(recipe) if g.component == component)
@@ -159,12 +120,13 @@ def kda_layer_s(recipe: Recipe) -> tuple[float, float]:
         # One call per head group: each pays the per-call cost and runs fewer heads, at lower
         # per-head-token efficiency (kda/cost.py's kernel model).
         kernel *= (heads / group) * kda_kernel_s(group, tokens) / kda_kernel_s(heads, tokens)
-    compute = kernel + est.gemm_s + est.elementwise_s
-    comm = est.comm_s
-    if _passes(recipe, "kda") == 2:
-        compute += cal.KDA_FORWARD_SHARE * (kernel + est.elementwise_s) + est.gemm_s / 3
+    recurrent, gemm, comm = kernel + est.elementwise_s, est.gemm_s, est.comm_s
+    if forward_passes(recipe, "kda") == 2:
+        recurrent += cal.KDA_FORWARD_SHARE * recurrent
+        gemm += gemm / 3
         comm += est.comm_s / 2  # the forward's half of the exchange's and the TP gather's bytes
-    return compute, comm
+    hw = scale(recipe)
+    return recurrent * hw.memory + gemm * hw.gemm, comm
 
 
 def kda_part(recipe: Recipe) -> Part:
@@ -179,7 +141,7 @@ def kda_part(recipe: Recipe) -> Part:
     head_width = k.num_heads / p.tp * k.head_dim
     compute += (rows_of(recipe).cp * (m.hidden_size * cal.KDA_S_PER_ROW_ELEMENT
                                       + head_width * cal.KDA_S_PER_ROW_HEAD_ELEMENT)
-                * _recompute_share(recipe, "kda"))
+                * recompute_share(recipe, "kda") * scale(recipe).memory)
     spans = recipe.cluster.cp_spans_nodes(p.tp, p.cp)
     link = "CP " + ("between nodes" if spans else "inside a node") + f", {k.cp_exchange}"
     return Part("KDA attention", n, n * compute, n * comm, f"{link}; TP row gathers")
@@ -214,7 +176,7 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
     q = rows.sp if a.attends_by_rows(p.tp, p.sequence_parallel) else rows.cp
     visible_pools = _latest_cp_rank_mean_position(recipe) / a.index_kpool
     selected = _mean_selected(a.index_topk, T - q, T) * cal.DSA_SELECTED_PER_TOPK
-    passes = _passes(recipe, "dsa")
+    passes = forward_passes(recipe, "dsa")
     kernel = priced_dsa_kernel(recipe)
     options = kernel.options_of(a)
     indexer = (q * visible_pools * a.index_num_heads * a.index_head_dim
@@ -228,13 +190,16 @@ def dsa_core_s(recipe: Recipe) -> dict[str, float]:
         bwd *= cal.DSA_ORDERED_BACKWARD_SHARE
     if isinstance(options, LatentOptions) and options.attention_forward == "flashmla":
         fwd *= cal.DSA_FLASHMLA_FORWARD_SHARE
-    return {"indexer": indexer, "attention_fwd": passes * work * fwd, "attention_bwd": work * bwd}
+    # The indexer's score GEMM and the sparse attention are multiply-add bound.
+    g = scale(recipe).gemm
+    return {"indexer": indexer * g, "attention_fwd": passes * work * fwd * g,
+            "attention_bwd": work * bwd * g}
 
 
 def _indexer_runs(recipe: Recipe) -> int:
     """Indexer passes per DSA layer and step: once under full recompute with
     ``train.keep_dsa_selection``, else in every forward pass."""
-    passes = _passes(recipe, "dsa")
+    passes = forward_passes(recipe, "dsa")
     return 1 if (passes == 2 and recipe.train.keep_dsa_selection) else passes
 
 
@@ -282,89 +247,38 @@ def dsa_part(recipe: Recipe) -> Part:
     if n == 0:
         return Part("DSA attention", 0, 0.0, 0.0)
     rows = rows_of(recipe)
-    passes = _passes(recipe, "dsa")
+    passes = forward_passes(recipe, "dsa")
     core = sum(dsa_core_s(recipe).values())
     proj = 2 * rows.cp * _layer_params(recipe, "dsa", n) * (passes + 2)
     indexer_proj = 2 * rows.cp * _layer_params(recipe, "dsa_indexer", n) * passes  # frozen
-    compute = core + _gemm_s(proj + indexer_proj) + cal.DSA_OTHER_S_PER_ROW * rows.cp * (passes + 2) / 4
+    compute = (core + gemm_s(recipe, proj + indexer_proj)
+               + cal.DSA_OTHER_S_PER_ROW * rows.cp * (passes + 2) / 4 * scale(recipe).memory)
     e = act_bytes(recipe)
     comm = 0.0
-    tp_link = _group_link(recipe, 1, p.tp)
-    cp_link = _group_link(recipe, p.tp, p.cp)
+    tp_link = group_link(recipe, 1, p.tp)
+    cp_link = group_link(recipe, p.tp, p.cp)
     remote = (p.tp - 1) / p.tp  # of what a TP collective brings, what comes from other ranks
     latent = (a.kv_lora_rank + a.qk_rope_head_dim + a.index_head_dim) * e
     if p.tp > 1:
-        comm += (passes + 1) * _seconds(rows.cp * latent * remote, tp_link)
+        comm += (passes + 1) * seconds(rows.cp * latent * remote, tp_link)
     if p.cp > 1:
-        comm += (passes + 1) * _seconds(rows.whole * latent * (p.cp - 1) / p.cp, cp_link)
+        comm += (passes + 1) * seconds(rows.whole * latent * (p.cp - 1) / p.cp, cp_link)
     if a.attends_by_rows(p.tp, p.sequence_parallel):
         to_share, back = rows.sp * a.q_lora_rank * e, rows.sp * m.hidden_size * e
-        comm += (passes + 1) * (_seconds(to_share * remote, tp_link, a2a=True)
-                                + _seconds(back * remote, tp_link, a2a=True)
-                                + _seconds(dsa_projection_weights(recipe) * e * remote, tp_link))
+        comm += (passes + 1) * (seconds(to_share * remote, tp_link, a2a=True)
+                                + seconds(back * remote, tp_link, a2a=True)
+                                + seconds(dsa_projection_weights(recipe) * e * remote, tp_link))
         weights = rows.sp * a.index_num_heads * e
-        comm += _indexer_runs(recipe) * _seconds(weights * remote, tp_link, a2a=True)
+        comm += _indexer_runs(recipe) * seconds(weights * remote, tp_link, a2a=True)
         what = "q latent and output by all-to-all inside TP, whole weights gathered"
     elif p.tp > 1 and p.sequence_parallel:
-        comm += (passes + 1) * 2 * _seconds(rows.cp * m.hidden_size * e * remote, tp_link)
+        comm += (passes + 1) * 2 * seconds(rows.cp * m.hidden_size * e * remote, tp_link)
         queries = rows.cp * (a.q_lora_rank + a.index_num_heads) * e
-        comm += _indexer_runs(recipe) * _seconds(queries * remote, tp_link)
+        comm += _indexer_runs(recipe) * seconds(queries * remote, tp_link)
         what = "SP gather + reduce-scatter in TP, indexer queries gathered"
     else:
         what = "no TP collectives"
     return Part("DSA attention", n, n * compute, n * comm, f"KV latent gathered; {what}")
-
-
-def moe_pairs(recipe: Recipe) -> float:
-    """(row, expert) pairs this rank's local experts compute per forward: megatron's allgather
-    dispatcher gathers the residual rows of the EP x ETP group, and each gathered row's top-k
-    experts fall on this rank's E/ep experts in proportion (balanced routing)."""
-    p, e = recipe.parallel, recipe.model.moe
-    group = p.ep * p.etp
-    return group * rows_of(recipe).sp * e.top_k / p.ep
-
-
-def moe_dispatch_bytes(recipe: Recipe, dispatcher: str = "allgather") -> float:
-    """Bytes one rank receives per forward for the dispatch and combine: the allgather
-    dispatcher gathers every row of the EP x ETP group (hidden, probabilities, routing map) and
-    reduce-scatters the outputs back; an all-to-all dispatcher would move only the routed rows."""
-    p, m = recipe.parallel, recipe.model
-    group, rows, D, e = p.ep * p.etp, rows_of(recipe).sp, m.hidden_size, act_bytes(recipe)
-    if group == 1:
-        return 0.0
-    if dispatcher == "alltoall":
-        return 2 * rows * m.moe.top_k * D * e * (group - 1) / group
-    hidden = (group - 1) * rows * D * e
-    routing = (group - 1) * rows * m.moe.num_experts * (4 + 1)  # fp32 probs + bool map
-    return 2 * hidden + routing
-
-
-def moe_part(recipe: Recipe, dispatcher: str = "allgather") -> Part:
-    """The MoE layers: routed experts (``moe_pairs`` x three GEMMs of D x F/etp), the shared
-    expert (TP-sharded over the CP rank's rows) and the router, at the measured MoE rate; under
-    ``train.moe_chunk_tokens`` each chunk's experts run forward once more in backward."""
-    m, p, e = recipe.model, recipe.parallel, recipe.model.moe
-    n = m.mlp_types().count("moe")
-    if n == 0:
-        return Part("MoE", 0, 0.0, 0.0)
-    rows, D = rows_of(recipe), m.hidden_size
-    passes = _passes(recipe, m.layer_types()[m.mlp_types().index("moe")])
-    expert_passes = passes + (1 if recipe.train.moe_chunk_tokens else 0)
-    routed = 2 * moe_pairs(recipe) * 3 * D * (e.ffn_hidden_size // p.etp)
-    shared = 2 * rows.cp * 3 * D * (e.ffn_hidden_size * e.num_shared_experts // p.tp)
-    router = 2 * rows.sp * D * e.num_experts
-    flops = routed * (expert_passes + 2) + (shared + router) * (passes + 2)
-    compute = (flops / cal.MOE_FLOP_PER_S
-               + moe_pairs(recipe) * D * cal.MOE_S_PER_PAIR_ELEMENT * (passes + 2) / 4)
-    group = p.ep * p.etp
-    link = _group_link(recipe, 1, group)
-    comm = (passes + 1) * _seconds(moe_dispatch_bytes(recipe, dispatcher), link)
-    if p.tp > 1 and e.num_shared_experts:
-        comm += (passes + 1) * 2 * _seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
-                                            _group_link(recipe, 1, p.tp))
-    where = "between nodes" if link is recipe.cluster.inter_node else "inside a node"
-    return Part("MoE", n, n * compute, n * comm,
-                f"{dispatcher} dispatcher over EP{p.ep} x ETP{p.etp} ({where})")
 
 
 def dense_part(recipe: Recipe) -> Part:
@@ -375,13 +289,15 @@ def dense_part(recipe: Recipe) -> Part:
     if n == 0:
         return Part("dense MLP", 0, 0.0, 0.0)
     rows, D = rows_of(recipe), m.hidden_size
-    passes = _passes(recipe, m.layer_types()[m.mlp_types().index("dense")])
+    passes = forward_passes(recipe, m.layer_types()[m.mlp_types().index("dense")])
     flops = 2 * rows.cp * 3 * D * (m.dense_ffn_hidden_size // p.tp) * (passes + 2)
     comm = 0.0
     if p.tp > 1 and p.sequence_parallel:
-        comm = (passes + 1) * 2 * _seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
-                                           _group_link(recipe, 1, p.tp))
-    compute = flops / cal.DENSE_FLOP_PER_S + rows.cp * D * cal.DENSE_S_PER_ROW_ELEMENT * (passes + 2) / 4
+        comm = (passes + 1) * 2 * seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
+                                           group_link(recipe, 1, p.tp))
+    hw = scale(recipe)
+    compute = (flops / cal.DENSE_FLOP_PER_S * hw.gemm
+               + rows.cp * D * cal.DENSE_S_PER_ROW_ELEMENT * (passes + 2) / 4 * hw.memory)
     return Part("dense MLP", n, n * compute, n * comm, "SP gather + reduce-scatter in TP")
 
 
@@ -394,9 +310,10 @@ def mhc_part(recipe: Recipe) -> Part:
     width = N * D / (cal.MHC_CALIBRATED_STREAMS * cal.MHC_CALIBRATED_HIDDEN)
     per_layer = []
     for kind in m.layer_types():
-        passes = _passes(recipe, kind)
+        passes = forward_passes(recipe, kind)
         # Measured under full recompute (two forwards, one backward); backward taken as 2x forward.
-        per_layer.append(2 * rows.sp * width * cal.MHC_S_PER_ROW * (passes + 2) / 4)
+        per_layer.append(2 * rows.sp * width * cal.MHC_S_PER_ROW * (passes + 2) / 4
+                         * scale(recipe).memory)
     return Part("mHC", m.num_layers, sum(per_layer), 0.0)
 
 
@@ -408,50 +325,21 @@ def head_part(recipe: Recipe) -> Part:
     rows = rows_of(recipe)
     cells = rows.cp * (m.vocab_size / p.tp) * m.hidden_size / cal.HEAD_CALIBRATED_HIDDEN
     rate = cal.FUSED_LOSS_S_PER_CELL if recipe.train.loss_chunk_tokens else cal.UNFUSED_LOSS_S_PER_CELL
-    compute = (cells * rate + rows.cp * m.hidden_size * cal.HEAD_S_PER_ROW_ELEMENT
-               + rows.sp * cal.EMBEDDING_S_PER_ROW)
+    hw = scale(recipe)
+    compute = (cells * rate * hw.gemm
+               + (rows.cp * m.hidden_size * cal.HEAD_S_PER_ROW_ELEMENT
+                  + rows.sp * cal.EMBEDDING_S_PER_ROW) * hw.memory)
     comm = 0.0
     if p.tp > 1 and p.sequence_parallel:
-        link = _group_link(recipe, 1, p.tp)
-        comm = 3 * _seconds(rows.cp * m.hidden_size * act_bytes(recipe) * (p.tp - 1) / p.tp, link)
+        link = group_link(recipe, 1, p.tp)
+        comm = 3 * seconds(rows.cp * m.hidden_size * act_bytes(recipe) * (p.tp - 1) / p.tp, link)
     return Part("embedding + head + loss", 0, compute, comm, "SP gathers in TP")
 
 
-def optimizer_part(recipe: Recipe) -> Part:
-    """The distributed optimizer: Adam over this rank's shard (dense parameters / DP x CP,
-    experts / expert-DP) at the measured rate, and the gradient reduce-scatter + parameter
-    all-gather over those groups."""
-    p = recipe.parallel
-    dense_shards, expert_shards = optimizer_shards(recipe)
-    groups = [g for g in rank_parameters(recipe) if g.trainable]
-    shard = sum(g.numel / (expert_shards if g.expert else dense_shards) for g in groups)
-    compute = shard * cal.OPTIMIZER_S_PER_ELEMENT
-    comm = 0.0
-    for expert, size, stride in ((False, dense_shards, p.tp), (True, expert_shards, p.ep * p.etp)):
-        if size <= 1:
-            continue
-        part = [g for g in groups if g.expert == expert]
-        grads = sum(g.numel * grad_bytes(recipe, g) for g in part)
-        params = sum(g.bytes for g in part)
-        link = _group_link(recipe, stride, size)
-        comm += _seconds((grads + params) * (size - 1) / size, link)
-    return Part("optimizer", 0, compute, comm, "grad reduce-scatter + param all-gather over DP x CP")
-
-
-def offload_part(recipe: Recipe) -> Part:
-    """Host-offload copies: each layer input to pinned host memory in forward and back in
-    backward, ordered on the compute stream, at the rate measured as step time on the slice."""
-    if not recipe.train.offload_activations:
-        return Part("host-offload copies", 0, 0.0, 0.0)
-    sizes = offloaded_tensor_bytes(recipe) or []
-    nbytes = 2 * sum(sizes) * recipe.data.micro_batch_size
-    return Part("host-offload copies", 0, 0.0, nbytes / (cal.OFFLOAD_EXPOSED_GIB_S * GiB), "PCIe, not overlapped")
-
-
-def estimate_step_time(recipe: Recipe, *, dispatcher: str = "allgather") -> StepTime:
+def estimate_step_time(recipe: Recipe) -> StepTime:
     """The step of one rank (every rank does the same work): parts, tokens and GPUs."""
     mb = recipe.data.micro_batch_size
-    parts = [kda_part(recipe), dsa_part(recipe), moe_part(recipe, dispatcher), dense_part(recipe),
+    parts = [kda_part(recipe), dsa_part(recipe), moe_part(recipe), dense_part(recipe),
              mhc_part(recipe), head_part(recipe)]
     parts = [replace(x, compute_s=x.compute_s * mb, comm_s=x.comm_s * mb) for x in parts]
     parts += [optimizer_part(recipe), offload_part(recipe)]
@@ -463,11 +351,16 @@ def levers(recipe: Recipe, step: StepTime) -> list[Lever]:
     """What the next change would buy, each on the same model with one term changed, the
     largest saving first."""
     out = []
-    if recipe.model.mlp_types().count("moe") and recipe.parallel.ep * recipe.parallel.etp > 1:
-        alt = estimate_step_time(recipe, dispatcher="alltoall")
-        out.append(Lever("MoE all-to-all dispatcher", alt.step_s,
-                         f"moves {moe_dispatch_bytes(recipe, 'alltoall') / GiB:.1f} GiB per layer-pass "
-                         f"instead of {moe_dispatch_bytes(recipe) / GiB:.1f}"))
+    moe = step.part("MoE")
+    if moe.layers and recipe.parallel.ep * recipe.parallel.etp > 1:
+        for name in PRICED_DISPATCHERS:
+            if name == recipe.model.moe.dispatcher:
+                continue
+            other = with_dispatcher(recipe, name)
+            alt = estimate_step_time(other)
+            out.append(Lever(f"MoE {name} dispatcher", alt.step_s,
+                             f"{moe_dispatch_s(other) * 1e3:.0f} ms per layer-pass against "
+                             f"{moe_dispatch_s(recipe) * 1e3:.0f}"))
     dsa = step.part("DSA attention")
     if dsa.layers:
         core = sum(dsa_core_s(recipe).values()) * dsa.layers * recipe.data.micro_batch_size
