@@ -2,7 +2,8 @@
 may take, whether the exchange can run on the mesh (``CPExchange.refusal``), whether the DSA
 kernel runs on the device, attends by rows (``DSAKernel.refusal``, ``splits_rows``) and reads
 the options the recipe sets (``DSAKernel.options``), and what a packed row's length must divide
-by under ``parallel.cp_layout`` (the layout kind's row rule).
+by under ``parallel.cp_layout`` (the layout kind's row rule), and what megatron's MoE token
+dispatchers need of the mesh, the device and the installed packages (``model.moe.dispatcher``).
 
 They live here, not in ``config``: the rules are the strategies' own, whose modules import torch
 and megatron-core, and ``config`` imports nothing above it. Every recipe made to run or plan
@@ -14,10 +15,18 @@ model build asks ``check`` again for a recipe made another way. A broken rule is
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from typing import TypeVar
 
-from .config import KERNEL_OPTIONS, DSAConfig, MeshRecipe, Recipe, apply_env_overrides
+from .config import (
+    KERNEL_OPTIONS,
+    DSAConfig,
+    MeshRecipe,
+    ParallelConfig,
+    Recipe,
+    apply_env_overrides,
+)
 from .config.base import ConfigSection
 from .distributed.cp_layout import layout_kind
 from .dsa import kernels as dsa_kernels
@@ -76,9 +85,45 @@ def check(recipe: R) -> R:
     _check_exchange(recipe)
     check_dsa(recipe.model.dsa)
     _check_rows(recipe)
+    _check_dispatcher(recipe)
     if isinstance(recipe, Recipe):
         _check_dsa_device(recipe)
     return recipe
+
+
+def _check_dispatcher(recipe: MeshRecipe) -> None:
+    # megatron's flex dispatcher with its DeepEP backend (0.19.2's default) asserts more than one
+    # rank in its EP x ETP group, imports deep_ep when the layer is built and runs CUDA kernels:
+    # refused here rather than after Ray has started.
+    if recipe.model.moe.dispatcher != "flex":
+        return
+    p = recipe.parallel
+    if p.ep * p.etp == 1:
+        raise ValueError(f"model.moe.dispatcher=flex needs parallel.ep * parallel.etp > 1 "
+                         f"(DeepEP exchanges rows between the ranks of the EP x ETP group; here "
+                         f"{p.ep} * {p.etp} = 1): set model.moe.dispatcher=alltoall")
+    if isinstance(recipe, Recipe) and recipe.run.device != "gpu":
+        raise ValueError(f"model.moe.dispatcher=flex needs run.device=gpu (DeepEP's kernels are "
+                         f"CUDA; run.device={recipe.run.device}): set model.moe.dispatcher=alltoall")
+    if not deep_ep_importable():
+        raise ValueError("model.moe.dispatcher=flex needs the deep_ep package (DeepEP), which "
+                         "this Python cannot import: install DeepEP or set "
+                         "model.moe.dispatcher=alltoall")
+
+
+def deep_ep_importable() -> bool:
+    """Whether ``deep_ep`` (DeepEP, what megatron's flex dispatcher imports) is installed."""
+    return importlib.util.find_spec("deep_ep") is not None
+
+
+def dispatch_rows_can_differ(parallel: ParallelConfig) -> bool:
+    """Whether the ranks of one MoE dispatch group (EP x ETP) can hold different numbers of rows
+    when each data-parallel replica packs its own micro-batch to its own length (SkyRL's RL
+    path). megatron orders ranks TP, CP, then DP for the dense layers and ETP, EP, then expert
+    DP for the experts, both outermost in PP, so an EP x ETP group lies inside one TP x CP
+    replica (whose ranks hold equal rows) exactly when its size divides the replica's."""
+    group, replica = parallel.ep * parallel.etp, parallel.tp * parallel.cp
+    return group > 1 and replica % group != 0
 
 
 def _check_exchange(recipe: MeshRecipe) -> None:

@@ -36,10 +36,12 @@ class MoEConfig(ConfigSection):
     """Renormalise the selected top-k scores to sum to 1."""
     swiglu_limit: float | None = Field(default=10.0, gt=0)
     """SwiGLU clamp: gate <= limit, up in [-limit, limit] (None: no clamp); dense FFN too."""
-    dispatcher: Literal["alltoall", "allgather", "flex"] = "allgather"
+    dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
     """megatron-core's token dispatcher: how routed rows reach their experts' ranks over EP x ETP
-    (``alltoall``: the routed rows only; ``allgather``: every row of the group; ``flex``:
-    DeepEP). It moves rows, not parameters: free to change on a resume."""
+    (``alltoall``: each routed row to its expert's rank only; ``allgather``: every row of the
+    group to every rank, which needs the same number of rows on each, so SkyRL's variable-length
+    micro-batches refuse it; ``flex``: DeepEP, needs ``deep_ep``, a GPU and ep x etp > 1). The
+    same arithmetic per row: free to change on a resume (``recipe_rules``, docs/model.md)."""
 
     @model_validator(mode="after")
     def _top_k_fits_experts(self) -> MoEConfig:

@@ -1,6 +1,6 @@
 """Run megatron-core on CPU ranks (the laptop / CI mode of the tiny recipe, the demo and the tests).
 
-megatron-core hard-codes CUDA in three places we reach:
+megatron-core hard-codes CUDA in these places we reach:
 
 - its sequence-parallel collectives allocate buffers on ``torch.cuda.current_device()``:
   ``redirect_cuda_device_queries`` points that query at the CPU for the whole process;
@@ -14,9 +14,22 @@ megatron-core hard-codes CUDA in three places we reach:
 - its RNG tracker (``model_parallel_cuda_manual_seed``: per-TP and per-expert streams that
   TP-region code forks, e.g. the SP embedding's dropout scope) keeps CUDA generator states.
   ``seed_cpu_rng_tracker`` installs a tracker with the same streams on the CPU generator, seeded
-  by megatron's own function, so the seeds per rank are megatron's.
+  by megatron's own function, so the seeds per rank are megatron's;
+- its all-to-all token dispatcher copies routing counts to the host on a side CUDA stream
+  (``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream``, made when the first one is built, and
+  ``torch.cuda.current_stream()`` on every dispatch): ``redirect_cuda_device_queries`` gives it
+  the CPU rank's one stream;
+- under expert TP it all-gathers each rank's received rows, whose counts differ between ranks
+  (``torch.distributed.all_gather`` of uneven tensors), which gloo refuses (``ProcessGroupGloo::
+  allgather: invalid tensor size``): on a CPU rank that call pads every tensor to the longest,
+  gathers, and trims each back (``gather_uneven_rows``); even gathers and other backends pass
+  through unchanged. Its all-to-all split sizes stay tensors where there is no GPU to copy
+  them from: ``all_to_all_host_splits`` passes them as lists.
 
-Every entry point refuses to run where CUDA exists, so a GPU run never picks any of it up.
+``prepare_cpu_rank`` installs what a CPU rank needs process-wide (the device and stream
+queries, ``redirect_cuda_device_queries``, the padded gather and the host splits) before its process group
+starts. Every entry point refuses to run where CUDA exists, so a GPU run never picks any of it
+up.
 """
 
 
@@ -26,9 +39,14 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
+
+# torch's own, which the CPU rank's versions below call
+_all_gather, _all_to_all_single = dist.all_gather, dist.all_to_all_single
 
 
 def _is_cuda(device) -> bool:
@@ -96,6 +114,16 @@ class _CPUStream:
     def wait_stream(self, stream) -> None:
         pass
 
+    def record_event(self, event=None) -> _CPUEvent:
+        return _CPUEvent()
+
+
+class _CPUEvent:
+    """An event on the CPU rank's one stream: it has happened when it is recorded."""
+
+    def synchronize(self) -> None:
+        pass
+
 
 def _need_cpu_only(what: str) -> None:
     if torch.cuda.is_available():
@@ -139,7 +167,53 @@ def seed_cpu_rng_tracker(seed: int) -> None:
         torch.cuda.manual_seed = cuda_seed
 
 
+def prepare_cpu_rank() -> None:
+    """Run megatron-core's model code on this CPU-only process: its CUDA queries answered by the
+    CPU (``redirect_cuda_device_queries``), ``torch.distributed.all_gather`` taking uneven
+    tensors on gloo (``gather_uneven_rows``) and ``all_to_all_single`` split sizes as tensors
+    (``all_to_all_host_splits``)."""
+    redirect_cuda_device_queries()
+    dist.all_gather = gather_uneven_rows
+    dist.all_to_all_single = all_to_all_host_splits
+
+
 def redirect_cuda_device_queries() -> None:
-    """Make ``torch.cuda.current_device()`` name the CPU in this process."""
+    """Make ``torch.cuda.current_device()`` name the CPU and ``torch.cuda.current_stream()``
+    (and the all-to-all token dispatcher's side stream) the CPU rank's one stream, in this
+    process."""
     _need_cpu_only("redirect_cuda_device_queries")
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = _cpu_device
+    torch.cuda.current_stream = _CPUStream
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CPUStream()
+
+
+def gather_uneven_rows(tensor_list, tensor, group=None, async_op=False):
+    """``torch.distributed.all_gather`` that also gathers tensors of different row counts on
+    gloo: each rank's ``tensor`` is padded to the longest of ``tensor_list`` (the row counts
+    every rank expects), the padded tensors are gathered, and each is trimmed into its output.
+    Any other call (equal shapes, another backend, async, other dims differing) is torch's."""
+    shapes = {tuple(t.shape) for t in tensor_list}
+    rows = max((t.shape[0] for t in tensor_list if t.dim()), default=0)
+    if (len(shapes) == 1 or async_op or any(t.dim() == 0 for t in tensor_list)
+            or {s[1:] for s in shapes} != {tuple(tensor.shape[1:])}
+            or dist.get_backend(group) != "gloo"):
+        return _all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[:tensor.shape[0]] = tensor
+    gathered = [torch.empty_like(padded) for _ in tensor_list]
+    _all_gather(gathered, padded, group=group)
+    for out, got in zip(tensor_list, gathered):
+        out.copy_(got[:out.shape[0]])
+    return None
+
+
+def all_to_all_host_splits(output, input, output_split_sizes=None, input_split_sizes=None,
+                           group=None, async_op=False):
+    """``torch.distributed.all_to_all_single`` that also takes its split sizes as tensors: the
+    all-to-all token dispatcher holds them as host arrays once it has copied them from the
+    GPU, and on a CPU rank (nothing to copy) they stay tensors, which torch's signature
+    refuses."""
+    def host(sizes):
+        return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+    return _all_to_all_single(output, input, host(output_split_sizes), host(input_split_sizes),
+                              group=group, async_op=async_op)

@@ -39,6 +39,14 @@ score, and refuses a softmax over one logit), and the score-correction bias with
 multiplies the routing weight after the expert's down projection, megatron before it (inside the
 activation); the same in fp32 up to rounding, slightly different in bf16.
 
+Token dispatcher: ``moe.dispatcher`` is ``moe_token_dispatcher_type``. ``alltoall`` (every
+recipe's default) sends each routed row to its expert's rank and serves ranks with different row
+counts; ``allgather`` gathers every row of the TP x EP group and needs equal counts; ``flex`` is
+DeepEP (GPU, ``deep_ep``, ep x etp > 1). Each expert computes the same rows, so outputs and
+gradients agree up to fp32 summation order (tests/test_moe_dispatcher.py); ``recipe_rules``
+refuses what a dispatcher cannot run, and ``distributed/cpu.py`` lets ``alltoall`` run on gloo
+ranks (docs/model.md).
+
 Bias training: with ``moe_router_enable_expert_bias`` megatron counts tokens per expert in the
 forward and updates ``expert_bias`` by ``moe_router_bias_update_rate`` in
 ``finalize_model_grads`` (DeepSeek-V3's aux-loss-free balancing). To keep the checkpoint's bias
@@ -48,6 +56,7 @@ frozen, pass ``bias_update_rate=0``.
 from __future__ import annotations
 
 from functools import partial
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider

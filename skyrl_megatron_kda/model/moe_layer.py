@@ -20,8 +20,10 @@ token counter must see each token once); then, for each chunk of ``chunk_tokens`
 rank's residual stream, dispatch, routed experts and combine run inside a reentrant checkpoint:
 forward keeps only each chunk's inputs (views of the layer input, of the dense routing
 probabilities and of the routing map), backward rebuilds one chunk at a time. Every rank of the
-dispatcher's TP x EP group holds the same number of residual rows, so all ranks run the same
-chunks and their collectives pair up. The arithmetic per token is megatron's and the MoE
+dispatcher's TP x EP group runs as many chunks as the rank with the most rows (one all-reduce
+of the count per forward; a rank past its rows dispatches an empty chunk), so their collectives
+pair up where rows per rank differ (the all-to-all dispatcher under SkyRL's variable-length
+micro-batches). The arithmetic per token is megatron's and the MoE
 input's gradient sums its parts in megatron's order; only the routed experts' weight gradients
 are summed chunk by chunk (fp32 rounding; bitwise with one chunk).
 """
@@ -29,6 +31,7 @@ are summed chunk by chunk (fp32 rounding; bitwise with one chunk).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from torch.utils.checkpoint import checkpoint
 
@@ -69,8 +72,9 @@ class GLMMoELayer(MoELayer):
         probs, routing_map = self.route(hidden_states)  # [s*b, E] each
         s, b = hidden_states.shape[:2]
         outputs = []
-        for start in range(0, s, self.chunk_tokens):
-            stop = min(start + self.chunk_tokens, s)
+        for start in range(0, self._chunk_count(s, hidden_states.device) * self.chunk_tokens,
+                           self.chunk_tokens):
+            start, stop = min(start, s), min(start + self.chunk_tokens, s)
             # [s, b, D] rows start:stop are the flattened tokens start*b : stop*b.
             args = (hidden_states[start:stop], probs[start * b:stop * b], routing_map[start * b:stop * b])
             if torch.is_grad_enabled():
@@ -79,6 +83,17 @@ class GLMMoELayer(MoELayer):
                 outputs.append(self._routed_experts_on_chunk(*args))
         output = torch.cat(outputs)
         return output if shared_expert_output is None else output + shared_expert_output
+
+    def _chunk_count(self, rows: int, device: torch.device) -> int:
+        """Chunks this forward runs: enough for this rank's ``rows``, and as many as every other
+        rank of the dispatcher's group runs, so that their collectives pair up (the all-to-all
+        dispatcher serves ranks that hold different row counts: SkyRL's micro-batches are
+        packed to their own lengths; a rank past its rows dispatches an empty chunk)."""
+        count = torch.tensor([-(-rows // self.chunk_tokens)], device=device)
+        group = self.token_dispatcher.tp_ep_group
+        if group is not None and group.size() > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        return int(count)
 
     def _routed_experts_on_chunk(self, hidden_states: torch.Tensor, probs: torch.Tensor,
                                  routing_map: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import Recipe, RunConfig
-from ..distributed.cpu import redirect_cuda_device_queries
+from ..distributed.cpu import prepare_cpu_rank
 from .errors import RankError, WorkerError
 from .placement import BundleLocation, assign_ranks, node_block, with_cpu_slots
 
@@ -122,7 +122,7 @@ class RankActor:
                 f"{ray.util.get_node_ip_address()}: every node needs the same paths")
         os.chdir(cwd)
         if self.device == "cpu":
-            redirect_cuda_device_queries()
+            prepare_cpu_rank()
             backend = "gloo"
         else:
             torch.cuda.set_device(0)  # Ray exposes exactly the GPU of this actor's bundle

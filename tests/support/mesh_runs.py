@@ -7,7 +7,8 @@ session, used by test_train.py and test_checkpoint.py).
   loaded into this mesh (CP2 -> CP1) and one step.
 - the same 2 ranks as TP1 x CP2, EP2: the checkpoint loaded (TP2 -> TP1) and one step.
 - the 2 ranks as TP2 x CP1 again with the memory settings on (recompute, host offload, chunked
-  loss, KDA head groups, mHC map chunks): the checkpoint loaded and one step.
+  loss, KDA head groups, mHC map chunks) and the allgather MoE dispatcher (the checkpoint was
+  saved under alltoall): the checkpoint loaded and one step.
 
 Every mesh reads the rows of the CP2 run (documents padded to multiples of 2*cp = 4 tokens), so
 the losses are comparable; each run's model starts from the same seed.
@@ -26,9 +27,11 @@ EXCHANGES = ("a2a", "allgather", "state")
 CP2 = ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true", "run.num_workers=4"]
 CP1 = ["parallel.tp=2", "parallel.cp=1", "parallel.sequence_parallel=true", "run.num_workers=2"]
 TP1 = ["parallel.tp=1", "parallel.cp=2", "parallel.sequence_parallel=false", "run.num_workers=2"]
-# The memory settings a checkpoint must not depend on (saved without them, loaded with them).
+# The memory settings and the MoE dispatcher, which a checkpoint must not depend on (saved
+# without them, under alltoall; loaded with them).
 LEVERS = ["train.recompute=full", "train.offload_activations=true", "train.loss_chunk_tokens=5",
-          "kda.kernel_head_group=1", "model.hyper_connections.map_chunk_rows=7"]
+          "kda.kernel_head_group=1", "model.hyper_connections.map_chunk_rows=7",
+          "model.moe.dispatcher=allgather"]
 
 
 def _recipe(overrides):

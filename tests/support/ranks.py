@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from skyrl_megatron_kda.distributed.cpu import redirect_cuda_device_queries
+from skyrl_megatron_kda.distributed.cpu import prepare_cpu_rank
 
 # The largest group kept between calls: the suite's groups of 1, 2 and 4 ranks stay (7 idle
 # processes holding torch and megatron-core); a rarer larger group is ended after its call, so
@@ -100,7 +100,7 @@ class _FreshState:
 
 def _serve(rank: int, world: int, port: int, conn) -> None:
     """A pooled gloo rank: runs each call it receives until its parent closes the pipe."""
-    redirect_cuda_device_queries()
+    prepare_cpu_rank()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 from skyrl.train.config.config import BaseConfig, MegatronConfig, TrainerConfig, make_config
 
 from ...config import KDAConfig, Recipe, flatten
+from ...recipe_rules import dispatch_rows_can_differ
 from ...recipes import list_recipes, load_recipe
 from .settings import cp_exchange_source, overridden_skyrl_keys, refused_settings
 
@@ -214,6 +215,13 @@ def apply_recipe(cfg, recipe: Recipe) -> List[str]:
                 f"run.num_workers={recipe.run.num_workers}; make them equal (the reference "
                 "worker runs the recipe's mesh too)")
     problems = unsupported_settings(cfg)
+    if recipe.model.moe.dispatcher == "allgather" and dispatch_rows_can_differ(recipe.parallel):
+        p = recipe.parallel
+        problems.append(
+            f"model.moe.dispatcher=allgather: each data-parallel replica packs its micro-batches "
+            f"to their own lengths, and an EP x ETP group of {p.ep * p.etp} ranks spans replicas "
+            f"of tp * cp = {p.tp * p.cp}, whose row counts megatron's allgather dispatcher cannot "
+            "gather; set trainer.kda.overrides.model.moe.dispatcher=alltoall")
     if recipe.run.device == "cpu" and cfg.trainer.kda.sampler == "vllm":
         problems.append("run.device=cpu: vLLM (trainer.kda.sampler=vllm) serves rollouts from "
                         "GPUs; set trainer.kda.sampler=glm5_next (this project's sampler) for a "

@@ -32,7 +32,7 @@ from skyrl.backends.skyrl_train.workers.worker_utils import (
 from skyrl.env_vars import SKYRL_WORKER_NCCL_TIMEOUT_IN_S
 from skyrl.train.utils.utils import ray_noset_visible_devices
 
-from ...distributed.cpu import redirect_cuda_device_queries
+from ...distributed.cpu import prepare_cpu_rank
 from ...model.hf_io import save_hf_checkpoint
 from ...train.checkpoint import latest_checkpoint
 from ...train.manifest import read as read_manifest
@@ -82,7 +82,7 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
         self.recipe = self.cfg.kda.resolve()
         if not dist.is_initialized():
             if self.recipe.run.device == "cpu":  # a CPU recipe (examples/rl_tiny): gloo ranks
-                redirect_cuda_device_queries()
+                prepare_cpu_rank()
                 backend = "gloo"
             else:  # the GPU SkyRL's Worker exports as LOCAL_RANK, computed the same way here
                 torch.cuda.set_device(int(ray.get_gpu_ids()[0]) if ray_noset_visible_devices() else 0)
