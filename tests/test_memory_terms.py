@@ -15,7 +15,8 @@ from skyrl_megatron_kda.memory.blocks import (
 from skyrl_megatron_kda.memory.dsa import dsa_activation_bytes, dsa_projection_weights
 from skyrl_megatron_kda.memory.head import head_activation_bytes
 from skyrl_megatron_kda.memory.kda import kda_activation_bytes, kda_backward_bytes
-from skyrl_megatron_kda.memory.moe import local_assignments, moe_activation_bytes, moe_routed_bytes
+from skyrl_megatron_kda.memory.moe import (
+    dispatch_terms, local_assignments, moe_activation_bytes, moe_routed_bytes)
 from skyrl_megatron_kda.memory.rows import rows_of
 from skyrl_megatron_kda.memory.states import gather_buffer_bytes
 from skyrl_megatron_kda.recipes import load_recipe
@@ -71,7 +72,9 @@ def moe_ep2():
 
 def _assert_moe_census(recipes, ranks):
     """What each MoE block keeps equals ``moe_activation_bytes`` for the rows that reached the
-    rank's experts, and megatron's all-gather buffer ``gather_buffer_bytes``, on every rank; the
+    rank's experts, its combine's fp32 copy the transient term's (``DispatchTerms``: every
+    gathered row under allgather, the rank's assignments under alltoall with ETP > 1, none
+    without), and megatron's all-gather buffer ``gather_buffer_bytes``, on every rank; the
     balanced share the plan prices is the ranks' mean. Negative control: the other dispatcher's
     terms miss every unchunked census."""
     other = {"allgather": "alltoall", "alltoall": "allgather"}
@@ -88,6 +91,12 @@ def _assert_moe_census(recipes, ranks):
                         update={"model": recipe.model.model_copy(update={"moe": moe})})
                     assert kept != moe_activation_bytes(swapped, n), (rank, name, i)
             assert got["gather_buffer"] == gather_buffer_bytes(recipe), (rank, name, got)
+            # The combine's fp32 copy of the rows it reduce-scatters, one per chunk.
+            terms, D = dispatch_terms(recipe), recipe.model.hidden_size
+            for i, cast in got["fp32_combine"].items():
+                rows = (got["assignments"][i] if terms.name == "alltoall"
+                        else terms.gathered_rows(recipe, rows_of(recipe).sp))
+                assert cast == (4 * D * rows if terms.fp32_combine(recipe) else 0), (rank, name, i)
     for name, recipe in recipes.items():
         for i in ranks[0][name]["assignments"]:
             total = sum(per_variant[name]["assignments"][i] for per_variant in ranks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from skyrl_megatron_kda.recipes import load_recipe
 from tests.support.ranks import run_ranks
@@ -143,10 +144,29 @@ def moe_variants(mesh: list[str]) -> dict[str, list[str]]:
             for dispatcher in ("allgather", "alltoall") for chunks in (0, 40)}
 
 
+class _Fp32Casts(TorchDispatchMode):
+    """Bytes of the bf16 -> fp32 copies of D-wide rows that an MoE layer's own code makes (not
+    its router's, experts' or shared expert's), by layer index: the dispatcher's fp32 combine."""
+
+    def __init__(self, census: _SavedTensorCensus, hidden: int):
+        super().__init__()
+        self.census, self.hidden, self.bytes = census, hidden, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        module = self.census.stack[-1].split(".")
+        if (func is torch.ops.aten._to_copy.default and args[0].dtype == torch.bfloat16
+                and out.dtype == torch.float32 and out.shape[-1] == self.hidden
+                and len(module) == 3 and module[2] == "mlp"):
+            layer = int(module[1])
+            self.bytes[layer] = self.bytes.get(layer, 0) + out.untyped_storage().nbytes()
+        return out
+
+
 def _moe_census_on_rank(rank, world, overrides_list):
     """Per recipe: the bytes autograd keeps in each MoE layer's block at the end of the forward,
-    the rows that reached the layer's experts in the forward, and megatron's global all-gather
-    buffer after the backward."""
+    the rows that reached the layer's experts in the forward, the fp32 copies its combine made
+    (``_Fp32Casts``) and megatron's global all-gather buffer after the backward."""
     from megatron.core import parallel_state
 
     out = []
@@ -160,7 +180,8 @@ def _moe_census_on_rank(rank, world, overrides_list):
                     lambda mod, args, i=i: rows.__setitem__(i, rows.get(i, 0) + args[0].shape[0]))
         census = _SavedTensorCensus(model)
         ids = token_ids(recipe)
-        with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda h: h.t):
+        casts = _Fp32Casts(census, recipe.model.hidden_size)
+        with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda h: h.t), casts:
             loss = token_loss(model, ids, ids.roll(-1, 1))
         assignments = dict(rows)  # the forward's; chunks rebuilt in backward add to ``rows``
         kept = {}
@@ -170,6 +191,7 @@ def _moe_census_on_rank(rank, world, overrides_list):
         loss.sum().backward()
         buffers = parallel_state.get_global_memory_buffer().buffer
         out.append(dict(kept={i: kept[f"{i}.mlp"] for i in assignments}, assignments=assignments,
+                        fp32_combine={i: casts.bytes.get(i, 0) for i in assignments},
                         gather_buffer=sum(t.numel() * t.element_size() for t in buffers.values())))
     return out
 
