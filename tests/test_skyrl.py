@@ -3,7 +3,9 @@ installs it). Nothing here skips: without skyrl the module import below fails th
 
 SkyRL's command line is parsed by SkyRL's own ``from_cli_overrides`` (strict keys), our section
 by our pydantic ``Recipe``; the dispatch test runs SkyRL's real ``main_base`` in a subprocess
-(it switches multiprocessing to spawn at import, which must not leak into this process).
+(it switches multiprocessing to spawn at import, which must not leak into this process), and the
+other dry runs and refused command lines of ``main_base`` run together in one more
+(``tests/support/main_base_runs``: each case as its own process would end).
 """
 
 import importlib.metadata
@@ -22,6 +24,7 @@ from skyrl_megatron_kda.integrations.skyrl import ENTRYPOINT, SKYRL_VERSION
 from skyrl_megatron_kda.integrations.skyrl.config import KDASkyRLConfig, apply_recipe
 from skyrl_megatron_kda.model.hf_io import hf_text_config
 from skyrl_megatron_kda.recipes import get_recipe, load_recipe
+from tests.support import main_base_runs
 from tests.support.ranks import run_ranks
 
 # A job the integration accepts as far as SkyRL's own checks go (GRPO, no KL, not colocated).
@@ -195,8 +198,46 @@ def _run(code_or_module: list[str], env: dict | None = None) -> subprocess.Compl
                           timeout=600, env={**os.environ, **(env or {})})
 
 
-MAIN_BASE = ["-m", "skyrl.train.entrypoints.main_base", f"trainer.override_entrypoint={ENTRYPOINT}"]
+DISPATCH = [f"trainer.override_entrypoint={ENTRYPOINT}"]
+MAIN_BASE = ["-m", "skyrl.train.entrypoints.main_base", *DISPATCH]
 """SkyRL's own launcher, dispatching to our entrypoint."""
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory) -> dict:
+    """A model folder that matches the tiny recipe, and one that disagrees on two fields."""
+    tmp = tmp_path_factory.mktemp("hf")
+    return {"match": _hf_folder(tmp / "hf"),
+            "mismatch": _hf_folder(tmp / "hf_mismatch", hidden_size=96, index_topk=32)}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(hf_folders) -> dict[str, subprocess.CompletedProcess]:
+    """Each ``main_base`` command line of the tests below that ends before Ray (a dry run, or a
+    refused command line), by name, all run in one process."""
+    hf = f"trainer.policy.model.path={hf_folders['match']}"
+    cases = {
+        "cpu_vllm": ([*ALLGATHER, "trainer.kda.dry_run=true", hf], {}),
+        "env_module": ([*ALLGATHER, "trainer.kda.sampler=glm5_next",
+                        "trainer.kda.env_modules=[no_such_pkg.envs]", "trainer.kda.dry_run=true",
+                        hf], {}),
+        "gpu_glm5_next": ([*ALLGATHER, "trainer.kda.overrides.run.device=gpu",
+                           "trainer.kda.sampler=glm5_next", "trainer.kda.dry_run=true", hf], {}),
+        "gate_ready": (_gate(hf_folders["match"]), {}),
+        "gate_hub_id": (_gate("zai-org/GLM-5.3-Flash"), {}),
+        "gate_mismatch": (_gate(hf_folders["mismatch"]), {}),
+        "gate_colocate_all": (_gate(hf_folders["match"], "trainer.placement.colocate_all=true"), {}),
+        "fully_async": ([*FULLY_ASYNC, "generator.batched=true",
+                         "trainer.algorithm.policy_loss_type=regular", "trainer.kda.dry_run=true"],
+                        {}),
+    }
+    for case in BAD_COMMAND_LINES:
+        extra, env, _ = case.values
+        replaced = {a.split("=")[0] for a in extra}
+        job = [a for a in JOB if a.split("=")[0] not in replaced]
+        cases[f"bad_{case.id}"] = ([*job, *extra, "trainer.kda.dry_run=true"], env)
+    cases = {name: ([*DISPATCH, *args], env) for name, (args, env) in cases.items()}
+    return main_base_runs.run(cases, drop_env=(CP_EXCHANGE_ENV,))
 
 
 def test_skyrl_main_dispatches_to_our_entrypoint():
@@ -269,33 +310,28 @@ def test_a_cpu_job_with_the_projects_sampler_gets_a_local_ray(tmp_path):
     assert f"per-step metrics: {tmp_path / 'logs' / 'metrics.jsonl'}" in done.stdout.splitlines()
 
 
-def test_dry_run_lists_only_what_remains(tmp_path):
+def test_dry_run_lists_only_what_remains(dry_runs):
     """The dry run's blockers are exactly this job's settings that cannot run (here the tiny
     recipe's CPU device under SkyRL's default vLLM sampler), one line each."""
-    done = _run([*MAIN_BASE, *ALLGATHER, "trainer.kda.dry_run=true",
-                 f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
+    done = dry_runs["cpu_vllm"]
     assert done.returncode == 1, done.stderr[-3000:]
     [line] = _blockers(done)
     assert line.startswith("run.device=cpu: vLLM (trainer.kda.sampler=vllm) serves rollouts")
     assert "set trainer.kda.sampler=glm5_next" in line
 
 
-def test_dry_run_blocks_an_env_module_it_cannot_import(tmp_path):
-    done = _run([*MAIN_BASE, *ALLGATHER, "trainer.kda.sampler=glm5_next",
-                 "trainer.kda.env_modules=[no_such_pkg.envs]", "trainer.kda.dry_run=true",
-                 f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
+def test_dry_run_blocks_an_env_module_it_cannot_import(dry_runs):
+    done = dry_runs["env_module"]
     assert done.returncode == 1, done.stderr[-3000:]
     [line] = _blockers(done)
     assert line.startswith("trainer.kda.env_modules: no module 'no_such_pkg.envs' to import"), line
 
 
-def test_dry_run_is_ready_for_the_projects_sampler_on_a_gpu_recipe(tmp_path):
+def test_dry_run_is_ready_for_the_projects_sampler_on_a_gpu_recipe(dry_runs):
     """trainer.kda.sampler=glm5_next serves a GPU recipe too, on cuda. The dry run asks for no
     CUDA (it may run on a login node without GPUs): the client refuses cuda where its process
     sees none (tests/test_sampler_device.py)."""
-    done = _run([*MAIN_BASE, *ALLGATHER, "trainer.kda.overrides.run.device=gpu",
-                 "trainer.kda.sampler=glm5_next", "trainer.kda.dry_run=true",
-                 f"trainer.policy.model.path={_hf_folder(tmp_path / 'hf')}"])
+    done = dry_runs["gpu_glm5_next"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[-1] == "launch: ready"
@@ -329,8 +365,9 @@ def test_the_experiment_builds_the_sampler_on_the_recipes_device(tmp_path):
 # --- the dry run as a gate: exit 0 only when nothing blocks the launch ------------------------
 
 def _gate(model_path, *extra: str) -> list[str]:
-    """SkyRL's launcher, dry-running a job that only ``model_path`` and ``extra`` may block."""
-    return [*MAIN_BASE, *ALLGATHER, "trainer.kda.overrides.run.device=gpu",
+    """SkyRL's launcher's settings (after the dispatch) of a dry run of a job that only
+    ``model_path`` and ``extra`` may block."""
+    return [*ALLGATHER, "trainer.kda.overrides.run.device=gpu",
             "trainer.kda.dry_run=true", f"trainer.policy.model.path={model_path}", *extra]
 
 
@@ -343,35 +380,35 @@ def _blockers(done: subprocess.CompletedProcess) -> list[str]:
     return [line.removeprefix("  - ") for line in lines[at + 1:]]
 
 
-def test_dry_run_ready_with_a_matching_model_folder_exits_0(tmp_path):
-    done = _run(_gate(_hf_folder(tmp_path / "hf")))
+def test_dry_run_ready_with_a_matching_model_folder_exits_0(dry_runs):
+    done = dry_runs["gate_ready"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "launch: ready"
 
 
-def test_dry_run_blocks_a_hub_id():
+def test_dry_run_blocks_a_hub_id(dry_runs):
     """A hub id is not a folder here; the workers download nothing, so the launch is blocked on
     the head node (not in the workers, after Ray and the placement group are up)."""
-    done = _run(_gate("zai-org/GLM-5.3-Flash"))
+    done = dry_runs["gate_hub_id"]
     assert done.returncode == 1, done.stderr[-3000:]
     [line] = _blockers(done)
     assert line.startswith("trainer.policy.model.path='zai-org/GLM-5.3-Flash' is not a folder on ")
     assert line.endswith("at this path on every node (they download nothing)")
 
 
-def test_dry_run_names_each_field_a_model_folder_disagrees_on(tmp_path):
-    folder = _hf_folder(tmp_path / "hf", hidden_size=96, index_topk=32)
-    done = _run(_gate(folder))
+def test_dry_run_names_each_field_a_model_folder_disagrees_on(dry_runs, hf_folders):
+    folder = hf_folders["mismatch"]
+    done = dry_runs["gate_mismatch"]
     assert done.returncode == 1, done.stderr[-3000:]
     assert _blockers(done) == [
         f"trainer.policy.model.path: {folder}/config.json does not match the recipe: "
         "hidden_size: checkpoint 96, recipe 64; index_topk: checkpoint 32, recipe 64"]
 
 
-def test_dry_run_lists_skyrls_own_validation_error(tmp_path):
+def test_dry_run_lists_skyrls_own_validation_error(dry_runs):
     """SkyRL's validate_cfg asserts; the dry run prints its table, then the assertion as one
     line (colocate_all with SkyRL's default of one inference engine for 4 policy GPUs)."""
-    done = _run(_gate(_hf_folder(tmp_path / "hf"), "trainer.placement.colocate_all=true"))
+    done = dry_runs["gate_colocate_all"]
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     assert _blockers(done) == [
@@ -379,28 +416,31 @@ def test_dry_run_lists_skyrls_own_validation_error(tmp_path):
         "colocating all models"]
 
 
-@pytest.mark.parametrize("extra, env, error", [
-    (["trainer.kda.recipe=no_such_recipe"], {},
-     "error: 'no_such_recipe' is neither a registered recipe (glm53_flash_1m, glm53_flash_slice, "
-     "glm53_flash_tiny) nor a .yaml/.yml file"),
-    ([], {CP_EXCHANGE_ENV: "bogus"},
-     f"error: {CP_EXCHANGE_ENV}='bogus' is not a KDA CP exchange; allowed values: a2a, allgather, "
-     "state, auto"),
-    (["trainer.kda.overrides.parallel.tp=abc"], {},
-     "error: recipe glm53_flash_tiny (glm53_flash_tiny.yaml): parallel.tp: Input should be a "
-     "valid integer, got 'abc'"),
-    (["trainer.epochs"], {},
-     "error: argument 'trainer.epochs' has no =VALUE: SkyRL settings are KEY=VALUE with a dotted "
-     "KEY, e.g. trainer.epochs=1"),
-    (["=3"], {}, "error: argument '=3' has no KEY before =: SkyRL settings are KEY=VALUE with a "
-     "dotted KEY, e.g. trainer.epochs=1"),
-], ids=["recipe-name", "env-variable", "pydantic", "no-value", "no-key"])
-def test_main_base_refuses_a_bad_command_line_in_one_line(extra, env, error):
+BAD_COMMAND_LINES = [pytest.param(*case, id=name) for name, case in {
+    "recipe-name": (["trainer.kda.recipe=no_such_recipe"], {},
+                    "error: 'no_such_recipe' is neither a registered recipe (glm53_flash_1m, "
+                    "glm53_flash_slice, glm53_flash_tiny) nor a .yaml/.yml file"),
+    "env-variable": ([], {CP_EXCHANGE_ENV: "bogus"},
+                     f"error: {CP_EXCHANGE_ENV}='bogus' is not a KDA CP exchange; allowed values: "
+                     "a2a, allgather, state, auto"),
+    "pydantic": (["trainer.kda.overrides.parallel.tp=abc"], {},
+                 "error: recipe glm53_flash_tiny (glm53_flash_tiny.yaml): parallel.tp: Input "
+                 "should be a valid integer, got 'abc'"),
+    "no-value": (["trainer.epochs"], {},
+                 "error: argument 'trainer.epochs' has no =VALUE: SkyRL settings are KEY=VALUE "
+                 "with a dotted KEY, e.g. trainer.epochs=1"),
+    "no-key": (["=3"], {}, "error: argument '=3' has no KEY before =: SkyRL settings are "
+               "KEY=VALUE with a dotted KEY, e.g. trainer.epochs=1"),
+}.items()]
+"""(extra settings, environment, the one error line), each replacing JOB's setting of its key."""
+
+
+@pytest.mark.parametrize("extra, env, error", BAD_COMMAND_LINES)
+def test_main_base_refuses_a_bad_command_line_in_one_line(extra, env, error, dry_runs, request):
     """Under SkyRL's main_base, what the command line gets wrong is one ``error:`` line on stderr
     and exit 2, as with skyrl-kda, not a traceback."""
-    replaced = {a.split("=")[0] for a in extra}
-    job = [a for a in JOB if a.split("=")[0] not in replaced]
-    done = _run([*MAIN_BASE, *job, *extra, "trainer.kda.dry_run=true"], env)
+    done = dry_runs[f"bad_{request.node.callspec.id}"]
+    assert done.args[-len(extra) - 1:] == [*extra, "trainer.kda.dry_run=true"]
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [error]
@@ -696,12 +736,10 @@ def test_each_fully_async_requirement_the_job_breaks_is_named(setting, reason):
     assert [p[:len(reason)] for p in fully_async_problems(cfg)] == [reason]
 
 
-def test_fully_async_job_without_its_requirements_gets_them_listed_in_the_dry_run():
+def test_fully_async_job_without_its_requirements_gets_them_listed_in_the_dry_run(dry_runs):
     """SkyRL's main_base, dispatched to our entrypoint: the dry run names the trainer and, among
     the blockers, each fully async requirement the job breaks."""
-    done = _run(["-m", "skyrl.train.entrypoints.main_base", f"trainer.override_entrypoint={ENTRYPOINT}",
-                 *FULLY_ASYNC, "generator.batched=true", "trainer.algorithm.policy_loss_type=regular",
-                 "trainer.kda.dry_run=true"])
+    done = dry_runs["fully_async"]
     assert done.returncode == 1, done.stderr[-3000:]  # blocked: the dry run is a gate
     lines = done.stdout.splitlines()
     assert ("trainer: KDAFullyAsyncTrainer (fully async: max_staleness_steps=1, "
