@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 
 import pytest
@@ -72,35 +73,49 @@ def _remove_placement_groups() -> None:
 HEAD_CPUS, WORKER_CPUS = 4, 2
 
 
-@pytest.fixture(scope="module")
-def _two_node_module():
-    """Ray's local multi-node cluster (``ray.cluster_utils.Cluster``: two raylets on this host,
-    each with its own resources), joined by this process as a driver the way a driver joins a
-    cluster started by ``ray start``; shut down with the module, raylets and all."""
-    import ray
+@contextlib.contextmanager
+def local_cluster(head_cpus: int, worker_cpus: int | None = None, **head_args):
+    """Ray's local cluster (``ray.cluster_utils.Cluster``: raylets on this host, each with its
+    own resources; a second node with ``worker_cpus``), as ``ray start`` would start it; shut
+    down on exit, raylets and all. Its address is recorded as "the cluster ray start last
+    started" under Ray's temp folder, where any process on this host calling ray.init() without
+    an address would join it: a private temp folder (``RAY_TMPDIR``, inherited by the processes
+    started meanwhile) keeps other test runs on this host off it."""
     from ray.cluster_utils import Cluster
 
-    from skyrl_megatron_kda.workers.group import RAY_START_CONFIG, init_ray
+    from skyrl_megatron_kda.workers.group import RAY_START_CONFIG
 
-    if ray.is_initialized():
-        raise RuntimeError("Ray was already initialised before the two-node cluster fixture")
-    # The cluster records its address as "the cluster ray start last started" under Ray's temp
-    # folder, where any process on this host calling ray.init() without an address would join
-    # it: a private temp folder keeps other test runs on this host off it.
     with (tempfile.TemporaryDirectory(prefix="ray_", ignore_cleanup_errors=True) as temp,
           pytest.MonkeyPatch.context() as env):
         env.setenv("RAY_TMPDIR", temp)
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": HEAD_CPUS, "resources": {"head": 1}, "include_dashboard": False,
-            "_system_config": RAY_START_CONFIG})
+            "num_cpus": head_cpus, "include_dashboard": False, "_system_config": RAY_START_CONFIG,
+            **head_args})
         try:
-            cluster.add_node(num_cpus=WORKER_CPUS)
-            cluster.wait_for_nodes()
+            if worker_cpus is not None:
+                cluster.add_node(num_cpus=worker_cpus)
+                cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def _two_node_module():
+    """The local multi-node cluster, joined by this process as a driver the way a driver joins
+    a cluster started by ``ray start``."""
+    import ray
+
+    from skyrl_megatron_kda.workers.group import init_ray
+
+    if ray.is_initialized():
+        raise RuntimeError("Ray was already initialised before the two-node cluster fixture")
+    with local_cluster(HEAD_CPUS, WORKER_CPUS, resources={"head": 1}) as cluster:
+        try:
             init_ray(cluster.address)
             yield cluster
         finally:
             ray.shutdown()
-            cluster.shutdown()
 
 
 @pytest.fixture

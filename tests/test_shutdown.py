@@ -1,7 +1,10 @@
 """Stopping `skyrl-kda run`: a signal at any moment (start-up, mid-step, a second one during the
 checkpoint save) ends every process the run started before the driver exits, the exit status is
 128 + the signal with one last line that says what happened, and what was saved resumes.
-How the driver answers each signal in each phase is checked without Ray first (``StopSignals``)."""
+How the driver answers each signal in each phase is checked without Ray first (``StopSignals``).
+The runs are one rank (``cli_runs.ONE_RANK``): what a stop does is the driver's and Ray's, the same
+for any mesh; test_train.py kills one rank of the 4-rank mesh and test_example.py resumes a
+SIGTERM-stopped 4-rank run."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from tests.support import cli_runs
 from tests.support.watched_run import WatchedRun
 
 STEPS = 4
+RUN = [*cli_runs.ONE_RANK, "--set", f"train.steps={STEPS}"]
 
 
 def test_signals_in_each_phase(capsys):
@@ -61,8 +65,8 @@ def _assert_stopped(run: WatchedRun, rc: int, err: str, last_line: str) -> None:
 
 def test_sigterm_during_startup_ends_every_process():
     out = cli_runs.ROOT / "stop_at_startup"
-    run = WatchedRun(out, "--set", f"train.steps={STEPS}")
-    run.wait_for_rank_actors(4)  # Ray is up, the ranks are starting: torch.distributed, model
+    run = WatchedRun(out, *RUN)
+    run.wait_for_rank_actors(1)  # Ray is up, the ranks are starting: torch.distributed, model
     run.descendants()
     run.proc.send_signal(signal.SIGTERM)
     rc, err = run.finish()
@@ -74,13 +78,13 @@ def test_sigterm_during_startup_ends_every_process():
 
 def test_sigterm_mid_step_then_again_during_the_save_then_resume():
     out = cli_runs.ROOT / "stop_mid_step"
-    run = WatchedRun(out, "--set", f"train.steps={STEPS}")
+    run = WatchedRun(out, *RUN)
     run.wait_for_text(f"step 1/{STEPS}")
     run.descendants()
     run.proc.send_signal(signal.SIGTERM)
     run.wait_for_text("saving checkpoint of step")
-    # Sent the moment the driver says it starts the save: 4 ranks writing a sharded checkpoint
-    # take far longer than this read of a pipe.
+    # Sent the moment the driver says it starts the save: a Ray call to the rank, which writes
+    # and hashes a checkpoint, takes far longer than this read of a pipe.
     run.proc.send_signal(signal.SIGTERM)
     rc, err = run.finish()
     stopped = len(cli_runs.metrics(out))
@@ -91,7 +95,7 @@ def test_sigterm_mid_step_then_again_during_the_save_then_resume():
                                   "(continue with --resume)")
     assert (out / "checkpoints" / "latest").read_text() == path.name
 
-    resumed = WatchedRun(out, "--set", f"train.steps={STEPS}", "--resume")
+    resumed = WatchedRun(out, *RUN, "--resume")
     rc, err = resumed.finish()
     assert rc == 0, err[-3000:]
     assert [m["step"] for m in cli_runs.metrics(out)] == list(range(1, STEPS + 1))

@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 
 STEPS = 6
+# One rank (TP1 x CP1, EP1): for tests of folders, checkpoints' files and signals, which do not
+# depend on the mesh; a rank is a process importing torch and megatron-core, seconds each.
+ONE_RANK = ["--set", "parallel.tp=1", "--set", "parallel.cp=1", "--set", "parallel.ep=1",
+            "--set", "parallel.sequence_parallel=false", "--set", "run.num_workers=1"]
 _TMP = tempfile.TemporaryDirectory(prefix="skyrl_kda_train_")
 ROOT = Path(_TMP.name)
 
