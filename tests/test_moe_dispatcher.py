@@ -43,8 +43,8 @@ FORCING_BIAS = 2.0
 with +FORCING_BIAS is chosen by every token, one with -FORCING_BIAS by none (a few steps of the
 bias update, 1e-3 each, do not change that)."""
 
-# The tiny recipe's own mesh: TP2 x CP2 +SP, EP2 (ETP1), 4 ranks, packed rows of documents.
 CASES = {
+    # The tiny recipe's own mesh: TP2 x CP2 +SP, EP2 (ETP1), packed rows of uneven documents.
     "tp2_cp2_sp_ep2": [],
     # TP2 +SP, CP1 (DP2), the experts over EP2 x ETP2: the all-to-all dispatcher's ETP gather of
     # uneven row counts.
