@@ -1,8 +1,9 @@
 """megatron's MoE token dispatchers (``model.moe.dispatcher``) compute the same model.
 
 On 4 gloo ranks, ``alltoall`` equals ``allgather`` (the dispatcher that moves every row, the
-reference) in the loss of 5 training steps, the gradient norm, every parameter's gradient, the
-MoE layers' input gradients, the routers' token counts and expert-bias updates: TP2 x CP2 +SP
+reference) in the loss of 5 training steps, the gradient norm, all parameters' gradients (as
+one vector, and each feed-forward parameter's own), the MoE layers' input gradients, the
+routers' token counts and expert-bias updates: TP2 x CP2 +SP
 with EP2 on packed rows of uneven documents, TP2 +SP with EP2 x ETP2 (the padded gather on gloo,
 ``distributed.cpu.gather_uneven_rows``), ``train.moe_chunk_tokens`` on, and routing forced so
 that one expert gets no token (NVIDIA/Megatron-LM#1877's empty view). On SkyRL's RL path, where
@@ -34,7 +35,7 @@ gradients. Each expert sees its rows in the same order under both; under ETP the
 the ETP shards' partial outputs in another order (reduce-scatter over ETP, then all-to-all,
 against one reduce-scatter over TP x EP: ~1e-7 relative). The other parameters are compared as
 part of the whole vector only: the smallest of them (mHC scales and biases, A_log: sums of
-cancelling terms, norms of 1e-5 to 1e-4) amplify that rounding to 1e-5..1e-4 of their own norm,
+cancelling terms, norms of 1e-5 to 1e-4) amplify that rounding to up to 1e-4 of their own norm,
 as for ``train.moe_chunk_tokens`` (tests/test_moe_chunks.py). Two rows swapped after the
 all-to-all move the MoE gradients by far more (the negative control asserts 1e3 x this)."""
 
