@@ -3,8 +3,8 @@
 On 4 gloo ranks, ``alltoall`` equals ``allgather`` (the dispatcher that moves every row, the
 reference) in the loss of 5 training steps, the gradient norm, all parameters' gradients (as
 one vector, and each feed-forward parameter's own), the MoE layers' input gradients, the
-routers' token counts and expert-bias updates: TP2 x CP2 +SP
-with EP2 on packed rows of uneven documents, TP2 +SP with EP2 x ETP2 (the padded gather on gloo,
+routers' token counts and expert-bias updates: TP2 x CP2 +SP with EP2 on packed rows of uneven
+documents, TP2 +SP with EP2 x ETP2 (the padded gather on gloo,
 ``distributed.cpu.gather_uneven_rows``), ``train.moe_chunk_tokens`` on, and routing forced so
 that one expert gets no token (NVIDIA/Megatron-LM#1877's empty view). On SkyRL's RL path, where
 each data-parallel replica packs its micro-batch to its own length, ``alltoall`` over an EP x ETP
