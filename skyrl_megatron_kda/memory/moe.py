@@ -36,8 +36,9 @@ class DispatchTerms:
 
     name: str
 
-    def gathered_rows(self, recipe: Recipe, rows: int) -> int:
-        """Rows of the tokens' D-wide tensors the dispatch puts on this rank for ``rows`` rows."""
+    def gathered_rows(self, recipe: Recipe, rows: int, assignments: int) -> int:
+        """Rows of the tokens' D-wide tensors the dispatch puts on this rank for ``rows`` rows,
+        ``assignments`` of them landing on the rank's experts."""
         raise NotImplementedError
 
     def kept_bytes(self, recipe: Recipe, rows: int, assignments: int) -> int:
@@ -54,20 +55,20 @@ class DispatchTerms:
         """Rows of ``[., D]`` the dispatch requests from megatron's global all-gather buffer."""
         raise NotImplementedError
 
-    def transient_bytes(self, recipe: Recipe, rows: int) -> int:
+    def transient_bytes(self, recipe: Recipe, rows: int, assignments: int) -> int:
         """Token-sized tensors alive around the combine: the expert outputs in the dispatch's
         row order ``[rows', D]`` and, when the combine reduce-scatters in fp32 (a bf16 model),
         its fp32 copy ``[rows', D]`` (the backward mirrors them: the all-gathered fp32 output
         gradient and its cast), ``rows'`` the dispatcher's ``gathered_rows``."""
         w, D = act_bytes(recipe), recipe.model.hidden_size
         per_row = w + (4 if self.fp32_combine(recipe) and w != 4 else 0)
-        return self.gathered_rows(recipe, rows) * D * per_row
+        return self.gathered_rows(recipe, rows, assignments) * D * per_row
 
 
 class AllGatherTerms(DispatchTerms):
     """megatron's ``MoEAllGatherTokenDispatcher``: every row of the TP x EP group (ETP x EP)."""
 
-    def gathered_rows(self, recipe: Recipe, rows: int) -> int:
+    def gathered_rows(self, recipe: Recipe, rows: int, assignments: int) -> int:
         p = recipe.parallel
         return rows * p.ep * p.etp
 
@@ -76,22 +77,22 @@ class AllGatherTerms(DispatchTerms):
         saved by the probabilities' ``masked_select``; one int64 token index per local
         assignment (the permutation's ``index_select``)."""
         local_experts = recipe.model.moe.num_experts // recipe.parallel.ep
-        return self.gathered_rows(recipe, rows) * local_experts * 5 + assignments * 8
+        return self.gathered_rows(recipe, rows, assignments) * local_experts * 5 + assignments * 8
 
     def fp32_combine(self, recipe: Recipe) -> bool:
         p = recipe.parallel
         return p.ep * p.etp > 1
 
     def gather_buffer_rows(self, recipe: Recipe, rows: int) -> int:
-        return self.gathered_rows(recipe, rows) if self.fp32_combine(recipe) else 0
+        return self.gathered_rows(recipe, rows, 0) if self.fp32_combine(recipe) else 0
 
 
 class AllToAllTerms(DispatchTerms):
     """megatron's ``MoEAlltoAllTokenDispatcher``: the routed rows, all-to-all over EP, then
     all-gathered over ETP."""
 
-    def gathered_rows(self, recipe: Recipe, rows: int) -> int:
-        return local_assignments(recipe, rows)
+    def gathered_rows(self, recipe: Recipe, rows: int, assignments: int) -> int:
+        return assignments
 
     def kept_bytes(self, recipe: Recipe, rows: int, assignments: int) -> int:
         """The argsort of the rank's ``[E, rows]`` routing map (int64; the probabilities are
@@ -177,24 +178,30 @@ def moe_routed_bytes(recipe: Recipe, rows: int, assignments: int | None = None) 
     return dispatch + expert_kept_bytes(recipe, assignments)
 
 
-def moe_transient_bytes(recipe: Recipe, rows: int) -> int:
+def moe_transient_bytes(recipe: Recipe, rows: int, assignments: int | None = None) -> int:
     """The dispatcher's token-sized transients for one call on ``rows`` rows, per rank
-    (``DispatchTerms.transient_bytes``). The allgather dispatcher's gathered inputs land in
-    megatron's all-gather buffer, a state of its own (``states.gather_buffer_bytes``)."""
-    return dispatch_terms(recipe).transient_bytes(recipe, rows)
+    (``DispatchTerms.transient_bytes``), ``assignments`` of them landing on the rank's experts
+    (None: the balanced share). The allgather dispatcher's gathered inputs land in megatron's
+    all-gather buffer, a state of its own (``states.gather_buffer_bytes``)."""
+    if assignments is None:
+        assignments = local_assignments(recipe, rows)
+    return dispatch_terms(recipe).transient_bytes(recipe, rows, assignments)
 
 
-def moe_working_bytes(recipe: Recipe) -> int:
+def moe_working_bytes(recipe: Recipe, assignments: int | None = None) -> int:
     """An MoE layer's working set during its backward on top of what it keeps, for one call on
     r rows (all s, or under ``train.moe_chunk_tokens`` = c, r = min(c, s)): the dispatcher's
     transients (``moe_transient_bytes``); the routed experts' output gradient gathered for
     every assignment and their input gradient concatenated back, [assignments, D] each (the
     unpermute's and the experts' split's backward); under chunks, one chunk's rebuilt tensors
-    (``moe_routed_bytes`` of r rows)."""
+    (``moe_routed_bytes`` of r rows). ``assignments``: the call's rows landing on the rank's
+    experts (None: the balanced share)."""
     m, w, rows = recipe.model, act_bytes(recipe), moe_call_rows(recipe)
-    gradients = 2 * local_assignments(recipe, rows) * m.hidden_size * w
-    rebuilt = moe_routed_bytes(recipe, rows) if recipe.train.moe_chunk_tokens else 0
-    return moe_transient_bytes(recipe, rows) + gradients + rebuilt
+    if assignments is None:
+        assignments = local_assignments(recipe, rows)
+    gradients = 2 * assignments * m.hidden_size * w
+    rebuilt = moe_routed_bytes(recipe, rows, assignments) if recipe.train.moe_chunk_tokens else 0
+    return moe_transient_bytes(recipe, rows, assignments) + gradients + rebuilt
 
 
 def moe_phase_label(recipe: Recipe) -> str:

@@ -204,9 +204,12 @@ def moe_backward_variants(mesh: list[str]) -> dict[str, list[str]]:
     return {d: base + [f"model.moe.dispatcher={d}"] for d in ("allgather", "alltoall")}
 
 
-def _moe_backward_peak(rank: int, recipe) -> int:
-    """The bytes the first MoE block's backward allocates at its highest point (LiveBytes), its
-    parameters' gradients handed off as they accumulate, as DDP's hook does."""
+def _moe_backward_peak(rank: int, recipe) -> tuple[int, int]:
+    """The bytes the first MoE block's backward allocates at its highest point (LiveBytes,
+    garbage collector off), its parameters' gradients handed off as they accumulate, as DDP's
+    hook does; and the rows that reached its experts."""
+    import gc
+
     from tests.support.live_bytes import LiveBytes
 
     from skyrl_megatron_kda.memory.rows import rows_of
@@ -215,13 +218,22 @@ def _moe_backward_peak(rank: int, recipe) -> int:
     mlp = model.layers[recipe.model.mlp_types().index("moe")].mlp
     for param in mlp.parameters():
         param.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    rows = []
+    mlp.experts.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[0]))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(rows_of(recipe).sp, 1, recipe.model.hidden_size, generator=g)
     out, _ = mlp(x.to(torch.bfloat16).requires_grad_())
     grad = torch.randn(out.shape, generator=g).to(out.dtype)
-    with LiveBytes() as live:
-        out.backward(grad)
-    return live.peak
+    # Some of the backward's tensors are freed by the garbage collector, not by their reference
+    # count: with it off they count every run alike, wherever a collection would have fallen.
+    gc.collect()
+    gc.disable()
+    try:
+        with LiveBytes() as live:
+            out.backward(grad)
+    finally:
+        gc.enable()
+    return live.peak, rows[0]
 
 
 def _moe_census_and_peaks_on_rank(rank, world, census_list, backward_list):
