@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override the run's recipe.yaml, e.g. another mesh: "
                              "--set run.num_workers=1 --set parallel.tp=1")
+    export.add_argument("--from-step", type=int, default=None, metavar="N",
+                        help="export checkpoints/step_N instead of the one checkpoints/latest "
+                             "names")
     source = export.add_mutually_exclusive_group()
     source.add_argument("--source", default=None, metavar="HF_DIR",
                         help="checkpoint whose config.json, vision/MTP tensors and tokenizer are "
@@ -218,6 +221,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         loaded = load_recipe(args.recipe, args.overrides)
         recipe = loaded.recipe
+        _check_ray_address(recipe)  # before the tables: the error is the only line
         lines = plan_lines(recipe, args.state_prepass, loaded.choices)
         _say_choices(loaded)  # after what may still fail: an error is the only line
         print("\n".join(lines))
@@ -280,8 +284,8 @@ def _say_choices(loaded: LoadedRecipe) -> None:
 def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
                      override_schedule: bool = False, from_step: int | None = None) -> RunStart:
     """Refuse, before Ray starts, the inputs of a run that this machine can see are missing or
-    wrong: on a local cluster (whose ranks read this machine's files) ``data.path`` and
-    ``run.init_from_hf``; then the output folder (``train.run_folder.prepare``: a used one, the
+    wrong: a ``run.ray_address`` where nothing listens; on a local cluster (whose ranks read this
+    machine's files) ``data.path`` and ``run.init_from_hf``; then the output folder (``train.run_folder.prepare``: a used one, the
     checkpoint ``--resume`` continues from and its schedule), last because ``--overwrite`` moves
     the old run aside. Settings megatron cannot build are refused first: the optimizer's
     settings are built as the ranks will build them (``train.optimizer.optimizer_config``, which
@@ -289,6 +293,7 @@ def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
     from .train.optimizer import optimizer_config
 
     optimizer_config(recipe)
+    _check_ray_address(recipe)
     if recipe.run.ray_address is None:
         if recipe.data.path is not None:
             from .train.data.sources import list_jsonl
@@ -301,6 +306,15 @@ def check_run_inputs(recipe: Recipe, *, overwrite: bool = False,
 
     return prepare(recipe, overwrite=overwrite, override_schedule=override_schedule,
                    from_step=from_step)
+
+
+def _check_ray_address(recipe: Recipe) -> None:
+    """A ``run.ray_address`` where nothing listens, refused in one line before anything starts
+    (``workers.group.check_reachable``; ``ray.init`` would retry for minutes)."""
+    if recipe.run.ray_address is not None:
+        from .workers.group import check_reachable
+
+        check_reachable(recipe.run.ray_address)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -330,7 +344,7 @@ def _run_holding_folder(args: argparse.Namespace, loaded: LoadedRecipe) -> int:
     if finished is not None:
         print(finished, file=sys.stderr)
         return 0
-    from .train.run import Interrupted, run
+    from .train.run import Interrupted, run, summary_line
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     print(recipe_line(recipe), file=sys.stderr)
@@ -345,8 +359,7 @@ def _run_holding_folder(args: argparse.Namespace, loaded: LoadedRecipe) -> int:
             from .train.data.stats import skip_summary
 
             print(f"data: {skip_summary(lines[-1]['skipped_records'])}", file=sys.stderr)
-        print(f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}; "
-              f"{recipe.run.output_dir}", file=sys.stderr)
+        print(summary_line(lines, recipe.run.output_dir), file=sys.stderr)
     return 0
 
 
@@ -371,14 +384,20 @@ def _verify_checkpoint(run_dir: str) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    """``skyrl-kda export``: exit 0 when written, 1 when a rank failed."""
+    """``skyrl-kda export``: exit 0 when written, 1 when a rank failed, 128+signal when
+    interrupted."""
     import logging
 
     from .train.export import export
+    from .train.stop import Interrupted
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    ckpt, step = export(args.run_dir, args.out, overrides=args.overrides, source=args.source,
-                        use_source=not args.no_source)
+    try:
+        ckpt, step = export(args.run_dir, args.out, overrides=args.overrides, source=args.source,
+                            use_source=not args.no_source, from_step=args.from_step)
+    except Interrupted as err:
+        print(err, file=sys.stderr)
+        return 128 + err.signum
     print(f"exported {ckpt} (step {step}) to {args.out}", file=sys.stderr)
     return 0
 

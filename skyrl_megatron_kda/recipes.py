@@ -26,7 +26,7 @@ import yaml
 from pydantic import ValidationError
 
 from . import auto
-from .config import Recipe, merge, parse_overrides
+from .config import DuplicateKey, Recipe, load_yaml, merge, parse_overrides
 from .console import yaml_message
 from .recipe_rules import load_recipe_dict
 
@@ -95,13 +95,16 @@ def _resolve_path(source: str) -> Path:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     """The mapping a recipe file holds. An empty file is refused, not read as ``{}``: every
-    default is the full 320B model, which is never what an empty file was meant to say."""
+    default is the full 320B model, which is never what an empty file was meant to say. A key
+    given twice is refused naming it (``config.load_yaml``)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"recipe file {path} does not exist") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
+    except DuplicateKey as err:
+        raise ValueError(f"recipe file {path}: {err}") from None
     except yaml.YAMLError as err:  # PyYAML names the stream "<unicode string>", not the file
         raise ValueError(f"recipe file {path}: {yaml_message(err)}") from None
     if raw is None:

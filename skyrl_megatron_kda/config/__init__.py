@@ -12,7 +12,7 @@ is loaded. Environment variables are read only by ``loading.env_cp_exchange``.
 from .base import NonNegativeInt, PositiveInt
 from .cluster import LINK_PRESETS, ClusterConfig, InterNodeKind, LinkConfig
 from .data import DataConfig
-from .dotpath import flatten, merge, parse_overrides, unflatten
+from .dotpath import DuplicateKey, flatten, load_yaml, merge, parse_overrides, unflatten
 from .kda import KDAConfig
 from .loading import CP_EXCHANGE_ENV, apply_env_overrides, env_cp_exchange
 from .model import (
@@ -33,10 +33,10 @@ from .run import RunConfig
 from .train import TrainConfig
 
 __all__ = [
-    "CP_EXCHANGE_ENV", "KERNEL_OPTIONS", "LINK_PRESETS", "ClusterConfig", "DSAConfig", "DataConfig",
+    "CP_EXCHANGE_ENV", "DuplicateKey", "KERNEL_OPTIONS", "LINK_PRESETS", "ClusterConfig", "DSAConfig", "DataConfig",
     "FusedOptions", "HyperConnectionConfig", "InterNodeKind", "KDAConfig", "LatentOptions",
     "LayerType", "LinkConfig", "MLPType", "MeshRecipe", "ModelConfig", "MoEConfig",
     "NonNegativeInt", "ParallelConfig", "PositiveInt", "Recipe", "RunConfig", "TorchOptions",
     "TrainConfig", "apply_env_overrides", "env_cp_exchange", "flatten",
-    "merge", "parse_overrides", "unflatten",
+    "load_yaml", "merge", "parse_overrides", "unflatten",
 ]

@@ -1,5 +1,6 @@
-"""Nested-dict helpers: dotted ``key=value`` overrides, a deep merge, and the dotted view of a
-nested dict (``flatten`` / ``unflatten``)."""
+"""Nested-dict helpers: dotted ``key=value`` overrides, a deep merge, the dotted view of a nested
+dict (``flatten`` / ``unflatten``), and the one YAML reader of user text (``load_yaml``: a key
+given twice in a mapping is refused, where PyYAML keeps the last silently)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ def parse_overrides(pairs: list[str]) -> dict:
         if not sep or not all(parts):
             raise ValueError(f"override {pair!r} is not of the form section.key=value")
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml(text)
+        except DuplicateKey as err:
+            raise ValueError(f"override {pair!r}: {key.strip()}.{err.path} is given twice; YAML "
+                             "would keep the last silently: remove one") from None
         except yaml.YAMLError as err:
             raise ValueError(f"override {pair!r}: value is not valid YAML ({err})") from err
         node = out
@@ -70,3 +74,45 @@ def unflatten(flat: Mapping[str, Any]) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = value
     return out
+
+
+class DuplicateKey(ValueError):
+    """A YAML mapping gives one key twice: ``train.lr is given twice (lines 9 and 12)``."""
+
+    def __init__(self, path: str, first: int, second: int):
+        super().__init__(f"{path} is given twice (lines {first} and {second}); YAML would keep "
+                         "the last silently: remove one")
+        self.path = path
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load(text)``, refusing a key given twice in one mapping at any depth
+    (``DuplicateKey`` naming its dotted path and both lines). PyYAML keeps the last value
+    silently: a second ``lr:`` would win, and a second ``train:`` section would replace the
+    first whole, so a recipe would run with settings its file does not show."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, "")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: str) -> None:
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{i}]")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict = {}
+    for key, value in node.value:
+        name = key.value if isinstance(key, yaml.ScalarNode) else None
+        dotted = f"{path}.{name}" if path else str(name)
+        if name is not None and key.tag != "tag:yaml.org,2002:merge":
+            if name in seen:
+                raise DuplicateKey(dotted, seen[name], key.start_mark.line + 1)
+            seen[name] = key.start_mark.line + 1
+        _refuse_duplicate_keys(value, dotted)

@@ -34,8 +34,9 @@ class TrainConfig(ConfigSection):
     grad_reduce_in_fp32: bool = Field(default=True, strict=True)
     """Accumulate and reduce gradients over DP x CP in an fp32 DDP buffer; false: in the
     parameters' dtype (a bf16 buffer is half the size, but the gradients are rounded to bf16)."""
-    seed: int = Field(default=1234, strict=True, ge=0)
-    """Seed of parameter init and synthetic data; the same seed gives the same first loss."""
+    seed: int = Field(default=1234, strict=True, ge=0, le=2**63 - 1)
+    """Seed of parameter init and synthetic data; the same seed gives the same first loss. At
+    most 2**63 - 1: the ranks hand it to torch and megatron's RNG streams as a 64-bit integer."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in backward for the layers of ``recompute_layers`` (Megatron's
     recompute granularities): ``full`` reruns the whole layer and keeps only its input streams;

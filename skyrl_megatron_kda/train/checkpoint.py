@@ -50,7 +50,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from ..config import ParallelConfig
 from ..distributed.cpu import cuda_names_cpu
 from . import manifest
-from .checkpoint_failures import explained_failures
+from .checkpoint_failures import check_free_space, explained_failures
 from .step_guard import finite_on_every_rank
 
 logger = logging.getLogger(__name__)
@@ -126,10 +126,16 @@ def step_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def latest_advice(output_dir: str | Path, problem: str) -> str:
+RESUME = "continue with skyrl-kda run RECIPE --resume"
+"""What ``latest_advice`` tells to do with the step folder that verifies (``--from-step N`` is
+added); ``export`` says ``export it with skyrl-kda export ...`` instead."""
+
+
+def latest_advice(output_dir: str | Path, problem: str, action: str = RESUME) -> str:
     """``problem`` (what is wrong with ``latest``) and what to do: the newest step folder whose
     files verify against its manifest (``manifest.verify``; one without a manifest is a save
-    that did not finish) and the command that continues from it, or that none can."""
+    that did not finish) and the command (``action``) that continues from it, or that none
+    can."""
     skipped = []
     for step, path in step_dirs(output_dir):
         try:
@@ -140,40 +146,45 @@ def latest_advice(output_dir: str | Path, problem: str) -> str:
                            f"{path.name}: {why}")
             continue
         newer = f" (newer: {'; '.join(skipped)})" if skipped else ""
-        return (f"{problem}; {path.name} verifies: continue with skyrl-kda run RECIPE --resume "
-                f"--from-step {step}{newer}")
+        return f"{problem}; {path.name} verifies: {action} --from-step {step}{newer}"
     if skipped:
         return (f"{problem}, and no step folder verifies ({'; '.join(skipped)}): nothing to "
                 "continue from; start over with --overwrite")
     return f"{problem}, and there is no step folder: nothing to continue from"
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
+def latest_checkpoint(output_dir: str | Path, action: str = RESUME) -> Path | None:
     """The newest complete checkpoint of a run (the one ``latest`` names), or None where there is
     no ``latest`` (no save has finished, or it was removed: ``resume_checkpoint`` tells those
-    apart). An empty ``latest``, or one naming a folder that does not exist, raises
-    ``LatestError`` with ``latest_advice``."""
+    apart). An empty ``latest``, one naming anything but a ``step_N`` folder of its own
+    ``checkpoints/``, or one naming a folder that does not exist, raises ``LatestError`` with
+    ``latest_advice``."""
     marker = checkpoints_dir(output_dir) / LATEST
     if not marker.is_file():
         return None
     name = marker.read_text().strip()
     if not name:
-        raise LatestError(latest_advice(output_dir, f"{marker} is empty"))
+        raise LatestError(latest_advice(output_dir, f"{marker} is empty", action))
+    if not _STEP_DIR.fullmatch(name):
+        # A path (``../../other_run/checkpoints/step_4``) would load, export and verify another
+        # run's checkpoint as this one's.
+        raise LatestError(latest_advice(output_dir, f"{marker} names {name!r}, which is not a "
+                                                    "step_N folder beside it", action))
     path = checkpoints_dir(output_dir) / name
     if not path.is_dir():
         raise LatestError(latest_advice(output_dir, f"{marker} names {name}, which does not "
-                                                    "exist"))
+                                                    "exist", action))
     return path
 
 
-def resume_checkpoint(output_dir: str | Path) -> Path | None:
+def resume_checkpoint(output_dir: str | Path, action: str = RESUME) -> Path | None:
     """The checkpoint a run continues from (``latest_checkpoint``); None where the run has no
     step folder at all. A missing ``latest`` beside step folders is never guessed past: it raises
     ``LatestError`` naming the step folder that verifies (``--resume --from-step N`` loads it)."""
-    path = latest_checkpoint(output_dir)
+    path = latest_checkpoint(output_dir, action)
     if path is None and step_dirs(output_dir):
         raise LatestError(latest_advice(output_dir,
-                                        f"{checkpoints_dir(output_dir) / LATEST} is missing"))
+                                        f"{checkpoints_dir(output_dir) / LATEST} is missing", action))
     return path
 
 
@@ -337,25 +348,42 @@ def _state_is_finite(state: TrainState) -> bool:
     return finite_on_every_rank(bool(torch.isfinite(largest)), largest.device)
 
 
+def _kept(output_dir: str | Path) -> str:
+    """What a refused save leaves to resume from."""
+    last = latest_checkpoint(output_dir)
+    return f"{LATEST} stays at {last.name}" if last is not None else "no checkpoint yet"
+
+
+def _reclaimed_bytes(path: Path, output_dir: str | Path) -> int:
+    """What ``_clear_for_save`` frees before the save: an unfinished save's folder at ``path``."""
+    marker = checkpoints_dir(output_dir) / LATEST
+    named = marker.read_text().strip() if marker.is_file() else None
+    if not path.is_dir() or path.name == named:
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def save(state: TrainState, output_dir: str | Path) -> Path:
     """Write a checkpoint of ``state`` at its step (collective: every rank calls it): the shards,
     then (rank 0, once every rank has written) the manifest, then ``latest``.
 
     A state whose weights or optimizer state hold inf or NaN is refused before anything is
     written (``NonFiniteState``): ``latest`` keeps naming the last finite checkpoint. The
-    manifest records that the check passed (``finite``)."""
+    manifest records that the check passed (``finite``). So is a checkpoint larger than the
+    free space (``checkpoint_failures.NoSpaceForCheckpoint``, errno 28)."""
     if not _state_is_finite(state):
-        last = latest_checkpoint(output_dir)
-        kept = f"{LATEST} stays at {last.name}" if last is not None else "no checkpoint yet"
         raise NonFiniteState(f"step {state.step}: the weights or optimizer state hold inf or NaN; "
-                             f"not saved ({kept})")
+                             f"not saved ({_kept(output_dir)})")
     path = step_dir(output_dir, state.step)
+    request = _sharded_state(state, is_loading=False)
+    check_free_space(request, path, f"step {state.step}", _kept(output_dir),
+                     _reclaimed_bytes(path, output_dir), next(state.model.parameters()).device)
     if dist.get_rank() == 0:
         _clear_for_save(path, output_dir)
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     with state.cpu_mode(), explained_failures("saving", path):
-        dist_checkpointing.save(_sharded_state(state, is_loading=False), str(path))
+        dist_checkpointing.save(request, str(path))
     dist.barrier()
     if dist.get_rank() == 0:
         manifest.write(path, step=state.step, mesh=_mesh(state), schedule=state.schedule,

@@ -15,11 +15,12 @@ tensors the trunk does not train (vision tower, MTP layer) and its other non-wei
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
-import ray
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -28,11 +29,12 @@ from ..distributed.cpu import cuda_names_cpu
 from ..model.glm import build_model
 from ..model.hf_io import save_hf_checkpoint
 from ..recipes import load_recipe
-from ..workers.group import ActorGroup, ensure_ray
 from . import checkpoint, manifest
 from .checkpoint_failures import explained_failures
 from .outputs import RECIPE
+from .run import rank_group
 from .setup import init_parallel_state, seed_everything
+from .stop import Interrupted, StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -93,16 +95,57 @@ def copy_non_weight_files(source: str | Path, out_dir: str | Path) -> list[str]:
     return copied
 
 
+EXPORT = "export it with skyrl-kda export RUN_DIR --out HF_DIR"
+"""What a broken ``latest`` tells to do with the step folder that verifies
+(``checkpoint.latest_advice``)."""
+
+
+def export_checkpoint(run_dir: str | Path, from_step: int | None = None) -> Path:
+    """The checkpoint ``export`` writes: the one ``latest`` names, or ``step_N`` for
+    ``from_step``. A missing, empty or broken ``latest`` names the step folder that verifies and
+    ``--from-step N`` (``checkpoint.LatestError``)."""
+    if from_step is not None:
+        path = checkpoint.step_dir(run_dir, from_step)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--from-step {from_step}: {path} does not exist")
+        return path
+    path = checkpoint.resume_checkpoint(run_dir, EXPORT)
+    if path is None:
+        raise FileNotFoundError(f"{checkpoint.checkpoints_dir(run_dir)} has no checkpoint to export")
+    return path
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse, before Ray starts, an ``HF_DIR`` that rank 0 could not write: one that holds
+    files, one below a file, or one on a filesystem that refuses writes (read-only)."""
+    if out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a folder: export into a new folder")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(f"--out {out}: {existing} is a file, so no folder can be made "
+                                 "below it: export into a new folder elsewhere")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = ("its filesystem is read-only" if os.statvfs(existing).f_flag & os.ST_RDONLY
+               else "no write permission")
+        raise PermissionError(f"--out {out}: {existing} cannot be written ({why}): export to "
+                              "a writable folder")
+
+
 def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str] = (),
-           source: str | None = None, use_source: bool = True) -> tuple[Path, int]:
-    """Export ``run_dir``'s latest checkpoint to ``out_dir``; returns (checkpoint, step).
+           source: str | None = None, use_source: bool = True,
+           from_step: int | None = None) -> tuple[Path, int]:
+    """Export ``run_dir``'s latest checkpoint (``from_step``: ``step_N``) to ``out_dir``;
+    returns (checkpoint, step). Everything the driver can check (the checkpoint, the source,
+    ``out_dir``) is refused before Ray starts.
 
     ``source`` defaults to the run's ``run.init_from_hf``; without one (or ``use_source=False``)
-    config.json is a flat text config from the recipe and nothing is copied through."""
+    config.json is a flat text config from the recipe and nothing is copied through. SIGTERM or
+    Ctrl-C stops it at once (``stop.Interrupted``): the ranks and a Ray started here end, and
+    what it wrote into ``out_dir`` is removed."""
     recipe = run_recipe(run_dir, overrides)
-    ckpt = checkpoint.latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise FileNotFoundError(f"{checkpoint.checkpoints_dir(run_dir)} has no checkpoint to export")
+    ckpt = export_checkpoint(run_dir, from_step)
     if not use_source:
         source = None
     elif source is None:
@@ -111,21 +154,35 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str]
         raise FileNotFoundError(f"source checkpoint {source!r} has no config.json (pass --source, "
                                 "or --no-source for a config.json made from the recipe)")
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
+    check_out_dir(out)
     step = int(manifest.read(ckpt)["step"])  # an unfinished save is refused before Ray starts
-    started_here = ensure_ray(recipe.run)
-    try:
-        group = ActorGroup.for_recipe(recipe)
+    made = not out.exists()
+    with StopSignals() as stop:  # phase "starting" throughout: a signal stops it at once
         try:
-            group.run(_export_rank, recipe, str(ckpt.resolve()), str(out.resolve()),
-                      None if source is None else str(Path(source).resolve()))
-        finally:
-            group.shutdown()
-    finally:
-        if started_here:
-            ray.shutdown()
+            _export_on_ranks(recipe, stop, ckpt, out, source)
+        except KeyboardInterrupt:
+            if stop.signum is None:
+                raise
+            _remove_partial(out, made)
+            raise Interrupted(stop.signum, f"stopped by {signal.Signals(stop.signum).name} during "
+                              f"the export of {ckpt}; nothing kept in {out}") from None
     if source is not None:
         copied = copy_non_weight_files(source, out)
         logger.info("copied from %s: %s", source, ", ".join(copied) or "nothing")
     return ckpt, step
+
+
+def _export_on_ranks(recipe: Recipe, stop: StopSignals, ckpt: Path, out: Path,
+                     source: str | None) -> None:
+    with rank_group(recipe, stop) as group:
+        group.run(_export_rank, recipe, str(ckpt.resolve()), str(out.resolve()),
+                  None if source is None else str(Path(source).resolve()))
+
+
+def _remove_partial(out: Path, made: bool) -> None:
+    """What an interrupted export wrote (``out`` was new or empty when it started)."""
+    if made:
+        shutil.rmtree(out, ignore_errors=True)
+    elif out.is_dir():
+        for entry in out.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

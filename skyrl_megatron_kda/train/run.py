@@ -13,7 +13,6 @@ here), the rank actors are killed, and a Ray started here is shut down with all 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 import sys
@@ -30,10 +29,10 @@ from ..workers.group import ActorGroup
 from ..workers.lifetime import StartedRay
 from ..workers.rank_map import build_rank_map, rank_map_lines, write_rank_map
 from . import checkpoint
-from .outputs import AUTO_CHOICES, METRICS, RANK_MAP, RECIPE, read_metrics_lines
+from .outputs import AUTO_CHOICES, METRICS, RANK_MAP, RECIPE, MetricsLog
 from .run_folder import RunStart, prepare
 from .run_lock import holds_output_dir
-from .step_guard import NonFiniteStep
+from .step_guard import NonFiniteStep, describe
 from .stop import Interrupted, StopSignals
 from .trainer import RankTrainer
 
@@ -93,14 +92,6 @@ class Progress:
             self.open = False
 
 
-def _start_metrics(path: Path, resume_step: int) -> None:
-    """metrics.jsonl up to ``resume_step`` (the lines a resumed run continues after)."""
-    kept = []
-    if resume_step and path.is_file():
-        kept = [m for m in read_metrics_lines(path) if m["step"] <= resume_step]
-    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
-
-
 @holds_output_dir
 def run(recipe: Recipe, *, start: RunStart | None = None, progress: TextIO | None = sys.stderr,
         choices: Mapping[str, str] | None = None) -> list[dict]:
@@ -122,38 +113,49 @@ def run(recipe: Recipe, *, start: RunStart | None = None, progress: TextIO | Non
     out.mkdir(parents=True, exist_ok=True)
     # Installed before Ray starts: a signal at any moment of start-up ends it cleanly.
     with StopSignals() as stop:
-        ray_here = group = None
         try:
-            ray_here = _start_ray(recipe, stop)
-            group = ActorGroup.for_recipe(recipe)
-            _record_rank_map(recipe, group, out, progress)
-            group.hold(_make_trainer, recipe)
-            # The recipe as the ranks run it (recipes.load_recipe resolved every auto), and why
-            # auto picked what it did: rewritten by every invocation, so never stale.
-            (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"),
-                                                     sort_keys=False))
-            (out / AUTO_CHOICES).write_text(yaml.safe_dump(dict(choices or {}), sort_keys=False))
-            step = 0
-            if resume_from:
-                step = group.call_held(RankTrainer.load_checkpoint, str(resume_from),
-                                       start.override_schedule)[0]
-            _start_metrics(out / METRICS, step)
-            if resume_from:
-                logger.info("resumed from %s at step %d", resume_from, step)
-            stop.step = step
-            stop.begin("training")
-            return _train_loop(recipe, group, out, step, progress, stop)
+            with rank_group(recipe, stop) as group:
+                _record_rank_map(recipe, group, out, progress)
+                group.hold(_make_trainer, recipe)
+                # The recipe as the ranks run it (recipes.load_recipe resolved every auto), and
+                # why auto picked what it did: rewritten by every invocation, so never stale.
+                (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"),
+                                                         sort_keys=False))
+                (out / AUTO_CHOICES).write_text(yaml.safe_dump(dict(choices or {}),
+                                                               sort_keys=False))
+                step = 0
+                if resume_from:
+                    step = group.call_held(RankTrainer.load_checkpoint, str(resume_from),
+                                           start.override_schedule)[0]
+                metrics = MetricsLog(out / METRICS, step)
+                if resume_from:
+                    logger.info("resumed from %s at step %d", resume_from, step)
+                stop.step = step
+                stop.begin("training")
+                return _train_loop(recipe, group, out, step, progress, stop, metrics)
         except KeyboardInterrupt:
             if stop.signum is None:  # Ctrl-C that reached Python's own handler (not main thread)
                 raise
             last = checkpoint.latest_checkpoint(out)
             raise Interrupted(stop.signum, stop.stopped_line(stop.step, last), stop.step) from None
-        finally:
-            stop.begin("stopping")
-            if group is not None:
-                group.shutdown()
-            if ray_here is not None:
-                ray_here.shutdown()
+
+
+@contextlib.contextmanager
+def rank_group(recipe: Recipe, stop: StopSignals):
+    """Ray started or joined (``start_ray``) and one actor per rank for the block; however it
+    ends, the actors are killed and a Ray started here is shut down with all its processes.
+    ``run`` and ``export`` run their ranks in it."""
+    ray_here = group = None
+    try:
+        ray_here = start_ray(recipe, stop)
+        group = ActorGroup.for_recipe(recipe)
+        yield group
+    finally:
+        stop.begin("stopping")
+        if group is not None:
+            group.shutdown()
+        if ray_here is not None:
+            ray_here.shutdown()
 
 
 def _record_rank_map(recipe: Recipe, group: ActorGroup, out: Path,
@@ -169,8 +171,10 @@ def _record_rank_map(recipe: Recipe, group: ActorGroup, out: Path,
         console.flush()
 
 
-def _start_ray(recipe: Recipe, stop: StopSignals) -> StartedRay:
-    """Start or join Ray, then take SIGTERM back from Ray's handler."""
+def start_ray(recipe: Recipe, stop: StopSignals) -> StartedRay:
+    """Start or join Ray (``StartedRay``: its ``shutdown`` ends every process it started), then
+    take SIGTERM back from Ray's handler; a SIGTERM while ``ray.init`` runs ends as
+    ``Interrupted``. ``run`` and ``export`` start Ray through it."""
     try:
         ray_here = StartedRay(recipe.run)
     except SystemExit:
@@ -183,32 +187,60 @@ def _start_ray(recipe: Recipe, stop: StopSignals) -> StartedRay:
 
 
 def _train_loop(recipe: Recipe, group, out: Path, start: int, progress: TextIO | None,
-                stop: StopSignals) -> list[dict]:
+                stop: StopSignals, metrics: MetricsLog) -> list[dict]:
     total, interval = recipe.train.steps, recipe.train.save_interval
     bar = Progress(total, progress) if progress is not None else None
     lines: list[dict] = []
-    with open(out / METRICS, "a") as metrics, _ending(bar):
+    with _ending(bar):
         for step in range(start + 1, total + 1):
             line = merge_rank_metrics(_train_step(group, out))
             if line["step"] != step:
                 raise RuntimeError(f"ranks reported step {line['step']}, expected {step}")
-            metrics.write(json.dumps(line) + "\n")
-            metrics.flush()
+            metrics.write(line)
             lines.append(line)
             stop.step = step
             if bar is not None:
                 bar.update(line)
+            if line["update_skipped"]:
+                if bar is not None:
+                    bar.end()
+                logger.warning(skipped_line(recipe, lines))
             path = None
             if (stop.signum is not None or (step == total and recipe.train.save_at_end)
                     or (interval and step % interval == 0)):
                 if bar is not None:
                     bar.end()
                 path = _save(group, out, stop, step)
+                metrics.saved()
             # Also a first signal that arrived during this save; one that came after the check
             # above is answered after the next step.
             if stop.signum is not None and path is not None:
                 raise Interrupted(stop.signum, stop.saved_line(step, path), step, path)
+    metrics.finished()
     return lines
+
+
+def skipped_line(recipe: Recipe, lines: list[dict]) -> str:
+    """The console's line for the skipped update of ``lines[-1]`` (``train.on_nonfinite=skip``;
+    the ranks' own warning reaches only Ray's worker logs)."""
+    line = lines[-1]
+    in_a_row = next((i for i, m in enumerate(reversed(lines)) if not m["update_skipped"]),
+                    len(lines))
+    return (f"step {line['step']}: {describe(line['loss'], line['grad_norm'])}: not finite; "
+            f"update skipped (train.on_nonfinite=skip; {in_a_row} in a row, the run stops at "
+            f"train.max_skipped_steps={recipe.train.max_skipped_steps})")
+
+
+def summary_line(lines: list[dict], output_dir: str) -> str:
+    """The run's last line: steps, first and last loss, the updates skipped, the folder."""
+    skipped = [m["step"] for m in lines if m.get("update_skipped")]
+    said = ""
+    if skipped:
+        steps = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        said = (f"; {len(skipped)} update{'s' if len(skipped) > 1 else ''} skipped (not "
+                f"finite, step{'s' if len(skipped) > 1 else ''} {steps})")
+    return (f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}{said}; "
+            f"{output_dir}")
 
 
 class NonFiniteRun(RunFailure):

@@ -15,6 +15,8 @@
   settings it was trained under (``TrainConfig.schedule``); a recipe that changes any of them is
   refused naming each, unless ``override_schedule`` (then applied from the saved step, and said).
 - A checkpoint already at ``train.steps`` is a finished run: nothing to train.
+- ``metrics.jsonl`` is read as the resume will read it: a bad line before the last is refused
+  naming ``file:line``, a last line cut short by a kill is dropped (said in ``notes``).
 
 Only the manifest's record is read here; the ranks verify the files' hashes when they load.
 """
@@ -27,11 +29,11 @@ from pathlib import Path
 
 import yaml
 
-from ..config import Recipe
+from ..config import DuplicateKey, Recipe, load_yaml
 from ..config.recipe import model_meaning
 from . import manifest
 from .checkpoint import checkpoints_dir, resume_checkpoint, step_dir
-from .outputs import METRICS, RECIPE
+from .outputs import METRICS, RECIPE, read_resumed_metrics
 from .run_lock import LOCK_FILE
 
 
@@ -115,7 +117,7 @@ def _resume(recipe: Recipe, out: Path, override_schedule: bool,
         if not path.is_dir():
             raise FileNotFoundError(f"--from-step {from_step}: {path} does not exist")
     record = manifest.read(path)  # a step folder without a manifest is an unfinished save
-    notes = _check_model(recipe, out)
+    notes = _check_model(recipe, out) + _check_metrics(out)
     changes = manifest.schedule_changes(record["schedule"], recipe.train.schedule())
     if changes and not override_schedule:
         raise ValueError(f"--resume: the schedule differs from {path.name}'s: {', '.join(changes)}"
@@ -126,13 +128,29 @@ def _resume(recipe: Recipe, out: Path, override_schedule: bool,
                     notes=notes)
 
 
+def _check_metrics(out: Path) -> list[str]:
+    """Read ``metrics.jsonl`` as the resumed run will (``outputs.MetricsLog``), before Ray starts:
+    a bad line before the last is refused naming ``file:line``; a last line cut short (the run
+    was killed while writing it) is dropped, and said."""
+    path = out / METRICS
+    if not path.is_file():
+        return []
+    cut = read_resumed_metrics(path)[1]
+    if cut is None:
+        return []
+    return [f"--resume: {path}:{cut} was cut short when the run was killed (not a JSON line): "
+            "dropped"]
+
+
 def _check_model(recipe: Recipe, out: Path) -> list[str]:
     """Refuse a recipe whose model differs from the one the run's ``recipe.yaml`` records,
     naming each changed setting ``old -> new``; returns notes (a ``recipe.yaml`` that is missing
     or unreadable leaves the model uncompared, and says so)."""
     file = out / RECIPE
     try:
-        saved = yaml.safe_load(file.read_text())
+        saved = load_yaml(file.read_text())
+    except DuplicateKey as err:
+        raise ValueError(f"--resume: {file}: {err}") from None
     except (OSError, yaml.YAMLError) as err:
         why = "is missing" if isinstance(err, FileNotFoundError) else "cannot be read"
         return [f"--resume: {file} {why}: the model is not compared before the ranks load"]

@@ -1,6 +1,9 @@
 """One run per output folder: a run holds an exclusive lock on ``<run.output_dir>/.run.lock``
 from before the folder is checked (``train.run_folder.prepare``) until Ray is shut down.
 
+- A run into a folder inside a live run's folder, or holding one below it, is refused the same
+  way (``runs/x holds runs/x/run, in use by a live run (...)``): it would write into the live
+  run's folder, or ``--overwrite`` would move the live run aside.
 - A second run into the folder is refused at once with one line naming the holder: ``runs/x is
   in use by a live run (pid 1234 on host h, since 2026-12-03 07:01:02): wait for it or use
   another run.output_dir`` (``FolderInUse``, an ``OSError``: ``error:`` and exit 2).
@@ -103,9 +106,7 @@ class RunLock:
 
 
 def in_use_line(out: str | Path, holder: Holder) -> str:
-    since = f", since {holder.since}" if holder.since else ""
-    return (f"{out} is in use by a live run ({holder.who()}{since}): wait for it or use another "
-            "run.output_dir")
+    return f"{out} is {_live(holder)}: wait for it or use another run.output_dir"
 
 
 def acquire(out: str | Path) -> RunLock:
@@ -113,6 +114,11 @@ def acquire(out: str | Path) -> RunLock:
     once with ``FolderInUse`` naming the holder, or ``LocksUnsupported``. ``hold`` is what a run
     uses (reentrant in a process, released at its end)."""
     out = Path(out)
+    # Asked before ``out`` or its lock file is made (nothing written beside a live run) and again
+    # once the lock is held.
+    _refuse_inside_live_run(out)
+    if out.is_dir():
+        _refuse_live_run_below(out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
@@ -121,6 +127,8 @@ def acquire(out: str | Path) -> RunLock:
         _lock_exclusive(fd, out)
         if not _names(path, fd):  # its holder removed it while we waited: its folder is gone
             raise FolderInUse(f"{out}: the run lock changed hands while it was taken; try again")
+        _refuse_inside_live_run(out)
+        _refuse_live_run_below(out)
         previous = _read_holder(fd)
         record = {"pid": os.getpid(), "host": socket.gethostname(),
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -201,6 +209,37 @@ def note_if_live(run_dir: str | Path) -> None:
     note = live_note(run_dir)
     if note is not None:
         print(note, file=sys.stderr)
+
+
+def _refuse_inside_live_run(out: Path) -> None:
+    """Refuse ``out`` inside a live run's folder: a run there would write into that run's folder.
+    Asked again once ``out``'s lock is held (as ``_refuse_live_run_below`` is), so of two runs
+    starting at once, one inside the other, at least one sees the other."""
+    for folder in out.absolute().resolve().parents:
+        live = holder(folder)
+        if live is not None:
+            raise FolderInUse(f"{out} is inside {folder}, {_live(live)}: a run may not write into "
+                              "a live run's folder; use a run.output_dir outside it")
+
+
+def _refuse_live_run_below(out: Path) -> None:
+    """Refuse ``out`` holding a live run's folder below it: ``--overwrite`` would move it aside
+    with the live run inside (which then goes on writing half into the moved folder, half into
+    a new one), and a run would write into the folder around it."""
+    own = out.resolve()
+    for folder, dirs, files in os.walk(own):
+        if LOCK_FILE in files and Path(folder) != own:
+            live = holder(folder)
+            if live is not None:
+                raise FolderInUse(f"{out} holds {folder}, {_live(live)}: a run may not write "
+                                  "into, overwrite or move a folder holding a live run's; wait "
+                                  "for it or use another run.output_dir")
+        dirs.sort()
+
+
+def _live(live: Holder) -> str:
+    since = f", since {live.since}" if live.since else ""
+    return f"in use by a live run ({live.who()}{since})"
 
 
 def _lock_exclusive(fd: int, out: Path) -> None:

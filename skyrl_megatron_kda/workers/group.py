@@ -37,12 +37,45 @@ serve the next phase's differently sized ones. With fixed segments the full-widt
 allocated)."""
 
 
+REACH_TIMEOUT_S = 10.0
+"""Seconds ``check_reachable`` waits for a TCP connection to ``run.ray_address``."""
+
+
+class RayUnreachable(ConnectionError):
+    """Nothing answers at ``run.ray_address``: ``ray.init`` would retry for minutes."""
+
+
+def check_reachable(address: str | None) -> None:
+    """Refuse a ``run.ray_address`` (``HOST:PORT`` or ``ray://HOST:PORT``) where nothing accepts
+    a TCP connection, in one line, within ``REACH_TIMEOUT_S``: ``ray.init`` itself only logs
+    connection warnings and retries for about 10 minutes. ``None`` (a Ray started here), ``auto``
+    (Ray looks it up) and an address without a port are left to Ray."""
+    if address is None or address == "auto":
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    host = host.strip("[]")  # an IPv6 literal
+    try:
+        with socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S):
+            pass
+    except OSError as err:
+        why = (f"no answer in {REACH_TIMEOUT_S:g} s" if isinstance(err, TimeoutError)
+               else err.strerror or str(err))
+        raise RayUnreachable(
+            f"run.ray_address={address}: nothing listens at {host}:{port} ({why}); start the "
+            "cluster there (ray start --head) or set run.ray_address to its head's address "
+            "(HOST:6379, ray://HOST:10001 or auto)") from None
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """``ray.init`` as the package starts or joins Ray: no dashboard, no worker logs on the
     driver; a cluster started here gets ``RAY_START_CONFIG`` (joining one keeps its own).
     ``address=None`` starts a new local cluster: Ray's own ``None`` would join the cluster named
     by ``RAY_ADDRESS`` or the one ``ray start`` last started on this machine. The workers get
-    ``ALLOCATOR_CONF``."""
+    ``ALLOCATOR_CONF``. An address where nothing listens is refused first
+    (``check_reachable``)."""
+    check_reachable(address)
     env = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF)}
     ray.init(address=address or "local", num_cpus=num_cpus, include_dashboard=False,
              log_to_driver=False,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal, Protocol
@@ -42,8 +43,24 @@ def list_jsonl(path: str | Path) -> list[Path]:
             raise ValueError(f"data.path={str(p)!r} is a directory without *.jsonl files")
         return files
     if not p.is_file():
-        raise ValueError(f"data.path={str(p)!r} does not exist")
+        raise ValueError(f"data.path={str(p)!r} {_not_a_file(p)}")
     return [p]
+
+
+def _not_a_file(path: Path) -> str:
+    """What ``path`` is, when it is neither a file nor a folder: the reader seeks in its files
+    (a resumed run goes straight to its position), which a pipe or device cannot do."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return (f"is {kind}, not a file: data.path must be a .jsonl file or a folder of them (the "
+            "reader seeks in it to resume)")
 
 
 class JsonlSource:
