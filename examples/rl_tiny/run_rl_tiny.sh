@@ -20,6 +20,9 @@ set -euo pipefail
 : "${PYTHON:=python3}"
 : "${RECIPE:=glm53_flash_tiny}"
 BATCH=4  # prompts per step: one mini-batch, so one optimizer step per training step
+# SkyRL's filter of prompts longer than max_prompt_length runs in the experiment's own process
+# (trainer.kda.prompt_filter_processes=1): for 16 prompts a pool of processes, each importing
+# transformers, costs minutes on 2 cores and saves nothing.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the examples package, here and in Ray's processes
@@ -62,6 +65,7 @@ exec "$PYTHON" -m skyrl.train.entrypoints.main_base \
   "trainer.kda.overrides.run.init_from_hf=$HF" \
   trainer.kda.sampler=glm5_next \
   "trainer.kda.env_modules=[examples.rl_tiny.words_env]" \
+  trainer.kda.prompt_filter_processes=1 \
   trainer.strategy=megatron \
   trainer.logger=console \
   "trainer.policy.model.path=$HF" \

@@ -147,6 +147,8 @@ from skyrl_megatron_kda.model.hf_io import hf_text_config
 from skyrl_megatron_kda.recipes import get_recipe
 folder = pathlib.Path("tiny_model"); folder.mkdir(exist_ok=True)
 (folder / "config.json").write_text(json.dumps(hf_text_config(get_recipe("glm53_flash_tiny"))))
+record = {"prompt": [{"role": "user", "content": "1 + 1 ="}], "env_class": "gsm8k"}
+pathlib.Path("prompts.jsonl").write_text((json.dumps(record) + "\n") * 4)  # the gate reads it
 ' || return 1
     "$PY" -m skyrl.train.entrypoints.main_base \
         trainer.override_entrypoint=skyrl_megatron_kda.integrations.skyrl.entrypoint \
@@ -154,7 +156,9 @@ folder = pathlib.Path("tiny_model"); folder.mkdir(exist_ok=True)
         trainer.placement.colocate_all=false trainer.algorithm.use_kl_loss=false \
         trainer.placement.policy_num_gpus_per_node=4 \
         trainer.kda.recipe=glm53_flash_tiny trainer.kda.overrides.run.device=gpu \
-        trainer.policy.model.path="$WORK/tiny_model" trainer.kda.dry_run=true || return 1
+        trainer.policy.model.path="$WORK/tiny_model" "data.train_data=['$WORK/prompts.jsonl']" \
+        trainer.train_batch_size=4 trainer.policy_mini_batch_size=4 \
+        trainer.kda.dry_run=true || return 1
     grep -qx "launch: ready" "$WORK/logs/dry-run.log" || { echo "no 'launch: ready' line"; return 1; }
 }
 

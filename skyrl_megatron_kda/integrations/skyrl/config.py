@@ -21,9 +21,11 @@ No ``from __future__ import annotations`` here: SkyRL reads the field types at r
 import dataclasses
 import json
 import logging
+import os
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from skyrl.train.config.config import BaseConfig, MegatronConfig, TrainerConfig, make_config
 
@@ -64,6 +66,11 @@ class _RecipeSelection(BaseConfig):
     env_modules: List[str] = field(default_factory=list)
     """Python modules the experiment imports before SkyRL makes environments; each registers its
     ``skyrl_gym`` environments when imported (SkyRL's own register when skyrl_gym is imported)."""
+    prompt_filter_processes: Optional[int] = None
+    """Processes SkyRL's dataset loader uses to drop prompts longer than
+    ``trainer.max_prompt_length`` (SkyRL's own ``main_base`` always starts 8, each importing
+    transformers: minutes on a 2-core machine). None: ``min(8, CPUs of the node that runs the
+    experiment)``; 1 filters in the experiment's own process."""
 
     def kda_values(self) -> Dict[str, Any]:
         """The ``trainer.kda.<KDAConfig field>`` values that were set."""
@@ -107,10 +114,22 @@ class _RecipeSelection(BaseConfig):
                              f"{', '.join(SAMPLERS)}")
         if isinstance(self.env_modules, str):  # SkyRL's parser keeps a lone name a string
             self.env_modules = [self.env_modules]
+        n = self.prompt_filter_processes
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"trainer.kda.prompt_filter_processes={n!r}: a whole number >= 1, "
+                             "or leave it unset for min(8, CPUs)")
         # Fail while parsing the command line, not on the cluster; a section with no recipe
         # (SkyRL building defaults) is checked when the entrypoint resolves it.
         if self.recipe:
             self.resolve()
+
+
+def prompt_filter_processes(selection) -> int:
+    """The process count of SkyRL's prompt filter (``trainer.kda.prompt_filter_processes``)."""
+    if selection.prompt_filter_processes is not None:
+        return selection.prompt_filter_processes
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cpus or 1))
 
 
 def _kda_field(name: str) -> tuple:
@@ -151,6 +170,45 @@ MESH_FIELDS = (
 )
 """SkyRL ``megatron_config`` size -> our ``parallel`` field. The recipe is the one source; the
 sizes are mirrored so that SkyRL's own checks (CP needs remove_microbatch_padding) see them."""
+
+
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number"}
+"""The scalar field types SkyRL's parser does not check (it keeps ``lr=abc`` as the string
+'abc', which fails minutes later in a worker), and what each needs."""
+
+
+def _scalar_kind(hint) -> Optional[type]:
+    """bool, int or float for a field annotated so (or Optional of it); None for anything else."""
+    if typing.get_origin(hint) is Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _scalar_kind(args[0]) if len(args) == 1 else None
+    return hint if hint in _KINDS else None
+
+
+def _fits(kind: type, value) -> bool:
+    if value is None or kind is bool:
+        return value is None or isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (kind is float and isinstance(value, float))
+
+
+def wrong_types(node, path: str = "") -> List[str]:
+    """One line per bool, int or float setting of SkyRL's config ``node`` (and ``trainer.kda``'s
+    own) whose value is not of that type, naming the key, what it needs and its default."""
+    problems = []
+    hints = typing.get_type_hints(type(node))
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{path}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems += wrong_types(value, key + ".")
+            continue
+        kind = _scalar_kind(hints.get(f.name))
+        if kind is not None and not _fits(kind, value):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            example = f", e.g. {key}={json.dumps(default)}" if default is not None else ""
+            problems.append(f"{key}={value!r}: needs {_KINDS[kind]}{example}")
+    return problems
 
 
 def unsupported_settings(cfg) -> List[str]:

@@ -15,9 +15,12 @@ project's sampler (``glm5_next_client``, on the recipe's device: ``cuda`` for ``
 recipe (``run.device=cpu``, with the project's sampler) gets a local Ray whose logical GPUs
 stand for its ranks (``local_ray``); a GPU one SkyRL's own ``initialize_ray``.
 ``trainer.kda.dry_run=true`` stops before Ray and prints what it resolved, which
-trainer will run, where each setting came from and what blocks the launch (exit 1 if anything
-does); a blocked job is refused before Ray starts, with the list. A command line that cannot be
-taken at all is one ``error:`` line per problem, exit 2.
+trainer will run, where each setting came from, what it read of the data and what blocks the
+launch (exit 1 if anything does); a blocked job is refused before Ray starts, with the list. A
+command line that cannot be taken at all (a value of the wrong type, a recipe, a key) or that
+names what the launch cannot read or import (``gate.check_inputs``: data files, environments,
+sampling settings, the batch against the data, the logger, the checkpoint to resume from) is one
+``error:`` line per problem, exit 2, dry run or not.
 """
 
 import asyncio
@@ -34,13 +37,15 @@ from ...console import USAGE_ERROR, error_lines, message, quiet_warnings
 quiet_warnings()  # before the imports below load megatron-core and fla, which warn on import
 
 import ray  # noqa: E402
+from skyrl.train.dataset import PromptDataset  # noqa: E402
 from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
 from skyrl.train.trainer import RayPPOTrainer  # noqa: E402
 from skyrl.train.utils.utils import initialize_ray  # noqa: E402
 
 from . import ENTRYPOINT  # noqa: E402
-from .config import KDASkyRLConfig, apply_recipe, uses_reference
-from .gate import launch_blockers
+from .config import KDASkyRLConfig, apply_recipe, prompt_filter_processes, uses_reference, wrong_types
+from .fully_async import drift_note
+from .gate import check_inputs, evaluates, launch_blockers
 from .local_ray import start_local_ray
 from .reference import KDARefWorker
 from .settings import cp_exchange_source, decided_settings
@@ -114,6 +119,27 @@ class KDAPPOExp(BasePPOExp):
 
     def get_tracker(self):
         return kda_tracker(self.cfg, self.recipe)
+
+    def _prompts(self, files) -> PromptDataset:
+        # A setting, not SkyRL's fixed 8 processes, each importing transformers.
+        t = self.cfg.trainer
+        return PromptDataset(datasets=files, tokenizer=self.tokenizer,
+                             max_prompt_length=t.max_prompt_length,
+                             num_workers=prompt_filter_processes(t.kda))
+
+    def get_train_dataset(self) -> PromptDataset:
+        dataset, t = self._prompts(self.cfg.data.train_data), self.cfg.trainer
+        if len(dataset) < t.train_batch_size:
+            raise ValueError(f"trainer.train_batch_size={t.train_batch_size} is larger than the "
+                             f"{len(dataset)} prompts of data.train_data that fit "
+                             f"trainer.max_prompt_length={t.max_prompt_length} tokens; lower it, "
+                             "raise max_prompt_length or add prompts")
+        return dataset
+
+    def get_eval_dataset(self):
+        if evaluates(self.cfg):
+            return self._prompts(self.cfg.data.val_data)
+        return None
 
     def get_cfg_as_str(self, cfg) -> str:
         """SkyRL logs the whole config (about 500 lines) at setup: it goes to a file beside the
@@ -194,6 +220,7 @@ def configure(argv: List[str]):
     exits 2 with one ``error:`` line per problem, as ``skyrl-kda`` does."""
     try:
         cfg = parse(argv)
+        refuse(wrong_types(cfg))  # before anything reads a value as its type
         recipe = cfg.trainer.kda.resolve()
         return cfg, recipe, apply_recipe(cfg, recipe)
     except Exception as err:
@@ -206,11 +233,20 @@ def configure(argv: List[str]):
         raise SystemExit(status) from None
 
 
+def refuse(problems: List[str]) -> None:
+    """Exit 2 with one ``error:`` line per problem on stderr, if there are any."""
+    if problems:
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        raise SystemExit(USAGE_ERROR)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point SkyRL's ``main_base`` dispatches to; ``argv`` defaults to ``sys.argv[1:]``.
     Exits 2 on a command line it cannot take, 1 when the launch is blocked (dry run or not)."""
     quiet_warnings()
     cfg, recipe, refused = configure(sys.argv[1:] if argv is None else argv)
+    problems, read = check_inputs(cfg)
+    refuse(problems)
     blockers = launch_blockers(cfg, recipe, refused)
     if cfg.trainer.kda.dry_run:
         p = recipe.parallel
@@ -219,7 +255,9 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"tp={p.tp} cp={p.cp} ep={p.ep} etp={p.etp} num_workers={recipe.run.num_workers}")
         print("recipe json: " + recipe.model_dump_json())
         print(trainer_line(cfg))
-        for line in provenance(cfg, recipe):
+        for line in drift_note(cfg):
+            print(line)
+        for line in provenance(cfg, recipe) + read:
             print(line)
         print("launch blocked by:" if blockers else "launch: ready")
         for line in blockers:
@@ -230,6 +268,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if blockers:
         raise SystemExit("the KDA SkyRL job cannot run yet:\n  - " + "\n  - ".join(blockers))
     print(trainer_line(cfg), flush=True)
+    for line in drift_note(cfg):
+        print(line, flush=True)
     print(f"per-step metrics: {metrics_path(cfg.trainer)}", flush=True)
     print(f"step lines: {steps_path(cfg.trainer)}", flush=True)
     if recipe.run.device == "cpu":

@@ -55,3 +55,16 @@ def fully_async_problems(cfg) -> List[str]:
         problems.append("trainer.fully_async.sample_full_batch=true needs "
                         "trainer.algorithm.zero_variance_filter=true")
     return problems
+
+
+def drift_note(cfg) -> List[str]:
+    """The console's line, under the fully async trainer, of what log-prob drift to expect."""
+    fa = cfg.trainer.fully_async
+    if not fa.enabled or fa.simulate_training:
+        return []
+    return [f"logprob drift (max_staleness_steps={fa.max_staleness_steps}): a rollout sampled "
+            "with the weights being trained gives fp32 rounding (about 1e-6); one sampled k steps "
+            "earlier (staleness k) was sampled by an older policy, and its drift is that "
+            "policy's change over k steps (about 1 at steps 2-3 of examples/rl_tiny at "
+            "staleness 1): expected, not an error; is_ratio mean, SkyRL's off-policy ratio of "
+            "the same tokens, is beside it"]

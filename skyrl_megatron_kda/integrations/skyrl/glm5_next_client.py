@@ -67,6 +67,22 @@ _HONOURED = {"skip_special_tokens", "include_stop_str_in_output", "temperature",
 """Settings it honours (or, for the two text flags, that change nothing for token-level use)."""
 
 
+def sampling_refusals(params: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
+    """(key, value, what the client takes) for each of SkyRL's sampling settings ``params`` (the
+    dict its generator sends to ``generate``) that the client does not serve; the entrypoint's
+    dry run asks the same."""
+    refused = []
+    for key, value in params.items():
+        if key in _NEUTRAL and value not in _NEUTRAL[key]:
+            refused.append((key, value, f"accepted: {_NEUTRAL[key]}"))
+        elif key not in _NEUTRAL and key not in _HONOURED:
+            refused.append((key, value, "not supported"))
+    temperature = params.get("temperature", 1.0)
+    if isinstance(temperature, (int, float)) and temperature < 0:
+        refused.append(("temperature", temperature, "a temperature >= 0"))
+    return refused
+
+
 SLEEP_TAGS = ("weights", "kv_cache")
 """What ``sleep`` / ``wake_up`` move (vLLM's tags); no tags means both."""
 
@@ -311,15 +327,11 @@ class Glm5NextInferenceClient(InferenceEngineInterface, DiskSyncTarget):
             raise ValueError(f"{CLIENT}.generate needs prompt_token_ids (SkyRL's "
                              "token-in-token-out path); text prompts are not supported")
         params = dict(input_batch.get("sampling_params") or {})
-        for key, value in params.items():
-            if key in _NEUTRAL and value not in _NEUTRAL[key]:
-                raise ValueError(f"{CLIENT}: sampling setting {key}={value!r} is not "
-                                 f"supported (accepted: {_NEUTRAL[key]})")
-            if key not in _NEUTRAL and key not in _HONOURED:
-                raise ValueError(f"{CLIENT}: sampling setting {key}={value!r} is not "
-                                 "supported")
-        if float(params.get("temperature", 1.0)) < 0:
-            raise ValueError(f"{CLIENT}: temperature={params['temperature']} is negative")
+        for key, value, takes in sampling_refusals(params):
+            if key == "temperature":
+                raise ValueError(f"{CLIENT}: temperature={value} is negative")
+            raise ValueError(f"{CLIENT}: sampling setting {key}={value!r} is not supported"
+                             + (f" ({takes})" if takes.startswith("accepted") else ""))
         model = self.model  # loads the newest version if none is loaded yet
         prompts = repr([list(p) for p in input_batch["prompt_token_ids"]])
         seed = (int(params["seed"]) if params.get("seed") is not None

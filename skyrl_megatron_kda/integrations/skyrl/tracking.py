@@ -14,6 +14,7 @@ ends.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -21,21 +22,31 @@ from typing import Any, Dict, List, Tuple
 
 from skyrl.train.utils.tracking import Tracking
 
+LOGGER_MODULES = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab",
+                  "tensorboard": "tensorboard", "console": None}
+"""``trainer.logger`` -> the module SkyRL's ``Tracking`` imports for it (tensorboard through
+``torch.utils.tensorboard``, which needs the ``tensorboard`` package)."""
+
 METRICS_FILE = "metrics.jsonl"
 STEPS_FILE = "steps.log"
+
+STALENESS = "async/staleness_max"
+"""The fully async trainer's metric: how many steps old the step's oldest rollout is."""
 
 STEP_LINE: Tuple[Tuple[str, str, str], ...] = (
     # (label, SkyRL metric, format): the numbers that say whether an RL step is healthy
     ("reward", "reward/avg_raw_reward", ".4g"),
     ("KL", "policy/policy_kl", ".2e"),
     ("logprob drift", "policy/rollout_train_logprobs_abs_diff_max", ".2e"),
+    ("is_ratio mean", "policy/loss_metrics/is_ratio_mean", ".4g"),
     ("grad norm", "policy/grad_norm", ".4g"),
     ("tokens/s/GPU", "trainer/tokens_per_second_per_gpu", ".4g"),
     ("step s", "timing/step", ".3g"),
-    ("staleness max", "async/staleness_max", "d"),
+    ("staleness max", STALENESS, "d"),
 )
 """The console line's fields, in order; a metric the step did not report is left out (the
-fully async trainer reports staleness, the synchronous one does not)."""
+fully async trainer reports staleness, the synchronous one does not; SkyRL's off-policy
+correction reports ``is_ratio_mean``)."""
 
 
 def metrics_path(t) -> Path:
@@ -62,12 +73,17 @@ def numeric(data: Dict[str, Any]) -> Dict[str, float]:
 def step_line(step: int, data: Dict[str, Any], suffix: str = "") -> str:
     """One console line for a step's metrics, small numbers in scientific notation."""
     parts: List[str] = [f"step {step}"]
+    stale = data.get(STALENESS)
     for label, key, fmt in STEP_LINE:
         value = data.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             parts.append(f"{label} {format(int(value) if fmt == 'd' else value, fmt)}")
         elif value is not None:
             parts.append(f"{label} {value}")  # nan / inf, as they are
+        if value is not None and label == "logprob drift" and isinstance(stale, (int, float)) \
+                and stale > 0:
+            # A stale rollout was sampled by an older policy: its drift is that policy's change.
+            parts[-1] += f" (rollouts up to {int(stale)} step{'s' * (stale > 1)} stale: expected)"
     return " | ".join(parts) + (f" | {suffix}" if suffix else "")
 
 
@@ -76,6 +92,12 @@ class KDATracking(Tracking):
     module)."""
 
     def __init__(self, *, metrics_file: Path, steps_file: Path, suffix: str, **kwargs):
+        backend = kwargs.get("backend", "console")
+        module = LOGGER_MODULES.get(backend)
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(
+                f"trainer.logger={backend}: the {module!r} package is not installed; pip install "
+                f"'skyrl_megatron_kda[loggers]' or {module}, or set trainer.logger=console")
         super().__init__(**kwargs)
         self.metrics_file, self.steps_file = Path(metrics_file), Path(steps_file)
         for path in (self.metrics_file, self.steps_file):
@@ -94,6 +116,13 @@ class KDATracking(Tracking):
             with open(self.steps_file, "a") as f:
                 f.write(line + "\n")
             print(line, flush=True)
+
+
+    def finish(self):
+        # SkyRL's __del__ finishes every tracker, one whose backend failed to start too: then
+        # there is nothing to finish (SkyRL's own would warn of a missing attribute 'logger').
+        if hasattr(self, "logger"):
+            super().finish()
 
 
 def kda_tracker(cfg, recipe) -> KDATracking:
