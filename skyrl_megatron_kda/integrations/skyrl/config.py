@@ -25,7 +25,7 @@ import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from skyrl.train.config.config import BaseConfig, MegatronConfig, TrainerConfig, make_config
 
@@ -177,19 +177,18 @@ _KINDS = {bool: "true or false", int: "a whole number", float: "a number"}
 'abc', which fails minutes later in a worker), and what each needs."""
 
 
-def _scalar_kind(hint) -> Optional[type]:
-    """bool, int or float for a field annotated so (or Optional of it); None for anything else."""
+def _scalar_kind(hint) -> Tuple[Optional[type], bool]:
+    """(bool, int or float, whether None is allowed) for a field annotated so (or Optional of
+    it); (None, True) for any other annotation."""
     if typing.get_origin(hint) is Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _scalar_kind(args[0]) if len(args) == 1 else None
-    return hint if hint in _KINDS else None
+        return (_scalar_kind(args[0])[0], True) if len(args) == 1 else (None, True)
+    return (hint, False) if hint in _KINDS else (None, True)
 
 
 def _fits(kind: type, value) -> bool:
-    if value is None or kind is bool:
-        return value is None or isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
+    if kind is bool or isinstance(value, bool):  # true is not a number, 1 is not true
+        return kind is bool and isinstance(value, bool)
     return isinstance(value, int) or (kind is float and isinstance(value, float))
 
 
@@ -203,11 +202,12 @@ def wrong_types(node, path: str = "") -> List[str]:
         if dataclasses.is_dataclass(value):
             problems += wrong_types(value, key + ".")
             continue
-        kind = _scalar_kind(hints.get(f.name))
-        if kind is not None and not _fits(kind, value):
-            default = f.default if f.default is not dataclasses.MISSING else None
-            example = f", e.g. {key}={json.dumps(default)}" if default is not None else ""
-            problems.append(f"{key}={value!r}: needs {_KINDS[kind]}{example}")
+        kind, optional = _scalar_kind(hints.get(f.name))
+        if kind is None or (value is None and optional) or (value is not None and _fits(kind, value)):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        example = f", e.g. {key}={json.dumps(default)}" if default is not None else ""
+        problems.append(f"{key}={value!r}: needs {_KINDS[kind]}{example}")
     return problems
 
 

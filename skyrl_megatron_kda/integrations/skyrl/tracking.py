@@ -117,7 +117,6 @@ class KDATracking(Tracking):
                 f.write(line + "\n")
             print(line, flush=True)
 
-
     def finish(self):
         # SkyRL's __del__ finishes every tracker, one whose backend failed to start too: then
         # there is nothing to finish (SkyRL's own would warn of a missing attribute 'logger').
