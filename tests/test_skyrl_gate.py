@@ -142,6 +142,7 @@ CASES = {
                         "trainer.policy.optimizer_config.lr=1e-06"),
     "bool_not_a_bool": (["trainer.bf16=maybe"], {},
                         "error: trainer.bf16='maybe': needs true or false"),
+    "int_null": (["trainer.epochs=null"], {}, "error: trainer.epochs=None: needs a whole number"),
     "resume_path_missing": (
         ["trainer.resume_mode=from_path", "trainer.resume_path={work}/ckpt/global_step_1"], {},
         "error: trainer.resume_path: no folder '{work}/ckpt/global_step_1' on this node"),
