@@ -21,6 +21,8 @@ flip from rounding would otherwise look like a permutation bug.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -109,7 +111,27 @@ def _state(layer, routing: str, gen: torch.Generator) -> dict:
     return state
 
 
+@contextlib.contextmanager
+def _cuda_device_named_cpu(active: bool):
+    """megatron's router moves a CPU weight to ``torch.cuda.current_device()`` before its GEMM
+    and makes its buffers there: for the CPU reference in this CUDA process, that is the CPU."""
+    if not active:
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
 def _run(moe, dispatcher, device, dtype, chunk, state, x, grad_out, pgs) -> dict:
+    with _cuda_device_named_cpu(device == "cpu"):
+        return _run_on(moe, dispatcher, device, dtype, chunk, state, x, grad_out, pgs)
+
+
+def _run_on(moe, dispatcher, device, dtype, chunk, state, x, grad_out, pgs) -> dict:
     from skyrl_megatron_kda.model.moe import build_moe_layer
 
     layer = build_moe_layer(moe, config=_config(moe, dispatcher, dtype), layer_number=1,
