@@ -214,7 +214,7 @@ def _compare_on_rank(rank, world, routings, chunks, devices=("cuda",), swap_rows
                 for dtype in (torch.float32, torch.bfloat16):
                     name = f"{device}_{str(dtype).split('.')[-1]}"
                     ag = _run(moe, "allgather", device, dtype, *args)
-                    a2a = _run(moe, "alltoall" if device != "cpu" else "allgather", device, dtype, *args)
+                    a2a = _run(moe, "alltoall", device, dtype, *args)
                     runs[f"{name}_allgather"], runs[f"{name}_alltoall"] = ag, a2a
                     case[f"{name}: alltoall vs allgather"] = _errors(a2a, ag)
                     case[f"{name}: alltoall vs cpu fp32"] = _errors(a2a, cpu_ref)
