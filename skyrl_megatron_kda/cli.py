@@ -352,8 +352,7 @@ def _run_holding_folder(args: argparse.Namespace, loaded: LoadedRecipe) -> int:
     try:
         lines = run(recipe, start=start, choices=loaded.choices)
     except Interrupted as err:
-        print(err, file=sys.stderr)
-        return 128 + err.signum
+        return _stopped(err)
     if lines:
         if recipe.data.path is not None:
             from .train.data.stats import skip_summary
@@ -361,6 +360,22 @@ def _run_holding_folder(args: argparse.Namespace, loaded: LoadedRecipe) -> int:
             print(f"data: {skip_summary(lines[-1]['skipped_records'])}", file=sys.stderr)
         print(summary_line(lines, recipe.run.output_dir), file=sys.stderr)
     return 0
+
+
+def _stopped(err) -> int:
+    """The line of a run or export stopped by a signal (``train.stop.Interrupted``) and its exit
+    status, 128 + the signal. Stopped inside ``ray.init`` (``exit_at_once``), the process ends
+    here, past the interpreter's shutdown, which Ray's half-made core worker can crash."""
+    import logging
+    import os
+
+    print(err, file=sys.stderr)
+    if err.exit_at_once:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + err.signum)
+    return 128 + err.signum
 
 
 def _note_live_run(run_dir: str) -> None:
@@ -396,8 +411,7 @@ def _export(args: argparse.Namespace) -> int:
         ckpt, step = export(args.run_dir, args.out, overrides=args.overrides, source=args.source,
                             use_source=not args.no_source, from_step=args.from_step)
     except Interrupted as err:
-        print(err, file=sys.stderr)
-        return 128 + err.signum
+        return _stopped(err)
     print(f"exported {ckpt} (step {step}) to {args.out}", file=sys.stderr)
     return 0
 

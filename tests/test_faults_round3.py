@@ -453,6 +453,59 @@ def test_sigterm_during_export_ends_cleanly_with_one_line(tmp_path):
     assert not out.exists()
 
 
+_SIGTERM_ONCE_RAY_IS_UP = textwrap.dedent("""
+    import os, signal, sys, time
+    from skyrl_megatron_kda.recipes import load_recipe
+    from skyrl_megatron_kda.workers.lifetime import StartedRay
+
+    one_rank = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=1",
+                "parallel.sequence_parallel=false", "run.num_workers=1"]
+    ray_here = StartedRay(load_recipe("glm53_flash_tiny", one_rank).recipe.run)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # before a command installs its own handler
+        time.sleep(60)
+    except SystemExit:
+        print("SystemExit", file=sys.stderr, flush=True)
+    finally:
+        ray_here.shutdown()
+""")
+
+
+def test_sigterm_between_ray_init_and_the_commands_handler_reaches_python():
+    """Before: `ray.init` installed Ray's C++ failure-signal handler in the driver, which answers
+    a SIGTERM arriving before `run` or `export` install their handler with `*** SIGTERM
+    received ...`, a stack dump and SIGABRT (seen as exit 134 of `export`). Now Ray's Python
+    handler gets it (SystemExit, which `train.run.start_ray` turns into one line)."""
+    env = {k: v for k, v in os.environ.items() if k != "SKYRL_KDA_CP_EXCHANGE"}
+    proc = subprocess.run([sys.executable, "-c", _SIGTERM_ONCE_RAY_IS_UP], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env={**env, "TORCHDYNAMO_DISABLE": "1"})
+    assert proc.returncode == 0 and "SystemExit" in proc.stderr, proc.stderr
+    assert "SIGTERM received" not in proc.stderr
+
+
+def test_a_stop_inside_ray_init_ends_the_process_past_its_shutdown(capsys, tmp_path,
+                                                                    monkeypatch):
+    """Before: after `stopped by SIGTERM while Ray was starting`, the interpreter's own shutdown
+    could crash in Ray's half-made core worker (exit 139, seen on `export`). Now the command
+    ends the process at once (`os._exit`) with 128 + the signal."""
+    import skyrl_megatron_kda.train.run as train_run
+    from skyrl_megatron_kda.train.stop import Interrupted
+
+    def stopped_in_ray_init(recipe, **kwargs):
+        raise Interrupted(signal.SIGTERM, "stopped by SIGTERM while Ray was starting (Ray ended "
+                          "its processes); nothing saved", exit_at_once=True)
+
+    def exit_now(status):
+        raise SystemExit(f"os._exit({status})")
+
+    monkeypatch.setattr(train_run, "run", stopped_in_ray_init)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises(SystemExit, match=r"^os\._exit\(143\)$"):
+        cli.main(run_in(tmp_path / "run"))
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "stopped by SIGTERM while Ray was starting (Ray ended its processes); nothing saved")
+
+
 def test_a_fifo_as_data_path_is_refused_saying_what_it_is(capsys, tmp_path, no_ray):
     """Before: "data.path='...' does not exist", of a FIFO that exists."""
     fifo = tmp_path / "corpus.jsonl"

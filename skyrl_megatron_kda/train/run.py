@@ -181,7 +181,7 @@ def start_ray(recipe: Recipe, stop: StopSignals) -> StartedRay:
         # While ray.init runs, its own SIGTERM handlers are in place (the only sys.exit calls on
         # its start-up path): they end the processes it has started, then exit.
         raise Interrupted(signal.SIGTERM, "stopped by SIGTERM while Ray was starting (Ray ended "
-                          "its processes); nothing saved") from None
+                          "its processes); nothing saved", exit_at_once=True) from None
     stop.install()
     return ray_here
 

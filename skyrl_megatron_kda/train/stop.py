@@ -27,9 +27,13 @@ class Interrupted(RuntimeError):
     exits with ``128 + signum``."""
 
     def __init__(self, signum: int, message: str, step: int | None = None,
-                 path: Path | None = None):
+                 path: Path | None = None, *, exit_at_once: bool = False):
         super().__init__(message)
         self.signum, self.step, self.path = signum, step, path
+        self.exit_at_once = exit_at_once
+        """Stopped inside ``ray.init``: Ray's processes are ended, but its half-made core worker
+        in this process may crash the interpreter's own shutdown (SIGSEGV after the line), so
+        the command ends the process without it (``cli``)."""
 
 
 class StopSignals:

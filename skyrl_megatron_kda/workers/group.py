@@ -9,6 +9,7 @@ import socket
 from typing import Any, Callable
 
 import ray
+import ray._private.ray_constants as ray_constants
 import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -74,8 +75,14 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ``address=None`` starts a new local cluster: Ray's own ``None`` would join the cluster named
     by ``RAY_ADDRESS`` or the one ``ray start`` last started on this machine. The workers get
     ``ALLOCATOR_CONF``. An address where nothing listens is refused first
-    (``check_reachable``)."""
+    (``check_reachable``). Ray's C++ failure-signal handler is left out of this process, so that
+    a SIGTERM reaches Python's handlers."""
     check_reachable(address)
+    # Ray's C++ failure-signal handler, which ray.init installs in this process, answers SIGTERM
+    # with a stack dump and SIGABRT (the commands install their own once Ray is up: train.stop).
+    # Without it a SIGTERM in between reaches Ray's Python handler, a SystemExit that
+    # ``train.run.start_ray`` turns into one line. Only this process: the ranks keep theirs.
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     env = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF)}
     ray.init(address=address or "local", num_cpus=num_cpus, include_dashboard=False,
              log_to_driver=False,
