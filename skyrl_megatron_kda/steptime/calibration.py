@@ -139,6 +139,15 @@ MOE_S_PER_PAIR_ELEMENT = (MOE_SLICE_S - MOE_SLICE_FLOP / MOE_FLOP_PER_S) / (8 * 
 """The rest per routed pair and hidden element under full recompute (permutation, SwiGLU and
 its clamp, probabilities, the experts run one after another): 43.4 ps, 0.19 s of each block."""
 
+# bench/results/h100_moe_dispatch/moe_dispatch.json (``bash bench/step_time_runs.sh moe``): the
+# share's MoE block (131,072 rows, 9 experts of 1,024 columns, chunks of 8,192, EP1) under each
+# dispatcher in one device call on one H100, median of five: forward without grad, forward and
+# backward, as a full-recompute step runs them.
+MOE_ALLTOALL_SHARE = 0.5673527870000044 / 0.5445683559999992
+"""The MoE block's compute under ``model.moe.dispatcher=alltoall`` against ``allgather``, the
+dispatcher every MoE rate above was measured under (1.042): its local permutation carries the
+fp32 routing weights with the rows and sorts each chunk's rows by local expert."""
+
 DENSE_SLICE_S, DENSE_SHARE_S = 0.323069084999986, 0.25058116299999256
 DENSE_SLICE_FLOP = 4 * 2 * SLICE_PART_ROWS * 3 * HIDDEN * 12288
 DENSE_SHARE_FLOP = 4 * 2 * SHARE_ROWS * 3 * HIDDEN * 1536

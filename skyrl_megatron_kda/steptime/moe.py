@@ -71,9 +71,10 @@ def moe_dispatch_s(recipe: Recipe) -> float:
 
 def moe_part(recipe: Recipe) -> Part:
     """The MoE layers: routed experts (``moe_pairs`` x three GEMMs of D x F/etp), the shared
-    expert (TP-sharded over the CP rank's rows) and the router, at the measured MoE rate; under
-    ``train.moe_chunk_tokens`` each chunk's experts run forward once more in backward. The
-    dispatcher's collectives run in each forward pass and once in backward."""
+    expert (TP-sharded over the CP rank's rows) and the router, at the measured MoE rate (times
+    the block's measured cost under ``alltoall``); under ``train.moe_chunk_tokens`` each chunk's
+    experts run forward once more in backward. The dispatcher's collectives run in each forward
+    pass and once in backward."""
     m, p, e = recipe.model, recipe.parallel, recipe.model.moe
     n = m.mlp_types().count("moe")
     if n == 0:
@@ -91,6 +92,8 @@ def moe_part(recipe: Recipe) -> Part:
     hw = scale(recipe)
     compute = (flops / cal.MOE_FLOP_PER_S * hw.gemm
                + moe_pairs(recipe) * D * cal.MOE_S_PER_PAIR_ELEMENT * (fwd + 2) / 4 * hw.memory)
+    if e.dispatcher == "alltoall":
+        compute *= cal.MOE_ALLTOALL_SHARE
     comm = (fwd + 1) * moe_dispatch_s(recipe)
     if p.tp > 1 and e.num_shared_experts:
         comm += (fwd + 1) * 2 * seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
