@@ -157,7 +157,7 @@ pathlib.Path("prompts.jsonl").write_text((json.dumps(record) + "\n") * 4)  # the
         trainer.placement.policy_num_gpus_per_node=4 \
         trainer.kda.recipe=glm53_flash_tiny trainer.kda.overrides.run.device=gpu \
         trainer.policy.model.path="$WORK/tiny_model" "data.train_data=['$WORK/prompts.jsonl']" \
-        trainer.train_batch_size=4 trainer.policy_mini_batch_size=4 \
+        "data.val_data=[]" trainer.train_batch_size=4 trainer.policy_mini_batch_size=4 \
         trainer.kda.dry_run=true || return 1
     grep -qx "launch: ready" "$WORK/logs/dry-run.log" || { echo "no 'launch: ready' line"; return 1; }
 }
