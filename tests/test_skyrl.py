@@ -14,6 +14,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from pydantic import ValidationError
@@ -27,9 +28,20 @@ from skyrl_megatron_kda.recipes import get_recipe, load_recipe
 from tests.support import main_base_runs
 from tests.support.ranks import run_ranks
 
+# The prompts every job below names: the dry run reads the data as the launch will
+# (integrations/skyrl/gate.py, check_inputs), and SkyRL's default data.train_data is not here.
+PROMPTS = os.path.join(tempfile.mkdtemp(prefix="test_skyrl_"), "prompts.jsonl")
+with open(PROMPTS, "w") as f:
+    f.write((json.dumps({"prompt": [{"role": "user", "content": "1 + 1 ="}], "env_class": "gsm8k"})
+             + "\n") * 4)
+
 # A job the integration accepts as far as SkyRL's own checks go (GRPO, no KL, not colocated).
 JOB = [
     "trainer.strategy=megatron",
+    f"data.train_data=['{PROMPTS}']",
+    "data.val_data=[]",
+    "trainer.train_batch_size=4",
+    "trainer.policy_mini_batch_size=4",
     "trainer.logger=console",
     "trainer.placement.colocate_all=false",
     "trainer.algorithm.use_kl_loss=false",
