@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
     is_main_replica,
@@ -147,15 +148,27 @@ class NoSpaceForCheckpoint(OSError):
     """A save refused before writing: the checkpoint does not fit in the free space."""
 
 
+ITEM_BYTES = 2048
+"""What torch's checkpoint writer adds to each item beyond its data (each tensor goes through
+torch.save's container) plus its entry in ``.metadata``."""
+
+
 def written_bytes(request: dict) -> int:
-    """Bytes of the tensors this rank writes for ``request`` (a sharded state dict): megatron's
-    save writes each shard once, from its main replica; objects and common state (scheduler,
-    loader position, RNG) are small beside them and not counted."""
+    """Bytes this rank writes for ``request`` (a sharded state dict): megatron's save writes each
+    shard once, from its main replica (a factory's shards as it builds them), each with
+    ``ITEM_BYTES`` around it; objects (RNG, common state) count ``ITEM_BYTES`` each."""
     total = 0
     for item in nested_values(request):
-        if isinstance(item, (ShardedTensor, ShardedTensorFactory)) and \
-                is_main_replica(item.replica_id):
-            total += item.data.numel() * item.data.element_size()
+        if isinstance(item, ShardedTensorFactory):
+            built = item.build()
+            shards = nested_values(built) if isinstance(built, (dict, list)) else [built]
+        else:
+            shards = [item]
+        for shard in shards:
+            if isinstance(shard, ShardedTensor) and is_main_replica(shard.replica_id):
+                total += shard.data.numel() * shard.data.element_size() + ITEM_BYTES
+            elif isinstance(shard, ShardedObject) and is_main_replica(shard.replica_id):
+                total += ITEM_BYTES
     return total
 
 
