@@ -162,6 +162,9 @@ def _model_on_rank(rank, world, overrides):
 
 
 MESHES = {"tp1": SINGLE,
+          # reentrant recompute: adapters inside get gradients only if the frozen embedding's
+          # output is made to need one
+          "tp1-recompute": SINGLE + ["train.recompute=full"],
           "tp2-sp": ["parallel.cp=1", "parallel.ep=1", "run.num_workers=2", "model.dsa.tp_split=heads"]}
 
 
