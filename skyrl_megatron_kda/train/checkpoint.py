@@ -166,7 +166,7 @@ def latest_checkpoint(output_dir: str | Path, action: str = RESUME) -> Path | No
     if not name:
         raise LatestError(latest_advice(output_dir, f"{marker} is empty", action))
     if not _STEP_DIR.fullmatch(name):
-        # A path (``../../other_run/checkpoints/step_4``) would load, export and verify another
+        # A path (one climbing into another run's folder) would load, export and verify another
         # run's checkpoint as this one's.
         raise LatestError(latest_advice(output_dir, f"{marker} names {name!r}, which is not a "
                                                     "step_N folder beside it", action))
