@@ -52,3 +52,28 @@ def test_a_failed_rank_raises_and_the_next_call_gets_a_working_group():
     with pytest.raises(RuntimeError, match="rank 1:(.|\n)*rank 1 fails on purpose"):
         run_ranks(2, _fail_on_rank_1)
     assert run_ranks(2, _sum_ranks) == [1, 1]
+
+
+_HELD_GROUPS = []
+
+
+def _pid_holding_a_group(rank: int, world: int) -> int:
+    """This rank's pid, after making a process group that a module global keeps referenced (as a
+    leak would): destroying it leaves its transport threads running."""
+    _HELD_GROUPS.append(dist.new_group(list(range(world))))
+    return os.getpid()
+
+
+def test_a_group_whose_ranks_gather_threads_is_retired(monkeypatch):
+    """A rank over ``MAX_RANK_THREADS`` after a call ends its group: that call still returns, the
+    next one runs on fresh ranks. Under the limit the same ranks serve again."""
+    from tests.support import ranks
+
+    first = run_ranks(2, _pid_holding_a_group)
+    assert run_ranks(2, _pid_holding_a_group) == first  # pooled: the same processes
+    monkeypatch.setattr(ranks, "MAX_RANK_THREADS", 1)
+    assert run_ranks(2, _pid_holding_a_group) == first  # over the limit: answered, then retired
+    monkeypatch.undo()
+    fresh = run_ranks(2, _pid_holding_a_group)
+    assert set(fresh).isdisjoint(first)
+    assert run_ranks(2, _sum_ranks) == [1, 1]

@@ -7,7 +7,8 @@ machine, and most of a small test's time. Between calls each rank puts back what
 change process-wide, so that a call sees what a fresh rank would: megatron's parallel state, its
 MoE aux-loss scale and metrics, every process group but the world's, the environment, the working
 directory, torch's default dtype, thread count, grad mode, deterministic switch and default RNG
-state. A rank that fails or dies ends its whole group (its peers may be waiting for it in a
+state; a group whose ranks have gathered more native threads than ``MAX_RANK_THREADS`` is
+retired after its call. A rank that fails or dies ends its whole group (its peers may be waiting for it in a
 collective); the next call starts a fresh one. NCCL ranks are spawned for each call, as a GPU
 test wants its devices to itself.
 """
@@ -37,6 +38,11 @@ MAX_POOLED_WORLD = 4
 # ended: a peer waiting in a collective for the failed rank never reports. Only what the failure
 # message includes depends on it.
 PEER_REPORT_S = 20.0
+# The most native threads a pooled rank may hold after a call before its group is retired (the
+# next call starts a fresh one). A destroyed gloo group whose object something still references
+# keeps its transport threads, which wake and poll: over a session they add up to hundreds per
+# rank and cost the 2-core machine a core. A fresh rank holds a few dozen.
+MAX_RANK_THREADS = 200
 
 
 def _free_port() -> int:
@@ -53,6 +59,14 @@ def _dumps(obj) -> bytes:
 
 def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _native_threads() -> int:
+    """This process's threads, native ones included (0 where /proc does not list them)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def _call(fn, rank: int, world: int, args) -> tuple[str, object]:
@@ -113,10 +127,12 @@ def _serve(rank: int, world: int, port: int, conn) -> None:
         fn, args = _loads(request)
         status, payload = _call(fn, rank, world, args)
         fresh.restore()
+        threads = _native_threads()
         try:
-            reply = _dumps((status, payload))
+            reply = _dumps((status, payload, threads))
         except Exception:  # noqa: BLE001 - an unpicklable result is the test's error
-            reply = _dumps(("error", f"the result could not be sent back:\n{traceback.format_exc()}"))
+            reply = _dumps(("error", f"the result could not be sent back:\n{traceback.format_exc()}",
+                            threads))
         conn.send_bytes(reply)
     dist.destroy_process_group()
 
@@ -128,6 +144,7 @@ class _RankGroup:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.world = world
+        self.threads = 0  # the most native threads a rank held after the last call
         self.processes, self.pipes = [], []
         for rank in range(world):
             parent_end, child_end = ctx.Pipe()
@@ -165,7 +182,9 @@ class _RankGroup:
 
     def _reply(self, rank: int) -> tuple[str, object]:
         try:
-            return _loads(self.pipes[rank].recv_bytes())
+            status, payload, threads = _loads(self.pipes[rank].recv_bytes())
+            self.threads = max(self.threads, threads)
+            return status, payload
         except (EOFError, OSError):
             process = self.processes[rank]
             process.join(timeout=5)
@@ -206,6 +225,7 @@ def _pooled(world: int, fn, args) -> list[tuple[str, object]]:
     group = _GROUPS.get(world)
     if group is None or not group.alive:
         group = _GROUPS[world] = _RankGroup(world)
+    group.threads = 0
     try:
         return group.call(fn, args)
     except BaseException:
@@ -213,6 +233,9 @@ def _pooled(world: int, fn, args) -> list[tuple[str, object]]:
         # next call, so the group ends here.
         group.close(kill=True)
         raise
+    finally:
+        if group.alive and group.threads > MAX_RANK_THREADS:
+            group.close()
 
 
 def _spawn_entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
