@@ -14,6 +14,7 @@ from .cluster import LINK_PRESETS, ClusterConfig, InterNodeKind, LinkConfig
 from .data import DataConfig
 from .dotpath import DuplicateKey, flatten, load_yaml, merge, parse_overrides, unflatten
 from .kda import KDAConfig
+from .lora import LoRAConfig
 from .loading import CP_EXCHANGE_ENV, apply_env_overrides, env_cp_exchange
 from .model import (
     KERNEL_OPTIONS,
@@ -35,7 +36,8 @@ from .train import TrainConfig
 __all__ = [
     "CP_EXCHANGE_ENV", "DuplicateKey", "KERNEL_OPTIONS", "LINK_PRESETS", "ClusterConfig", "DSAConfig", "DataConfig",
     "FusedOptions", "HyperConnectionConfig", "InterNodeKind", "KDAConfig", "LatentOptions",
-    "LayerType", "LinkConfig", "MLPType", "MeshRecipe", "ModelConfig", "MoEConfig",
+    "LayerType", "LinkConfig", "LoRAConfig", "MLPType", "MeshRecipe", "ModelConfig",
+    "MoEConfig",
     "NonNegativeInt", "ParallelConfig", "PositiveInt", "Recipe", "RunConfig", "TorchOptions",
     "TrainConfig", "apply_env_overrides", "env_cp_exchange", "flatten",
     "load_yaml", "merge", "parse_overrides", "unflatten",

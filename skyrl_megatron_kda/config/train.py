@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from .base import ConfigSection, NonNegativeInt, PositiveInt
+from .lora import LoRAConfig
 from .model import LayerType
 
 
@@ -82,6 +83,8 @@ class TrainConfig(ConfigSection):
     ``max_skipped_steps`` skips in a row."""
     max_skipped_steps: PositiveInt = 3
     """With ``on_nonfinite=skip``: consecutive skipped updates after which the run stops."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """Low-rank adapters on the linears, the base frozen (``train.lora.rank`` 0: off)."""
     save_at_end: bool = Field(default=True, strict=True)
     """Save a checkpoint after the last step (benchmarks turn it off: the slice's optimizer state
     alone is tens of GiB)."""
