@@ -138,11 +138,18 @@ def _needs_grad(module, args, output):
     return output
 
 
-def _full_a(name: str, rank: int, in_features: int, seed: int) -> torch.Tensor:
+def _full_a(name: str, rank: int, in_features: int, seed: int,
+            init_method: str = "kaiming") -> torch.Tensor:
     """A's whole [r, in] initial value, from a generator seeded by ``seed`` and the module name,
-    so the adapter is the same at every TP size (peft's kaiming-uniform, a = sqrt(5))."""
+    so the adapter is the same at every TP size: uniform in +-bound, peft's kaiming-uniform
+    (a = sqrt(5): bound 1/sqrt(in)) or xavier-uniform (bound sqrt(6/(in + rank)))."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_ with a=sqrt(5) on fan_in
+    if init_method == "kaiming":
+        bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_ with a=sqrt(5) on fan_in
+    elif init_method == "xavier":
+        bound = math.sqrt(6.0 / (in_features + rank))  # xavier_uniform_ on [rank, in]
+    else:
+        raise ValueError(f"lora init_method={init_method!r} must be 'kaiming' or 'xavier'")
     return (torch.rand(rank, in_features, generator=gen, dtype=torch.float64) * 2 - 1) * bound
 
 
@@ -201,9 +208,10 @@ def lora_targets(model: torch.nn.Module, target_modules: Sequence[str] | str = "
 
 def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float = 16.0, dropout: float = 0.0,
                target_modules: Sequence[str] | str = "all-linear",
-               exclude_modules: Sequence[str] = (), seed: int = 0) -> list[str]:
+               exclude_modules: Sequence[str] = (), seed: int = 0,
+               init_method: str = "kaiming") -> list[str]:
     """Freeze every parameter of ``model`` and hang an adapter on each targeted linear (see
-    ``lora_targets``); returns the adapted linears' names. Call before megatron's DDP wraps the
+    ``lora_targets``; A drawn by ``init_method``, ``_full_a``); returns the adapted linears' names. Call before megatron's DDP wraps the
     model, so that its buffers and the optimizer hold the adapters only."""
     if rank < 1:
         raise ValueError(f"lora rank={rank} must be >= 1")
@@ -224,7 +232,7 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float = 16.0, dropou
         if hasattr(linear, "lora"):
             raise ValueError(f"{name} already has a LoRA adapter")
         in_features = linear.input_size
-        full_a = _full_a(name, rank, in_features, seed)
+        full_a = _full_a(name, rank, in_features, seed, init_method)
         linear.lora = LoRAAdapter(linear, rank, alpha, dropout, full_a)
         linear._lora_hook = linear.register_forward_hook(_add_delta, with_kwargs=True)
     return chosen
