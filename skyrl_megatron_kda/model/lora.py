@@ -211,8 +211,9 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float = 16.0, dropou
                exclude_modules: Sequence[str] = (), seed: int = 0,
                init_method: str = "kaiming") -> list[str]:
     """Freeze every parameter of ``model`` and hang an adapter on each targeted linear (see
-    ``lora_targets``; A drawn by ``init_method``, ``_full_a``); returns the adapted linears' names. Call before megatron's DDP wraps the
-    model, so that its buffers and the optimizer hold the adapters only."""
+    ``lora_targets``; A drawn by ``init_method``, ``_full_a``); returns the adapted linears'
+    names. Call before megatron's DDP wraps the model, so that its buffers and the optimizer
+    hold the adapters only."""
     if rank < 1:
         raise ValueError(f"lora rank={rank} must be >= 1")
     if not 0.0 <= dropout < 1.0:
