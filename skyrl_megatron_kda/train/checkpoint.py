@@ -22,6 +22,10 @@ naming the step folder that verifies (``LatestError``, ``latest_advice``). A sav
 megatron fails raises ``CheckpointFailed``: the rank and its own error in one line, not torch's
 ``CheckpointException ranks:dict_keys([0])`` (``checkpoint_failures``).
 
+Under LoRA (``TrainState.lora``) the model part is the adapters only, the optimizer part their
+Adam state, and the manifest records the LoRA settings and the frozen base's fingerprint; the
+trainer rebuilds the base, and a load that cannot meet it is refused (``manifest.lora_refusal``).
+
 The trainer hands its pieces over as a ``TrainState``; ``load`` restores model, optimizer,
 scheduler and RNG in place and returns the step and the data position (``Restored``), which the
 trainer applies to its own loader.
@@ -49,6 +53,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from ..config import ParallelConfig
 from ..distributed.cpu import cuda_names_cpu
+from ..model.lora import LoRAAdapter, lora_parameters
 from . import manifest
 from .checkpoint_failures import check_free_space, explained_failures
 from .step_guard import finite_on_every_rank
@@ -84,6 +89,11 @@ class TrainState:
     """``TrainConfig.schedule()`` of the run: recorded in the manifest, compared on load."""
     recipe_sha256: str
     """``manifest.recipe_hash`` of the run's recipe (recorded in the manifest)."""
+    lora: dict | None = None
+    """``train.lora`` of a LoRA run (None: full weights train): the model part of a checkpoint is
+    then the adapters only; recorded in the manifest, compared on load."""
+    base_sha256: str | None = None
+    """``trainer.base_fingerprint`` of the frozen base under LoRA (recorded, compared on load)."""
 
     def cpu_mode(self):
         """Context for megatron's CUDA-only checkpoint and optimizer code on CPU ranks."""
@@ -220,7 +230,22 @@ def _model_sharded_state(state: TrainState) -> dict:
     ``tensor_model_parallel`` / ``partition_dim`` attributes megatron puts on TP-parallel ones.
     """
     metadata = {"dp_cp_group": state.dp_cp_group}
+    if state.lora is not None:
+        return adapter_sharded_state(state.model, metadata, state.tp_group)
     return module_sharded_state(state.model, "", metadata, state.tp_group)
+
+
+def adapter_sharded_state(model: torch.nn.Module, metadata: dict, tp_group) -> dict:
+    """The LoRA adapters' sharded state dict, keyed by parameter name (``...o_proj.lora.A``), each
+    declared from its ``tensor_model_parallel`` / ``partition_dim`` marks. megatron's linears
+    would declare them replicated (their ``sharded_state_dict`` wraps every tensor of their
+    ``state_dict`` but the weight and bias so), and only TP rank 0's shard of a split one would
+    be written."""
+    out: dict = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRAAdapter):
+            out.update(module_sharded_state(module, f"{name}.", metadata, tp_group))
+    return out
 
 
 def module_sharded_state(module: torch.nn.Module, prefix: str, metadata: dict, tp_group) -> dict:
@@ -387,7 +412,10 @@ def save(state: TrainState, output_dir: str | Path) -> Path:
     dist.barrier()
     if dist.get_rank() == 0:
         manifest.write(path, step=state.step, mesh=_mesh(state), schedule=state.schedule,
-                       recipe_sha256=state.recipe_sha256, finite=True)
+                       recipe_sha256=state.recipe_sha256, finite=True,
+                       lora=state.lora and {
+                           "settings": state.lora, "base_sha256": state.base_sha256,
+                           "adapter_tensors": len(lora_parameters(state.model))})
         marker = checkpoints_dir(output_dir) / LATEST
         tmp = marker.with_suffix(".tmp")
         tmp.write_text(path.name)
@@ -416,6 +444,19 @@ def verified_manifest(path: str | Path) -> dict:
     return result[0]
 
 
+def _load_model(state: TrainState, saved: dict) -> None:
+    if state.lora is None:
+        state.model.load_state_dict(saved)
+        return
+    adapters = lora_parameters(state.model)
+    if set(saved) != set(adapters):  # lora_refusal compared the settings that place them
+        raise ValueError(f"the checkpoint's adapters {sorted(set(saved) ^ set(adapters))[:3]} do "
+                         "not match this model's")
+    with torch.no_grad():
+        for name, param in adapters.items():
+            param.copy_(saved[name])
+
+
 def load(state: TrainState, path: str | Path, *, override_schedule: bool = False) -> Restored:
     """Restore model, optimizer, scheduler and (same mesh) RNG from ``path`` into ``state``'s
     objects; returns the saved step and data position for the caller to continue from.
@@ -429,6 +470,9 @@ def load(state: TrainState, path: str | Path, *, override_schedule: bool = False
     if changes and not override_schedule:
         raise ValueError(f"checkpoint {path} was trained with other schedule settings: "
                          f"{', '.join(changes)} (override_schedule applies this run's)")
+    refusal = manifest.lora_refusal(path, record, state.lora, state.base_sha256, _mesh(state))
+    if refusal is not None:
+        raise ValueError(refusal)
     saved_mesh = record["mesh"]
     same_mesh = saved_mesh == _mesh(state)
     _materialize_optimizer_state(state)
@@ -439,7 +483,7 @@ def load(state: TrainState, path: str | Path, *, override_schedule: bool = False
                        "from the seed", path, saved_mesh, _mesh(state))
     with state.cpu_mode(), explained_failures("loading", path):
         saved = dist_checkpointing.load(request, str(path))
-    state.model.load_state_dict(saved["model"])
+    _load_model(state, saved["model"])
     with state.cpu_mode(), _adam_step_passes_through(state):
         state.optimizer.load_state_dict(saved["optimizer"])
     _unshare_adam_steps(state)

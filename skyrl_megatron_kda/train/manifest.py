@@ -3,7 +3,8 @@
 
 ``<checkpoint>/manifest.json`` lists every other file of the checkpoint directory with its size
 and sha256, and records the step, the mesh that saved it, the schedule settings it was trained
-under and a hash of the recipe. ``checkpoint.save`` writes it on rank 0 after every rank has
+under and a hash of the recipe; a LoRA run's (adapters only) also records ``lora``: its
+``train.lora`` settings, the frozen base's fingerprint and the number of adapter tensors. ``checkpoint.save`` writes it on rank 0 after every rank has
 finished writing its shards, and writes it last and atomically (a temporary file, then
 ``os.replace``): a checkpoint without a manifest is an unfinished save, never a loadable one.
 
@@ -55,10 +56,12 @@ def _files(path: Path) -> list[str]:
 
 
 def write(path: str | Path, *, step: int, mesh: dict, schedule: dict, recipe_sha256: str,
-          finite: bool = False) -> dict:
+          finite: bool = False, lora: dict | None = None) -> dict:
     """Hash every file of checkpoint ``path`` and write its manifest (after the shards are all
     on disk; rank 0 only). ``finite``: the save checked that weights and optimizer state hold no
-    inf or NaN (``checkpoint.save`` does, and refuses to save otherwise)."""
+    inf or NaN (``checkpoint.save`` does, and refuses to save otherwise). ``lora``: the record of
+    an adapter checkpoint (``settings``, ``base_sha256``, ``adapter_tensors``; None: full
+    weights)."""
     path = Path(path)
     manifest = {
         "format": FORMAT,
@@ -67,6 +70,7 @@ def write(path: str | Path, *, step: int, mesh: dict, schedule: dict, recipe_sha
         "schedule": schedule,
         "recipe_sha256": recipe_sha256,
         "finite": finite,
+        **({} if lora is None else {"lora": lora}),
         "files": {name: {"size": (path / name).stat().st_size,
                          "sha256": file_sha256(path / name)} for name in _files(path)},
     }
@@ -118,17 +122,66 @@ def verify(path: str | Path) -> dict:
     return manifest
 
 
+def mesh_text(mesh: dict) -> str:
+    """``world2 tp2 cp1 ep1 etp1``: a manifest's mesh in one word per axis."""
+    return " ".join(f"{k}{v}" for k, v in mesh.items())
+
+
 def summary(path: str | Path, manifest: dict) -> str:
-    """One line for a verified checkpoint: step, files, bytes and mesh."""
+    """One line for a verified checkpoint: step, files, bytes and mesh; for an adapter checkpoint
+    its LoRA rank and the base fingerprint it needs."""
     files = manifest["files"]
     size = sum(r["size"] for r in files.values())
-    mesh = " ".join(f"{k}{v}" for k, v in manifest["mesh"].items())
     finite = "; weights and optimizer state finite" if manifest.get("finite") else ""
+    lora = manifest.get("lora")
+    adapters = "" if lora is None else (
+        f"; LoRA adapters only (rank {lora['settings']['rank']}, {lora['adapter_tensors']} "
+        f"tensors) on base {lora['base_sha256']}")
     return (f"{path}: ok, step {manifest['step']}, {len(files)} files, {size / 2**20:.1f} MiB "
-            f"match their sha256; mesh {mesh}{finite}")
+            f"match their sha256; mesh {mesh_text(manifest['mesh'])}{finite}{adapters}")
+
+
+def lora_changes(saved: dict, current: dict) -> list[str]:
+    """``train.lora.key saved -> current`` for each LoRA setting that differs."""
+    return [f"train.lora.{key} {saved.get(key)} -> {value}" for key, value in current.items()
+            if saved.get(key) != value]
 
 
 def schedule_changes(saved: dict, current: dict) -> list[str]:
     """``key saved -> current`` for each schedule setting that differs (in ``current``'s order)."""
     return [f"{key} {saved.get(key)} -> {value}" for key, value in current.items()
             if saved.get(key) != value]
+
+
+def lora_refusal(path, record: dict, lora: dict | None, base_sha256: str | None,
+                 mesh: dict) -> str | None:
+    """Why checkpoint ``path`` (its manifest ``record``) cannot load into a run of ``train.lora``
+    settings ``lora`` (None: LoRA off) on ``mesh`` whose base has fingerprint ``base_sha256``:
+    full weights into a LoRA run or adapters into a full one, adapters of other LoRA settings,
+    another mesh, or another base; None where it can."""
+    saved = record.get("lora")
+    if saved is None and lora is None:
+        return None
+    if saved is None:
+        return (f"checkpoint {path} holds full weights (saved with train.lora.rank=0) and this "
+                f"run sets train.lora.rank={lora['rank']}: resume with train.lora.rank=0, or "
+                "export it (skyrl-kda export) and start the LoRA run from it with "
+                "run.init_from_hf")
+    if lora is None:
+        return (f"checkpoint {path} holds LoRA adapters only (train.lora.rank="
+                f"{saved['settings']['rank']}) and this run has train.lora.rank=0: resume with "
+                "the checkpoint's train.lora settings")
+    changes = lora_changes(saved["settings"], lora)
+    if changes:
+        return (f"checkpoint {path} holds adapters of other LoRA settings: {', '.join(changes)}; "
+                "its adapters have the saved shapes and targets: resume with the checkpoint's "
+                "train.lora settings")
+    if record["mesh"] != mesh:
+        return (f"checkpoint {path} holds LoRA adapters saved on mesh {mesh_text(record['mesh'])}"
+                f", this run is {mesh_text(mesh)}: a LoRA run resumes on the mesh that saved it "
+                "(the base fingerprint is over the mesh's shards)")
+    if saved["base_sha256"] != base_sha256:
+        return (f"checkpoint {path}'s adapters were trained on another base: base fingerprint "
+                f"{saved['base_sha256'][:16]} saved, {base_sha256[:16]} here: resume with the "
+                "base the run started from (the same run.init_from_hf and train.seed)")
+    return None

@@ -59,6 +59,8 @@ def merge_rank_metrics(per_rank: list[dict]) -> dict:
     peaks = [m["peak_gib"] for m in per_rank if m.get("peak_gib") is not None]
     line["peak_gib"] = max(peaks) if peaks else None
     line["tokens_per_s"] = line["tokens"] / line["step_time_s"]
+    if "lora_params" in first:
+        line["lora_params"] = first["lora_params"]
     return line
 
 
@@ -96,7 +98,7 @@ class Progress:
 def run(recipe: Recipe, *, start: RunStart | None = None, progress: TextIO | None = sys.stderr,
         choices: Mapping[str, str] | None = None) -> list[dict]:
     """Train ``recipe`` on ``run.num_workers`` Ray actors; returns this invocation's metrics
-    (none for a finished run). ``start`` is ``run_folder.prepare``'s answer (made here when not
+    (none for a finished run); a LoRA run says what trains as it starts. ``start`` is ``run_folder.prepare``'s answer (made here when not
     given: a used folder is refused, no overwrite, no schedule override). ``choices``: why
     ``auto`` picked the recipe's values (``recipes.LoadedRecipe.choices``; None: nothing was
     left to auto), recorded beside ``recipe.yaml``. The folder's run lock
@@ -117,6 +119,8 @@ def run(recipe: Recipe, *, start: RunStart | None = None, progress: TextIO | Non
             with rank_group(recipe, stop) as group:
                 _record_rank_map(recipe, group, out, progress)
                 group.hold(_make_trainer, recipe)
+                if recipe.train.lora.enabled:
+                    logger.info(group.call_held(RankTrainer.lora_line)[0])
                 # The recipe as the ranks run it (recipes.load_recipe resolved every auto), and
                 # why auto picked what it did: rewritten by every invocation, so never stale.
                 (out / RECIPE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"),
@@ -232,13 +236,16 @@ def skipped_line(recipe: Recipe, lines: list[dict]) -> str:
 
 
 def summary_line(lines: list[dict], output_dir: str) -> str:
-    """The run's last line: steps, first and last loss, the updates skipped, the folder."""
+    """The run's last line: steps, first and last loss, the updates skipped, the adapter
+    parameters that trained under LoRA, the folder."""
     skipped = [m["step"] for m in lines if m.get("update_skipped")]
     said = ""
     if skipped:
         steps = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         said = (f"; {len(skipped)} update{'s' if len(skipped) > 1 else ''} skipped (not "
                 f"finite, step{'s' if len(skipped) > 1 else ''} {steps})")
+    if lines[-1].get("lora_params") is not None:
+        said += f"; LoRA: {lines[-1]['lora_params']:,} adapter parameters trained, base frozen"
     return (f"{len(lines)} steps, loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}{said}; "
             f"{output_dir}")
 

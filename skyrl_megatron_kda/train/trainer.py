@@ -14,6 +14,11 @@ each rank backpropagates its local *sum*, megatron's DDP sums gradients over DP 
 loss tokens. So the step does not depend on how the tokens are split over ranks, which is what
 makes CP1 and CP2 losses comparable.
 
+LoRA (``train.lora.rank`` > 0, docs/lora.md): adapters are hung on the built model (the
+released weights loaded) before DDP and the optimizer exist, so both hold the adapters only;
+the base stays frozen, the routers' expert bias included, and checkpoints hold the adapters
+with a fingerprint of the base (``base_fingerprint``).
+
 Data: every rank reads the same global rows (``dp * micro_batch_size`` per step, in loader
 order) and keeps those of its DP replica, split over CP (and SP) in Megatron's layout. Reading the
 other replicas' rows too keeps the loader state identical on every rank, so one saved position
@@ -22,6 +27,7 @@ resumes any mesh.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -44,6 +50,7 @@ from ..distributed.cpu import cuda_names_cpu
 from ..distributed.rank_split import RankShard, shard_for_rank
 from ..model import glm
 from ..model.hf_io import load_hf_checkpoint
+from ..model.lora import apply_lora, lora_parameters
 from . import checkpoint, manifest, memory_report
 from .data import PackedLoader, PackedRow, build_loader, continue_loader
 from .optimizer import ddp_config, optimizer_config
@@ -66,7 +73,8 @@ def load_initial_weights(module: torch.nn.Module, recipe: Recipe) -> bool:
     its contiguous buffer and the distributed optimizer takes its (fp32) main parameters from
     those at construction, so loading first is what makes both start from the released weights.
     With ``run.resume`` the checkpoint about to be loaded holds the weights, so the folder is
-    only checked for existence (it is still the run's recorded source for ``skyrl-kda export``).
+    only checked for existence (it is still the run's recorded source for ``skyrl-kda export``);
+    under LoRA the checkpoint holds the adapters only, so the base is loaded on resume too.
     """
     path = recipe.run.init_from_hf
     if path is None:
@@ -75,7 +83,7 @@ def load_initial_weights(module: torch.nn.Module, recipe: Recipe) -> bool:
         raise FileNotFoundError(
             f"run.init_from_hf={path!r} is not a folder on {socket.gethostname()} (rank "
             f"{dist.get_rank()}): every node needs the Hugging Face checkpoint at this path")
-    if recipe.run.resume:
+    if recipe.run.resume and not recipe.train.lora.enabled:
         if dist.get_rank() == 0:
             logger.info("run.resume: weights come from the run's checkpoint, not %s", path)
         return False
@@ -175,6 +183,8 @@ class RankTrainer(RankModel):
         # The loss below is a per-rank token sum: DDP must sum gradients (not average them) and
         # finalize_model_grads divides by the global token count.
         self.config.calculate_per_token_loss = True
+        self.lora_params = self._apply_lora() if recipe.train.lora.enabled else None
+        self._base_fingerprint: str | None = None
         self.model = DistributedDataParallel(self.config, ddp_config(recipe), self.model)
         t = recipe.train
         with self.cpu_mode():
@@ -186,6 +196,46 @@ class RankTrainer(RankModel):
         self.step = 0
         self.guard = StepGuard.of(t)
         self._memory_report_due = recipe.run.memory_report  # the first step of this process
+
+    def _apply_lora(self) -> int:
+        """Adapters on the recipe's targets, seeded by ``train.seed``; the routers' expert bias
+        frozen too (megatron's ``frozen_expert_bias``), so that nothing of the base changes and
+        an adapter checkpoint is the whole trained state. Returns the number of adapter
+        parameters of the whole model (TP shards counted once)."""
+        lora = self.recipe.train.lora
+        names = apply_lora(self.model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                           target_modules=lora.target_modules,
+                           exclude_modules=lora.exclude_modules, seed=self.recipe.train.seed,
+                           init_method=lora.init_method)
+        if not self.use_cpu:  # A is drawn on the CPU
+            self.model.cuda(torch.cuda.current_device())
+        for module in self.model.modules():
+            if hasattr(module, "expert_bias"):
+                module.frozen_expert_bias = True
+        tp = self.pgs.tp.size()
+        count = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                    for p in lora_parameters(self.model).values())
+        if dist.get_rank() == 0:
+            logger.info("LoRA rank %d on %d linears: %d parameters train, the base is frozen",
+                        lora.rank, len(names), count)
+        return count
+
+    def lora_line(self) -> str | None:
+        """One line saying what trains under LoRA (None without it)."""
+        if self.lora_params is None:
+            return None
+        lora = self.recipe.train.lora
+        return (f"LoRA rank {lora.rank}, alpha {lora.alpha:g}: {self.lora_params:,} adapter "
+                f"parameters train, the base is frozen")
+
+    def base_fingerprint(self) -> str | None:
+        """The frozen base's ``base_fingerprint`` under LoRA (None without it);
+        collective on its first call, then kept: the base does not change."""
+        if self.lora_params is None:
+            return None
+        if self._base_fingerprint is None:
+            self._base_fingerprint = base_fingerprint(self.model.module)
+        return self._base_fingerprint
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -282,6 +332,7 @@ class RankTrainer(RankModel):
             "skipped_records": self.loader.stats.state_dict()["skipped"],
             # Peak of torch's allocator since the run started (what `skyrl-kda plan` estimates).
             "peak_gib": None if self.use_cpu else torch.cuda.max_memory_allocated() / 2**30,
+            **({} if self.lora_params is None else {"lora_params": self.lora_params}),
         }
 
     def train_state(self) -> checkpoint.TrainState:
@@ -290,7 +341,10 @@ class RankTrainer(RankModel):
             model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler,
             step=self.step, loader_state=self.loader.state_dict(), parallel=self.recipe.parallel,
             use_cpu=self.use_cpu, tp_group=self.pgs.tp, dp_cp_group=self.dp_cp_group,
-            schedule=self.recipe.train.schedule(), recipe_sha256=manifest.recipe_hash(self.recipe))
+            schedule=self.recipe.train.schedule(), recipe_sha256=manifest.recipe_hash(self.recipe),
+            lora=(self.recipe.train.lora.model_dump(mode="json")
+                  if self.lora_params is not None else None),
+            base_sha256=self.base_fingerprint())
 
     def save_checkpoint(self, output_dir: str) -> str:
         """Sharded checkpoint of this step under ``output_dir/checkpoints`` (every rank calls it)."""
@@ -305,6 +359,25 @@ class RankTrainer(RankModel):
         self.loader = continue_loader(self.loader, restored.loader_state)
         self.step = restored.step
         return self.step
+
+
+def base_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of the frozen base as this mesh holds it (collective): each rank hashes the name,
+    dtype, shape and bytes of every tensor of its state dict outside the adapters (parameters
+    and persistent buffers, in name order); the ranks' digests are gathered and hashed in
+    global rank order. The same weights on the same mesh give the same fingerprint; another
+    mesh gives another (its shards differ)."""
+    adapters = set(lora_parameters(model))
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+        if name in adapters or not isinstance(tensor, torch.Tensor):
+            continue
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(data.numpy().tobytes())
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest.hexdigest())
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
 def build_scheduler(optimizer, recipe: Recipe):

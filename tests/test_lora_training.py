@@ -1,0 +1,235 @@
+"""LoRA in the trainer (``train.lora``; train/trainer.py, train/checkpoint.py, docs/lora.md):
+megatron's DDP buffers and the distributed optimizer hold the adapters only and a step moves
+nothing else; an adapter checkpoint resumes bit-exactly on its mesh (TP2 +SP, whose split
+adapters a replicated declaration would get wrong); a resume with other LoRA settings, another
+base, another mesh, or full weights on one side is refused in one line; ``checkpoint verify``
+names an adapter checkpoint and its base fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import tempfile
+
+import pytest
+import torch
+
+from skyrl_megatron_kda.recipes import load_recipe
+from tests.support.memory_recipes import SINGLE, TINY
+from tests.support.ranks import run_ranks
+
+# all-linear but the routed experts (refused by lora_targets); no warmup, so step 1 moves
+LORA = ["train.lora.rank=4", "train.lora.alpha=8", "train.lora.exclude_modules=['*.experts.*']",
+        "train.warmup_steps=0", "train.steps=3"]
+# TP2 +SP; DSA by heads (its rows path gathers the MLA linears' weights, refused for adapters)
+TP2_SP = ["parallel.cp=1", "parallel.ep=1", "run.num_workers=2", "model.dsa.tp_split=heads"]
+SAVE_AFTER, STEPS = 2, 3
+
+
+def _recipe(overrides):
+    return load_recipe(TINY, [*LORA, *overrides], environ={}).recipe
+
+
+def _base_state(model) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state outside the adapters (parameters, the routers' expert
+    bias), copied."""
+    return {n: t.detach().clone() for n, t in model.state_dict().items()
+            if ".lora." not in n and isinstance(t, torch.Tensor)}
+
+
+def _one_rank_steps(rank, world):
+    """DDP's and the optimizer's parameters, and what two steps change."""
+    from skyrl_megatron_kda.model.lora import lora_parameters
+    from skyrl_megatron_kda.train.data import build_loader
+    from skyrl_megatron_kda.train.trainer import RankTrainer
+
+    trainer = RankTrainer(_recipe(SINGLE))
+    model = trainer.model.module
+    adapters = lora_parameters(model)
+    ddp = trainer.model
+    buffers = [*ddp.buffers, *ddp.expert_parallel_buffers]
+    in_buffers = [p for b in buffers for p in b.params]
+    optimizers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    in_optimizer = [p for opt in optimizers for p in opt.model_param_group_index_map]
+    main_numel = sum(p.numel() for opt in optimizers for g in opt.optimizer.param_groups
+                     for p in g["params"])
+    # The first row the trainer steps on (a fresh loader of the same seed), scored before and
+    # after that step.
+    r = trainer.recipe
+    row = build_loader(r.data, seed=r.train.seed, parallel=r.parallel, layout=r.parallel.cp_layout,
+                       vocab_size=r.model.vocab_size).next_row()
+
+    def row_loss():
+        with torch.no_grad():
+            shard = trainer.shard(row)
+            logp, _ = trainer.token_logprobs(shard)
+            mask = shard.loss_mask[None].float()
+            return float(-(logp * mask).sum() / mask.sum())
+
+    base, start = _base_state(model), {n: p.detach().clone() for n, p in adapters.items()}
+    before = row_loss()
+    first = trainer.train_step()
+    after_one = row_loss()
+    b_moved = all(not torch.equal(p, start[n]) for n, p in adapters.items() if n.endswith(".B"))
+    second = trainer.train_step()
+    base_now = _base_state(model)
+    out = dict(
+        adapter_ids={id(p) for p in adapters.values()}, buffer_ids={id(p) for p in in_buffers},
+        optimizer_ids={id(p) for p in in_optimizer}, n_adapters=len(adapters),
+        adapter_numel=sum(p.numel() for p in adapters.values()),
+        buffer_numel=sum(p.numel() for p in in_buffers),
+        buffer_unpadded=sum(b.numel_unpadded for b in buffers), main_numel=main_numel,
+        base_changed=[n for n, t in base.items() if not torch.equal(t, base_now[n])],
+        b_moved=b_moved,
+        unmoved=[n for n, p in adapters.items() if torch.equal(p, start[n])],
+        losses=(before, after_one), metrics=(first, second), line=trainer.lora_line())
+    trainer.close()
+    return out
+
+
+def test_ddp_and_optimizer_hold_only_the_adapters():
+    """DDP's grad buffers and the distributed optimizer take exactly the adapters (their numel,
+    up to megatron's 64-element alignment of each parameter's start); two steps leave every
+    base tensor bitwise as it was (the routers' expert bias included) and move every adapter;
+    the step lowers the loss of the row it trained on."""
+    r = run_ranks(1, _one_rank_steps)[0]
+    assert r["n_adapters"] > 0
+    assert r["buffer_ids"] == r["adapter_ids"], "DDP's buffers hold other parameters"
+    assert r["optimizer_ids"] == r["adapter_ids"], "the optimizer holds other parameters"
+    assert r["buffer_numel"] == r["adapter_numel"] == r["main_numel"]
+    assert r["adapter_numel"] <= r["buffer_unpadded"] < r["adapter_numel"] + 64 * r["n_adapters"]
+    assert not r["base_changed"], f"base tensors changed: {r['base_changed'][:5]}"
+    assert r["b_moved"] and not r["unmoved"], r["unmoved"][:5]
+    before, after = r["losses"]
+    assert after < before, f"the trained row's loss went {before} -> {after}"
+    assert r["metrics"][0]["lora_params"] == r["adapter_numel"]  # TP1: shards are whole
+    assert f"{r['adapter_numel']:,} adapter parameters train" in r["line"]
+
+
+def _adapters(trainer) -> dict[str, torch.Tensor]:
+    from skyrl_megatron_kda.model.lora import lora_parameters
+
+    return {n: p.detach().clone() for n, p in lora_parameters(trainer.model.module).items()}
+
+
+def _refusal(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _tp2_resume(rank, world, out_dir):
+    """3 steps saved after step 2; the checkpoint loaded into a fresh trainer and stepped once;
+    then the refusals."""
+    from skyrl_megatron_kda.train import checkpoint, manifest
+    from skyrl_megatron_kda.train.trainer import RankTrainer
+
+    trainer = RankTrainer(_recipe(TP2_SP))
+    straight = []
+    for step in range(STEPS):
+        straight.append(trainer.train_step())
+        if step + 1 == SAVE_AFTER:
+            path = trainer.save_checkpoint(out_dir)
+    fingerprint, end = trainer.base_fingerprint(), _adapters(trainer)
+    trainer.close()
+
+    resumed = RankTrainer(_recipe([*TP2_SP, "run.resume=true"]))
+    at = resumed.load_checkpoint(path)
+    after = [resumed.train_step() for _ in range(STEPS - at)]
+    out = dict(straight=straight, at=at, after=after, end=end, resumed_end=_adapters(resumed),
+               fingerprint=fingerprint, path=path)
+    state, record = resumed.train_state(), manifest.verify(path)
+    lora = state.lora
+    other = {
+        "rank": dataclasses.replace(state, lora={**lora, "rank": 8}),
+        "targets": dataclasses.replace(state, lora={**lora, "exclude_modules": []}),
+        "off": dataclasses.replace(state, lora=None, base_sha256=None),
+        "mesh": dataclasses.replace(state, parallel=state.parallel.model_copy(update={"tp": 1})),
+    }
+    out["refused"] = {k: manifest.lora_refusal(path, record, s.lora, s.base_sha256,
+                                               checkpoint._mesh(s)) for k, s in other.items()}
+    out["refused"]["full_weights"] = manifest.lora_refusal(
+        path, {k: v for k, v in record.items() if k != "lora"}, lora, state.base_sha256,
+        checkpoint._mesh(state))
+    resumed.close()
+    # Another base: the seed draws other initial weights.
+    other_base = RankTrainer(_recipe([*TP2_SP, "run.resume=true", "train.seed=1"]))
+    out["refused"]["base"] = _refusal(lambda: other_base.load_checkpoint(path))
+    out["other_fingerprint"] = other_base.base_fingerprint()
+    other_base.close()
+    return out
+
+
+_RUN_DIR = tempfile.TemporaryDirectory(prefix="skyrl_kda_lora_")
+
+
+@functools.cache
+def tp2_resume() -> list[dict]:
+    return run_ranks(2, _tp2_resume, _RUN_DIR.name)
+
+
+def test_adapter_checkpoint_resumes_bit_exactly():
+    """TP2 +SP: 3 steps equal 2 steps, a save, a fresh trainer loading it (its base rebuilt from
+    the seed, fingerprint recomputed and matched) and 1 step: every loss, grad norm and every
+    rank's adapter shards bitwise."""
+    for r in tp2_resume():
+        assert r["at"] == SAVE_AFTER
+        for key in ("loss", "grad_norm", "lr", "loss_tokens"):
+            assert [m[key] for m in r["after"]] == [m[key] for m in r["straight"][SAVE_AFTER:]], key
+        assert r["end"].keys() == r["resumed_end"].keys()
+        differ = [n for n in r["end"] if not torch.equal(r["end"][n], r["resumed_end"][n])]
+        assert not differ, f"adapters differ after the resume: {differ[:5]}"
+    # TP-split adapters: the two ranks' B shards of a column-parallel linear differ (a
+    # replicated declaration would have given rank 1 rank 0's shard, and this test would fail).
+    r0, r1 = tp2_resume()
+    b = next(n for n in r0["end"] if n.endswith("linear_fc1.lora.B"))
+    assert not torch.equal(r0["end"][b], r1["end"][b])
+
+
+def test_resume_refusals_name_what_differs():
+    """Other LoRA settings, another mesh, full weights on either side, another base: one line
+    each, naming the setting (or both fingerprints) and what to do."""
+    r = tp2_resume()[0]
+    refused = r["refused"]
+    assert "train.lora.rank 4 -> 8" in refused["rank"] and "resume with" in refused["rank"]
+    assert "train.lora.exclude_modules" in refused["targets"]
+    assert "holds LoRA adapters only" in refused["off"]
+    assert "holds full weights" in refused["full_weights"] and "train.lora.rank=0" in refused[
+        "full_weights"]
+    assert "world2 tp2" in refused["mesh"] and "tp1" in refused["mesh"]
+    assert r["other_fingerprint"] != r["fingerprint"]
+    base = refused["base"]
+    assert r["fingerprint"][:16] in base and r["other_fingerprint"][:16] in base, base
+    assert "train.seed" in base
+    assert all("\n" not in m for m in refused.values())
+
+
+def test_checkpoint_verify_reports_adapters_and_base(capsys):
+    """``skyrl-kda checkpoint verify`` on the run's folder: the files match, and the line says
+    the checkpoint holds LoRA adapters only and which base fingerprint they need."""
+    from skyrl_megatron_kda.cli import main
+    from skyrl_megatron_kda.train import manifest
+
+    r = tp2_resume()[0]
+    assert main(["checkpoint", "verify", _RUN_DIR.name]) == 0
+    line = capsys.readouterr().out
+    assert "ok, step 2" in line and "LoRA adapters only (rank 4" in line
+    assert r["fingerprint"] in line
+    record = manifest.read(r["path"])
+    assert record["lora"]["settings"]["rank"] == 4
+    assert record["lora"]["base_sha256"] == r["fingerprint"]
+
+
+@pytest.mark.parametrize("init_method", ["kaiming", "xavier"])
+def test_a_init_bound(init_method):
+    """A is uniform in +-1/sqrt(in) (kaiming, peft's) or +-sqrt(6/(in + rank)) (xavier)."""
+    from skyrl_megatron_kda.model.lora import _full_a
+
+    rank, width = 4, 96
+    a = _full_a("layers.0.mlp.linear_fc1", rank, width, seed=0, init_method=init_method)
+    bound = 1 / math.sqrt(width) if init_method == "kaiming" else math.sqrt(6 / (width + rank))
+    assert a.abs().max() <= bound and a.abs().max() > 0.9 * bound
+
