@@ -43,6 +43,9 @@ What is ours, and why (megatron-core 0.19.2 has no equivalent):
     instead of megatron's row gathers around head-split linears.
   * ``DuplicatedLinear`` / ``IndexerKNorm`` / ``LatentRMSNorm``: the local backend has no TE
     duplicated linear or TE norm; torch's norm refuses SP, ours tags its weights for the TP sum.
+  * LoRA (model/lora.py): where this layer reads a linear's weight instead of calling it (the kv
+    up projection's, handed to the kernels; every projection's on the rows path) it reads
+    ``adapted_weight`` (``W + (alpha/r) B A`` of the shard; the weight itself without adapter).
 
 The indexer is duplicated over TP, not split: every TP rank needs the same top-k for all of its
 CP rank's query rows (its heads attend over them), and splitting indexer heads would need an
@@ -77,6 +80,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..config import DSAConfig
 from ..distributed.cp_layout import layout_kind
+from ..model.lora import adapted_weight
 from . import kept_selection, kernels
 from .batch_rows import DSABatchRows, dsa_batch_rows
 from .kernels import DSAKernel, KVDims
@@ -264,7 +268,8 @@ class GlmDSASelfAttention(MLASelfAttention):
         q = _whole_linear(self.linear_q_up_proj, qr, tp)
         heads = self.config.num_attention_heads
         query = q.view(*q.shape[:2], heads, self.q_head_dim)
-        kv_up_weight = gather_from_sequence_parallel_region(self.linear_kv_up_proj.weight, group=tp)
+        kv_up_weight = gather_from_sequence_parallel_region(adapted_weight(self.linear_kv_up_proj),
+                                                            group=tp)
         dims = KVDims(heads, self.config.qk_head_dim, self.config.v_head_dim)
         key, value = self.kernel.kv_inputs(layout.whole_sequence(kv_latent), kv_up_weight, dims)
         out = self.core_attention(query, key, value, attention_mask, x=x, qr=qr,
@@ -273,7 +278,7 @@ class GlmDSASelfAttention(MLASelfAttention):
         # input width: the transpose's rows.
         proj = self.linear_proj
         out = out.reshape(*out.shape[:2], -1) @ gather_from_sequence_parallel_region(
-            proj.weight.t(), group=tp)
+            adapted_weight(proj).t(), group=tp)
         out = layout.from_share(out)
         if proj.bias is not None and not proj.skip_bias_add:
             return out + proj.bias, None
@@ -283,7 +288,7 @@ class GlmDSASelfAttention(MLASelfAttention):
                             attn_mask_type=None, **extra_kwargs):
         """megatron's, plus the kv up-projection weight (an absorbed kernel applies it to the
         latent that stands in ``key``)."""
-        extra_kwargs["kv_up_weight"] = self.linear_kv_up_proj.weight
+        extra_kwargs["kv_up_weight"] = adapted_weight(self.linear_kv_up_proj)
         return super()._run_core_attention(query, key, value, attention_mask, packed_seq_params,
                                            attn_mask_type, **extra_kwargs)
 
@@ -311,15 +316,15 @@ class GlmDSASelfAttention(MLASelfAttention):
         dims = KVDims(self.num_attention_heads_per_partition, self.config.qk_head_dim,
                       self.config.v_head_dim)
         key, value = self.kernel.kv_inputs(layout.whole_sequence(kv_latent),
-                                           self.linear_kv_up_proj.weight, dims)
+                                           adapted_weight(self.linear_kv_up_proj), dims)
         return query, key, value, qr, kv_latent
 
 
 def _whole_linear(linear: ColumnParallelLinear, x: torch.Tensor, group) -> torch.Tensor:
-    """A column-parallel linear layer on rows with its whole weight (and bias), gathered over
-    TP; the gather's backward reduce-scatters the weight's gradient to the shards. megatron's
+    """A column-parallel linear layer on rows with its whole (LoRA-adapted) weight (and bias),
+    gathered over TP; the gather's backward reduce-scatters the weight's gradient to the shards. megatron's
     MLA drops a bias it was asked to skip, so this does too."""
-    weight = gather_from_sequence_parallel_region(linear.weight, group=group)
+    weight = gather_from_sequence_parallel_region(adapted_weight(linear), group=group)
     bias = linear.bias
     if bias is not None:
         bias = None if linear.skip_bias_add else gather_from_sequence_parallel_region(bias, group=group)

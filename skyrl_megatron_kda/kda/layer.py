@@ -12,6 +12,11 @@ the weights. The low-rank f_a/g_a and the per-head norm weight are duplicated ac
 TP rank only sees its own heads' share of their gradient, so they enter the graph through
 Megatron's ``copy_to_tensor_model_parallel_region`` (identity forward, TP all-reduce of the
 gradient), which makes their gradients complete on every rank with or without SP.
+
+Under LoRA (model/lora.py) the projection reads ``adapted_weight`` of each linear (its head slice
+of ``W + (alpha/r) B A``) and ``adapted_raw_weight`` of f_a/g_a, which LoRA knows by their HF
+names ``f_a_proj``/``g_a_proj`` (``LORA_WEIGHTS``); without adapters these are the weights
+themselves.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .exchanges import CommLedger, ExchangeGroups, ExchangeMesh, KernelArgs
 from .kernel import gated_rms_norm, resolve_backend
 from ..distributed.cp_layout import batch_index_maps
 from ..distributed.tensor_parallel import shard_of
+from ..model.lora import adapted_raw_weight, adapted_weight
 from .rows import RowGather, project_rows
 
 
@@ -70,6 +76,9 @@ def _tp_attrs(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
 
 class KimiDeltaAttention(MegatronModule):
     """KDA with TP/SP via megatron-core parallel linears and a pluggable CP exchange."""
+
+    # The raw weights that play linears for LoRA, by the linear's (HF's) name.
+    LORA_WEIGHTS = {"f_a_proj": "f_a_weight", "g_a_proj": "g_a_weight"}
 
     def __init__(
         self,
@@ -179,14 +188,17 @@ class KimiDeltaAttention(MegatronModule):
         GEMM."""
         hk = slice(heads.start * self.head_dim, heads.stop * self.head_dim)
         cfg = self.kda_config
+        low_rank = torch.cat([adapted_raw_weight(self, "f_a_proj"),
+                              adapted_raw_weight(self, "g_a_proj")])
         q, k, v, low = project_rows(
             shard, rows,
-            (self.q_proj.weight[hk],), (self.k_proj.weight[hk],), (self.v_proj.weight[hk],),
-            (self._dup(torch.cat([self.f_a_weight, self.g_a_weight])), self.b_proj.weight[heads]),
+            (adapted_weight(self.q_proj, hk),), (adapted_weight(self.k_proj, hk),),
+            (adapted_weight(self.v_proj, hk),),
+            (self._dup(low_rank), adapted_weight(self.b_proj, heads)),
         )
         f_low, g_low, beta = low.split([cfg.gate_low_rank, cfg.output_gate_low_rank, heads.stop - heads.start], -1)
-        f = F.linear(f_low, self.f_b_proj.weight[hk])
-        g = F.linear(g_low, self.g_b_proj.weight[hk])
+        f = F.linear(f_low, adapted_weight(self.f_b_proj, hk))
+        g = F.linear(g_low, adapted_weight(self.g_b_proj, hk))
         return [q, k, v, f, g, beta]
 
     def _recurrence_in_head_groups(self, q, k, v, f, b, A_log, dt_bias, layout) -> torch.Tensor:

@@ -18,6 +18,14 @@ under SP, B of a row linear under SP: each rank saw only its sequence share).
 
 The adapter hangs on the linear as its child ``lora`` with a forward hook, so the base keeps its
 parameter names (``q_proj.weight``) and the adapter's are ``q_proj.lora.A`` and ``q_proj.lora.B``.
+
+Where the model reads a linear's weight instead of calling it (KDA's input projections, DSA's
+``kv_b`` and the ``tp_split=sequence`` rows path), it reads ``adapted_weight(linear)``: the
+autograd expression ``W + (alpha/r) B A`` of the rank's shard, the duplicated factor entering
+through ``copy_to_tensor_model_parallel_region`` (its gradient summed over TP), or ``W`` itself
+without an adapter. KDA's raw low-rank weights (``f_a_weight``, ``g_a_weight``: HF's ``f_a_proj``
+and ``g_a_proj``, duplicated over TP) take adapters under those linear names
+(``adapted_raw_weight``); their reader completes the gradient over TP.
 """
 
 from __future__ import annotations
@@ -46,55 +54,103 @@ SKYRL_NAMES: dict[str, tuple[str, ...]] = {
     "linear_proj": ("linear_proj",),
     "linear_fc1": ("linear_fc1",),
     "linear_fc2": ("linear_fc2",),
-    "in_proj": ("q_proj", "k_proj", "v_proj", "b_proj", "f_b_proj", "g_b_proj"),
+    # glm5_next's packed ``in_proj_qkvbfg_a`` (SkyRL's vLLM patch): f_a/g_a, not f_b/g_b
+    "in_proj": ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj"),
     "out_proj": ("o_proj",),
 }
-# What "all-linear" adapts: every name above whose linears the model calls. ``in_proj`` is left
-# out until KDA's projection takes adapted weights (it reads head slices of the weights itself).
-ALL_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "out_proj")
+# What "all-linear" adapts: megatron's all-linear, every name above.
+ALL_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
 
+# Linears whose weight the model reads instead of calling them: their adapter reaches the model
+# through ``adapted_weight``, and input dropout (which would drop the adapter's input alone) is
+# refused on them. (The ``tp_split=sequence`` rows path reads every MLA linear: ``_reads_weight``.)
 _KDA_PROJECTION = "KDA's projection reads head slices of its weight (kda/layer.py, project)"
-# Linears whose weight the model reads directly instead of calling them: an adapter on their
-# forward would never run.
 WEIGHT_READ_DIRECTLY = {
-    **{name: _KDA_PROJECTION for name in SKYRL_NAMES["in_proj"]},
+    **{name: _KDA_PROJECTION
+       for name in ("q_proj", "k_proj", "v_proj", "b_proj", "f_b_proj", "g_b_proj")},
+    "f_a_proj": "KDA reads its low-rank f_a weight itself (kda/layer.py, project)",
+    "g_a_proj": "KDA reads its low-rank g_a weight itself (kda/layer.py, project)",
     "linear_kv_up_proj": "DSA's kernels take its weight to expand the KV latent",
-    "output_layer": "the LM head reads its weight (chunked log-probs, tied embeddings)",
 }
+# Refused outright, with the reason.
+REFUSED = {
+    "output_layer": "the LM head reads its weight in the chunked log-probs (model/glm.py, "
+                    "_vocab_weight) and a tied head is the embedding's",
+}
+
+
+class LoRAWeightSlot(torch.nn.Module):
+    """Stands in the module tree, under the name of the linear it plays (KDA's ``f_a_proj``), for
+    a raw weight that its layer reads itself (``f_a_weight``, duplicated over TP): holds that
+    weight's adapter ``lora``, so the adapter's parameters are named as a linear's
+    (``f_a_proj.lora.A``). Made by ``apply_lora``, removed by ``merge_lora``."""
+
+    def __init__(self, param_name: str, weight: torch.Tensor, tp_group):
+        super().__init__()
+        self.param_name = param_name
+        self.input_size = weight.shape[1]
+        self.tp_group = tp_group
+        self.sequence_parallel = False
 
 
 class LoRAAdapter(torch.nn.Module):
-    """The adapter of one column- or row-parallel linear: this rank's A and B shards, the scale
-    ``alpha / rank`` and the input dropout. ``delta(x)`` is the adapter's part of the linear's
-    output, in the layout of that output."""
+    """The adapter of one column- or row-parallel linear (or of a TP-duplicated raw weight, held
+    by a ``LoRAWeightSlot``): this rank's A and B shards, the scale ``alpha / rank`` and the input
+    dropout. ``delta(x)`` is the adapter's part of a called linear's output, in the layout of that
+    output; ``adapted(W)`` the adapted weight, for a layer that reads it."""
 
-    def __init__(self, linear: ColumnParallelLinear | RowParallelLinear, rank: int, alpha: float,
-                 dropout: float, full_a: torch.Tensor):
+    def __init__(self, linear: ColumnParallelLinear | RowParallelLinear | LoRAWeightSlot,
+                 rank: int, alpha: float, dropout: float, full_a: torch.Tensor,
+                 weight: torch.Tensor | None = None):
         super().__init__()
-        self.column = isinstance(linear, ColumnParallelLinear)
+        self.split = ("column" if isinstance(linear, ColumnParallelLinear)
+                      else "row" if isinstance(linear, RowParallelLinear) else "duplicated")
+        self.column = self.split == "column"
         self.tp_group = linear.tp_group
         self.sequence_parallel = bool(linear.sequence_parallel)
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
-        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
-        weight = linear.weight
+        self.dropout = dropout
+        weight = linear.weight if weight is None else weight
         tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
-        a = full_a if self.column else full_a.chunk(tp, dim=1)[tp_rank]
+        a = full_a.chunk(tp, dim=1)[tp_rank] if self.split == "row" else full_a
         if a.shape[1] != weight.shape[1]:
             raise ValueError(f"A's input width {a.shape[1]} differs from the base's "
                              f"{weight.shape[1]}")
         self.A = torch.nn.Parameter(a.to(weight.dtype).contiguous())
         self.B = torch.nn.Parameter(torch.zeros(weight.shape[0], rank, dtype=weight.dtype,
                                                 device=weight.device))
-        if self.column:  # B split by output rows, as the base weight
+        if self.split == "column":  # B split by output rows, as the base weight
             _tp_split(self.B, dim=0)
-        else:  # A split by input columns, as the base weight
+        elif self.split == "row":  # A split by input columns, as the base weight
             _tp_split(self.A, dim=1)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """Input dropout, its mask drawn whole (the TP1 input's shape) from the default generator
+        and cut as the input is: the same mask as at TP1, distinct on TP-distinct shards (a
+        row-parallel input's columns, a column-parallel one's SP rows), equal on every TP rank
+        where the input is (a column-parallel one without SP). The default generator is the
+        same on every TP rank (``train.setup.seed_everything``) and replayed by torch's reentrant
+        recompute, which megatron's model-parallel tracker is not (model/glm.py uses torch's)."""
+        if self.dropout == 0 or not self.training:
+            return x
+        tp, dim = self.tp_group.size(), None
+        if tp > 1 and self.split == "row":
+            dim = x.dim() - 1
+        elif tp > 1 and self.sequence_parallel:
+            dim = 0
+        shape = list(x.shape)
+        if dim is not None:
+            shape[dim] *= tp
+        keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - self.dropout)
+        if dim is not None:
+            keep = keep.chunk(tp, dim)[self.tp_group.rank()]
+        return x * keep / (1 - self.dropout)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """(alpha/r) B A dropout(x) for the linear's input ``x`` [s(/tp), b, in(/tp)] -> its output
         layout [s, b, out/tp] (column) or [s(/tp), b, out] (row)."""
-        x = self.dropout(x)
+        x = self._drop(x)
         group, tp = self.tp_group, self.tp_group.size()
         a_weight, b_weight = self.A, self.B
         if self.column:
@@ -114,9 +170,41 @@ class LoRAAdapter(torch.nn.Module):
                 low = reduce_from_tensor_model_parallel_region(low, group=group)
         return F.linear(low, b_weight) * self.scaling
 
+    def adapted(self, weight: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """``weight[rows] + (alpha/r) B[rows] A``: this rank's shard of the adapted weight (or its
+        ``rows``), an autograd expression in W's dtype. The gradient reaching it is the shard's
+        whole one (the readers gather rows, or weights, over TP), so the factor every TP rank
+        holds whole (A of a column-parallel linear, B of a row-parallel one) sums its gradient
+        over TP; a duplicated raw weight's reader completes its gradient itself (KDA's ``_dup``)."""
+        a_weight, b_weight = self.A, self.B
+        if self.tp_group.size() > 1 and self.split == "column":
+            a_weight = copy_to_tensor_model_parallel_region(a_weight, group=self.tp_group)
+        elif self.tp_group.size() > 1 and self.split == "row":
+            b_weight = copy_to_tensor_model_parallel_region(b_weight, group=self.tp_group)
+        if rows is not None:
+            weight, b_weight = weight[rows], b_weight[rows]
+        return weight + (b_weight @ a_weight) * self.scaling
+
     def delta_weight(self) -> torch.Tensor:
         """This rank's shard of (alpha/r) B A, the base weight's shape, in fp32."""
         return (self.B.float() @ self.A.float()) * self.scaling
+
+
+def adapted_weight(linear: torch.nn.Module, rows: slice | None = None) -> torch.Tensor:
+    """What a layer that reads ``linear``'s weight (or its ``rows``) instead of calling it should
+    read: ``W + (alpha/r) B A`` when LoRA adapts the linear, else ``linear.weight`` itself."""
+    adapter = linear._modules.get("lora")
+    if adapter is None:
+        return linear.weight if rows is None else linear.weight[rows]
+    return adapter.adapted(linear.weight, rows)
+
+
+def adapted_raw_weight(owner: torch.nn.Module, name: str) -> torch.Tensor:
+    """``owner``'s raw weight that plays the linear ``name`` (``owner.LORA_WEIGHTS``: KDA's
+    ``f_a_proj`` -> ``f_a_weight``), adapted when ``apply_lora`` hung an adapter for it."""
+    weight = getattr(owner, owner.LORA_WEIGHTS[name])
+    slot = owner._modules.get(name)
+    return weight if slot is None else slot.lora.adapted(weight)
 
 
 def _tp_split(param: torch.Tensor, dim: int) -> None:
@@ -178,27 +266,45 @@ def _attends_by_rows(parent) -> bool:
                                              parent.config.sequence_parallel)
 
 
+def _reads_weight(name: str, modules: dict[str, torch.nn.Module]) -> str | None:
+    """Why the model reads the weight of the linear ``name`` instead of calling it, or None."""
+    owner, _, last = name.rpartition(".")
+    if last in WEIGHT_READ_DIRECTLY:
+        return WEIGHT_READ_DIRECTLY[last]
+    if _attends_by_rows(modules.get(owner)):
+        return "under model.dsa.tp_split=sequence the layer gathers its weight over TP"
+    return None
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every megatron linear of ``model`` by name, and every raw weight that plays one
+    (``LORA_WEIGHTS`` of its owner, e.g. KDA's ``...self_attention.f_a_proj``) with its owner."""
+    out: dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            out[name] = module
+        for linear in getattr(module, "LORA_WEIGHTS", {}):
+            out[f"{name}.{linear}" if name else linear] = module
+    return out
+
+
 def lora_targets(model: torch.nn.Module, target_modules: Sequence[str] | str = "all-linear",
                  exclude_modules: Sequence[str] = ()) -> list[str]:
-    """The names of ``model``'s linears that ``target_modules`` minus ``exclude_modules`` select
-    (SkyRL's names, ours, or wildcard patterns on the dotted name); refuses a target that selects
-    nothing, a linear the model never calls and a routed expert's."""
+    """The names of ``model``'s linears (and of the raw weights that play linears: KDA's
+    ``f_a_proj``, ``g_a_proj``) that ``target_modules`` minus ``exclude_modules`` select (SkyRL's
+    names, ours, or wildcard patterns on the dotted name); refuses a target that selects
+    nothing, the LM head and a routed expert's linear."""
     targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     patterns, excluded = _expand(targets), _expand(exclude_modules)
-    linears = {name: m for name, m in model.named_modules()
-               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    linears = _linears(model)
     chosen = [n for n in linears if _matches(n, patterns) and not _matches(n, excluded)]
     if not chosen:
         raise ValueError(f"lora target_modules={targets} select no linear of the model")
-    modules = dict(model.named_modules())
     for name in chosen:
         last = name.rsplit(".", 1)[-1]
-        if last in WEIGHT_READ_DIRECTLY:
-            raise ValueError(f"lora target {name}: not supported, {WEIGHT_READ_DIRECTLY[last]}")
-        if _attends_by_rows(modules.get(name.rpartition(".")[0])):
-            raise ValueError(f"lora target {name}: not supported under model.dsa.tp_split=sequence "
-                             "(the layer gathers this linear's weight instead of calling it)")
-        if linears[name].is_expert:
+        if last in REFUSED:
+            raise ValueError(f"lora target {name}: not supported, {REFUSED[last]}")
+        if getattr(linears[name], "is_expert", False):
             raise ValueError(f"lora target {name}: adapters on routed experts are not supported "
                              "yet; exclude_modules=['*.experts.*'] leaves them out")
         if getattr(linears[name], "gather_output", False):
@@ -219,9 +325,14 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float = 16.0, dropou
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"lora dropout={dropout} must be in [0, 1)")
     chosen = lora_targets(model, target_modules, exclude_modules)
+    modules = dict(model.named_modules())
+    for name in chosen:
+        why = _reads_weight(name, modules) if dropout > 0 else None
+        if why is not None:
+            raise ValueError(f"lora dropout={dropout} on {name}: not supported ({why}, so the "
+                             "adapter's input cannot be dropped alone); use dropout=0")
     for param in model.parameters():
         param.requires_grad_(False)
-    modules = dict(model.named_modules())
     embedding = getattr(model, "embedding", None)
     if embedding is not None:
         # The layers' reentrant recompute (``train.recompute``) gives its output a gradient only
@@ -229,14 +340,30 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float = 16.0, dropou
         # would get no gradient.
         embedding.register_forward_hook(_needs_grad)
     for name in chosen:
-        linear = modules[name]
-        if hasattr(linear, "lora"):
+        linear = modules.get(name)
+        if linear is None:  # a raw weight playing a linear: a slot of that name holds its adapter
+            _adapt_raw_weight(modules, name, rank, alpha, dropout,
+                              lambda width: _full_a(name, rank, width, seed, init_method))
+            continue
+        if hasattr(linear, "lora") or isinstance(linear, LoRAWeightSlot):
             raise ValueError(f"{name} already has a LoRA adapter")
         in_features = linear.input_size
         full_a = _full_a(name, rank, in_features, seed, init_method)
         linear.lora = LoRAAdapter(linear, rank, alpha, dropout, full_a)
         linear._lora_hook = linear.register_forward_hook(_add_delta, with_kwargs=True)
     return chosen
+
+
+def _adapt_raw_weight(modules, name, rank, alpha, dropout, full_a) -> None:
+    """Hang an adapter for the raw weight that plays the linear ``name`` on a ``LoRAWeightSlot``
+    of that name under its owner; ``full_a(in_features)`` draws A."""
+    owner_name, _, last = name.rpartition(".")
+    owner = modules[owner_name]
+    param_name = owner.LORA_WEIGHTS[last]
+    weight = getattr(owner, param_name)
+    slot = LoRAWeightSlot(param_name, weight, owner.tp_group)
+    slot.lora = LoRAAdapter(slot, rank, alpha, dropout, full_a(slot.input_size), weight=weight)
+    setattr(owner, last, slot)
 
 
 def lora_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -251,14 +378,21 @@ def merge_lora(model: torch.nn.Module) -> list[str]:
     W's dtype) and remove it; the model then computes what the adapted one did without adapters.
     Returns the merged linears' names."""
     merged = []
-    for name, module in model.named_modules():
-        adapter = getattr(module, "lora", None)
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        adapter = module._modules.get("lora")
         if not isinstance(adapter, LoRAAdapter):
             continue
-        weight = module.weight
+        if isinstance(module, LoRAWeightSlot):
+            owner_name, _, last = name.rpartition(".")
+            owner = modules[owner_name]
+            weight = getattr(owner, module.param_name)
+            delattr(owner, last)
+        else:
+            weight = module.weight
+            module._lora_hook.remove()
+            del module._lora_hook
+            del module.lora
         weight.copy_((weight.float() + adapter.delta_weight()).to(weight.dtype))
-        module._lora_hook.remove()
-        del module._lora_hook
-        del module.lora
         merged.append(name)
     return merged
