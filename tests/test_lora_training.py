@@ -1,9 +1,10 @@
 """LoRA in the trainer (``train.lora``; train/trainer.py, train/checkpoint.py, docs/lora.md):
 megatron's DDP buffers and the distributed optimizer hold the adapters only and a step moves
 nothing else; an adapter checkpoint resumes bit-exactly on its mesh (TP2 +SP, whose split
-adapters a replicated declaration would get wrong); a resume with other LoRA settings, another
-base, another mesh, or full weights on one side is refused in one line; ``checkpoint verify``
-names an adapter checkpoint and its base fingerprint."""
+adapters a replicated declaration would get wrong) and loads into another (TP1 x CP2), whose
+base has the same fingerprint; a resume with other LoRA settings, another base, or full weights
+on one side is refused in one line; ``checkpoint verify`` names an adapter checkpoint and its
+base fingerprint."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ LORA = ["train.lora.rank=4", "train.lora.alpha=8", "train.lora.exclude_modules=[
         "train.warmup_steps=0", "train.steps=3"]
 # TP2 +SP; DSA by heads (its rows path gathers the MLA linears' weights, refused for adapters)
 TP2_SP = ["parallel.cp=1", "parallel.ep=1", "run.num_workers=2", "model.dsa.tp_split=heads"]
+TP1_CP2 = ["parallel.tp=1", "parallel.cp=2", "parallel.sequence_parallel=false", "parallel.ep=1",
+           "run.num_workers=2", "model.dsa.tp_split=heads"]
 SAVE_AFTER, STEPS = 2, 3
 
 
@@ -121,33 +124,46 @@ def _refusal(fn) -> str | None:
     return None
 
 
-def _tp2_resume(rank, world, out_dir):
-    """3 steps saved after step 2; the checkpoint loaded into a fresh trainer and stepped once;
-    then the refusals."""
-    from skyrl_megatron_kda.train import checkpoint, manifest
+def _trainer(overrides):
+    """A trainer whose loader packs rows as the TP1 x CP2 mesh does (so every mesh here steps on
+    the same rows)."""
+    from skyrl_megatron_kda.train.data import build_loader
     from skyrl_megatron_kda.train.trainer import RankTrainer
 
-    trainer = RankTrainer(_recipe(TP2_SP))
+    recipe, rows_like = _recipe(overrides), _recipe(TP1_CP2)
+    loader = build_loader(recipe.data, seed=recipe.train.seed, parallel=rows_like.parallel,
+                          layout=recipe.parallel.cp_layout, vocab_size=recipe.model.vocab_size)
+    return RankTrainer(recipe, loader=loader)
+
+
+def _tp2_resume(rank, world, out_dir):
+    """3 steps saved after step 2; the checkpoint loaded into a fresh trainer and stepped once;
+    the refusals; the checkpoint loaded into TP1 x CP2 and stepped once."""
+    from skyrl_megatron_kda.train import checkpoint, manifest
+
+    trainer = _trainer(TP2_SP)
     straight = []
     for step in range(STEPS):
         straight.append(trainer.train_step())
         if step + 1 == SAVE_AFTER:
             path = trainer.save_checkpoint(out_dir)
+            saved = _adapters(trainer)
     fingerprint, end = trainer.base_fingerprint(), _adapters(trainer)
+    dims = {n: getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
+            else None for n, p in lora_params(trainer).items()}
     trainer.close()
 
-    resumed = RankTrainer(_recipe([*TP2_SP, "run.resume=true"]))
+    resumed = _trainer([*TP2_SP, "run.resume=true"])
     at = resumed.load_checkpoint(path)
     after = [resumed.train_step() for _ in range(STEPS - at)]
     out = dict(straight=straight, at=at, after=after, end=end, resumed_end=_adapters(resumed),
-               fingerprint=fingerprint, path=path)
+               fingerprint=fingerprint, path=path, saved=saved, dims=dims)
     state, record = resumed.train_state(), manifest.verify(path)
     lora = state.lora
     other = {
         "rank": dataclasses.replace(state, lora={**lora, "rank": 8}),
         "targets": dataclasses.replace(state, lora={**lora, "exclude_modules": []}),
         "off": dataclasses.replace(state, lora=None, base_sha256=None),
-        "mesh": dataclasses.replace(state, parallel=state.parallel.model_copy(update={"tp": 1})),
     }
     out["refused"] = {k: manifest.lora_refusal(path, record, s.lora, s.base_sha256,
                                                checkpoint._mesh(s)) for k, s in other.items()}
@@ -156,11 +172,24 @@ def _tp2_resume(rank, world, out_dir):
         checkpoint._mesh(state))
     resumed.close()
     # Another base: the seed draws other initial weights.
-    other_base = RankTrainer(_recipe([*TP2_SP, "run.resume=true", "train.seed=1"]))
+    other_base = _trainer([*TP2_SP, "run.resume=true", "train.seed=1"])
     out["refused"]["base"] = _refusal(lambda: other_base.load_checkpoint(path))
     out["other_fingerprint"] = other_base.base_fingerprint()
     other_base.close()
+    # Another mesh: the same base (CPU initialisation draws whole tensors) has the same
+    # fingerprint, and the adapters load by their TP split.
+    tp1 = _trainer([*TP1_CP2, "run.resume=true"])
+    out["tp1_at"] = tp1.load_checkpoint(path)
+    out["tp1_loaded"], out["tp1_fingerprint"] = _adapters(tp1), tp1.base_fingerprint()
+    out["tp1_next"] = tp1.train_step()
+    tp1.close()
     return out
+
+
+def lora_params(trainer):
+    from skyrl_megatron_kda.model.lora import lora_parameters
+
+    return lora_parameters(trainer.model.module)
 
 
 _RUN_DIR = tempfile.TemporaryDirectory(prefix="skyrl_kda_lora_")
@@ -189,9 +218,37 @@ def test_adapter_checkpoint_resumes_bit_exactly():
     assert not torch.equal(r0["end"][b], r1["end"][b])
 
 
+def _joined(name: str, r0: dict, r1: dict) -> torch.Tensor:
+    """The whole adapter tensor ``name`` from the two TP ranks' shards saved at step 2. B of a
+    gated MLP's fc1 holds each rank's gate rows, then its up rows (as the weight): the whole is
+    every gate row, then every up row."""
+    dim, shards = r0["dims"][name], [r0["saved"][name], r1["saved"][name]]
+    if dim is None:
+        return shards[0]
+    if name.endswith("linear_fc1.lora.B"):
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def test_adapter_checkpoint_loads_into_another_mesh():
+    """TP2 +SP -> TP1 x CP2: the rebuilt base has the saving mesh's fingerprint; each loaded
+    adapter is the TP2 ranks' shards joined along its split, bitwise; the next step's loss and
+    grad norm are the saving mesh's up to fp32 summation order."""
+    r0, r1 = tp2_resume()
+    for r in (r0, r1):
+        assert r["tp1_at"] == SAVE_AFTER and r["tp1_fingerprint"] == r0["fingerprint"]
+        for name, loaded in r["tp1_loaded"].items():
+            assert torch.equal(loaded, _joined(name, r0, r1)), name
+    got, expected = r0["tp1_next"], r0["straight"][SAVE_AFTER]
+    assert got["step"] == expected["step"] and got["loss_tokens"] == expected["loss_tokens"]
+    assert abs(got["loss"] - expected["loss"]) / expected["loss"] < 1e-5, (got, expected)
+    assert abs(got["grad_norm"] - expected["grad_norm"]) / expected["grad_norm"] < 1e-4
+
+
 def test_resume_refusals_name_what_differs():
-    """Other LoRA settings, another mesh, full weights on either side, another base: one line
-    each, naming the setting (or both fingerprints) and what to do."""
+    """Other LoRA settings, full weights on either side, another base: one line each, naming the
+    setting (or both fingerprints) and what to do."""
     r = tp2_resume()[0]
     refused = r["refused"]
     assert "train.lora.rank 4 -> 8" in refused["rank"] and "resume with" in refused["rank"]
@@ -199,7 +256,6 @@ def test_resume_refusals_name_what_differs():
     assert "holds LoRA adapters only" in refused["off"]
     assert "holds full weights" in refused["full_weights"] and "train.lora.rank=0" in refused[
         "full_weights"]
-    assert "world2 tp2" in refused["mesh"] and "tp1" in refused["mesh"]
     assert r["other_fingerprint"] != r["fingerprint"]
     base = refused["base"]
     assert r["fingerprint"][:16] in base and r["other_fingerprint"][:16] in base, base

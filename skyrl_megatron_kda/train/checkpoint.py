@@ -22,9 +22,8 @@ naming the step folder that verifies (``LatestError``, ``latest_advice``). A sav
 megatron fails raises ``CheckpointFailed``: the rank and its own error in one line, not torch's
 ``CheckpointException ranks:dict_keys([0])`` (``checkpoint_failures``).
 
-Under LoRA (``TrainState.lora``) the model part is the adapters only, the optimizer part their
-Adam state, and the manifest records the LoRA settings and the frozen base's fingerprint; the
-trainer rebuilds the base, and a load that cannot meet it is refused (``manifest.lora_refusal``).
+Under LoRA (``TrainState.lora``) the model part is the adapters, the optimizer part their Adam
+state; the manifest adds the settings and the base's fingerprint (``manifest.lora_refusal``).
 
 The trainer hands its pieces over as a ``TrainState``; ``load`` restores model, optimizer,
 scheduler and RNG in place and returns the step and the data position (``Restored``), which the
@@ -48,6 +47,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.mlp import MLP, apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -90,8 +90,7 @@ class TrainState:
     recipe_sha256: str
     """``manifest.recipe_hash`` of the run's recipe (recorded in the manifest)."""
     lora: dict | None = None
-    """``train.lora`` of a LoRA run (None: full weights train): the model part of a checkpoint is
-    then the adapters only; recorded in the manifest, compared on load."""
+    """``train.lora`` of a LoRA run, whose checkpoints hold the adapters only (None: no LoRA)."""
     base_sha256: str | None = None
     """``trainer.base_fingerprint`` of the frozen base under LoRA (recorded, compared on load)."""
 
@@ -237,14 +236,21 @@ def _model_sharded_state(state: TrainState) -> dict:
 
 def adapter_sharded_state(model: torch.nn.Module, metadata: dict, tp_group) -> dict:
     """The LoRA adapters' sharded state dict, keyed by parameter name (``...o_proj.lora.A``), each
-    declared from its ``tensor_model_parallel`` / ``partition_dim`` marks. megatron's linears
-    would declare them replicated (their ``sharded_state_dict`` wraps every tensor of their
-    ``state_dict`` but the weight and bias so), and only TP rank 0's shard of a split one would
-    be written."""
+    declared from its ``tensor_model_parallel`` / ``partition_dim`` marks (megatron's linears
+    would declare them replicated). B of a gated MLP's ``linear_fc1`` holds each TP rank's gate
+    rows, then its up rows, as the weight does: declared as megatron declares that weight."""
     out: dict = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoRAAdapter):
-            out.update(module_sharded_state(module, f"{name}.", metadata, tp_group))
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if not isinstance(module, LoRAAdapter):
+            continue
+        adapter = module_sharded_state(module, f"{name}.", metadata, tp_group)
+        mlp = modules.get(name.removesuffix(".linear_fc1.lora"))  # not an MLP for other linears
+        if isinstance(mlp, MLP) and mlp.config.gated_linear_unit:
+            b = f"{name}.B"
+            adapter[b] = apply_swiglu_sharded_factory(adapter[b], (), tp_group=module.tp_group,
+                                                      dp_group=metadata["dp_cp_group"])
+        out.update(adapter)
     return out
 
 
@@ -445,16 +451,11 @@ def verified_manifest(path: str | Path) -> dict:
 
 
 def _load_model(state: TrainState, saved: dict) -> None:
-    if state.lora is None:
-        state.model.load_state_dict(saved)
-        return
-    adapters = lora_parameters(state.model)
-    if set(saved) != set(adapters):  # lora_refusal compared the settings that place them
-        raise ValueError(f"the checkpoint's adapters {sorted(set(saved) ^ set(adapters))[:3]} do "
-                         "not match this model's")
-    with torch.no_grad():
-        for name, param in adapters.items():
-            param.copy_(saved[name])
+    # A LoRA checkpoint holds the adapters only; the base is the one the trainer built.
+    result = state.model.load_state_dict(saved, strict=state.lora is None)
+    wrong = result.unexpected_keys + [k for k in result.missing_keys if ".lora." in k]
+    if wrong:
+        raise ValueError(f"the checkpoint's adapters do not match this model's: {wrong[:3]}")
 
 
 def load(state: TrainState, path: str | Path, *, override_schedule: bool = False) -> Restored:

@@ -4,9 +4,10 @@
 ``<checkpoint>/manifest.json`` lists every other file of the checkpoint directory with its size
 and sha256, and records the step, the mesh that saved it, the schedule settings it was trained
 under and a hash of the recipe; a LoRA run's (adapters only) also records ``lora``: its
-``train.lora`` settings, the frozen base's fingerprint and the number of adapter tensors. ``checkpoint.save`` writes it on rank 0 after every rank has
-finished writing its shards, and writes it last and atomically (a temporary file, then
-``os.replace``): a checkpoint without a manifest is an unfinished save, never a loadable one.
+``train.lora`` settings, the frozen base's fingerprint and the number of adapter tensors.
+``checkpoint.save`` writes it on rank 0 after every rank has finished writing its shards, and
+writes it last and atomically (a temporary file, then ``os.replace``): a checkpoint without a
+manifest is an unfinished save, never a loadable one.
 
 Plain files and the standard library only: reading a run's record must not import torch.
 """
@@ -157,8 +158,8 @@ def lora_refusal(path, record: dict, lora: dict | None, base_sha256: str | None,
                  mesh: dict) -> str | None:
     """Why checkpoint ``path`` (its manifest ``record``) cannot load into a run of ``train.lora``
     settings ``lora`` (None: LoRA off) on ``mesh`` whose base has fingerprint ``base_sha256``:
-    full weights into a LoRA run or adapters into a full one, adapters of other LoRA settings,
-    another mesh, or another base; None where it can."""
+    full weights into a LoRA run or adapters into a full one, adapters of other LoRA settings, or
+    another base (the fingerprint is the same on every mesh); None where it can."""
     saved = record.get("lora")
     if saved is None and lora is None:
         return None
@@ -176,12 +177,12 @@ def lora_refusal(path, record: dict, lora: dict | None, base_sha256: str | None,
         return (f"checkpoint {path} holds adapters of other LoRA settings: {', '.join(changes)}; "
                 "its adapters have the saved shapes and targets: resume with the checkpoint's "
                 "train.lora settings")
-    if record["mesh"] != mesh:
-        return (f"checkpoint {path} holds LoRA adapters saved on mesh {mesh_text(record['mesh'])}"
-                f", this run is {mesh_text(mesh)}: a LoRA run resumes on the mesh that saved it "
-                "(the base fingerprint is over the mesh's shards)")
     if saved["base_sha256"] != base_sha256:
+        # On GPU megatron seeds each TP/EP rank's initialisation of its own shard.
+        mesh_note = ("" if record["mesh"] == mesh else
+                     f"; saved on mesh {mesh_text(record['mesh'])}, this run is {mesh_text(mesh)}, "
+                     "and seed-initialised weights on GPU differ between meshes")
         return (f"checkpoint {path}'s adapters were trained on another base: base fingerprint "
                 f"{saved['base_sha256'][:16]} saved, {base_sha256[:16]} here: resume with the "
-                "base the run started from (the same run.init_from_hf and train.seed)")
+                f"base the run started from (the same run.init_from_hf and train.seed){mesh_note}")
     return None

@@ -38,6 +38,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedTensor,
+    apply_factories,
+    is_main_replica,
+)
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -234,7 +240,8 @@ class RankTrainer(RankModel):
         if self.lora_params is None:
             return None
         if self._base_fingerprint is None:
-            self._base_fingerprint = base_fingerprint(self.model.module)
+            self._base_fingerprint = base_fingerprint(self.model.module, self.pgs.tp,
+                                                      self.dp_cp_group)
         return self._base_fingerprint
 
     # -- one step ---------------------------------------------------------------------------
@@ -361,23 +368,77 @@ class RankTrainer(RankModel):
         return self.step
 
 
-def base_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 of the frozen base as this mesh holds it (collective): each rank hashes the name,
-    dtype, shape and bytes of every tensor of its state dict outside the adapters (parameters
-    and persistent buffers, in name order); the ranks' digests are gathered and hashed in
-    global rank order. The same weights on the same mesh give the same fingerprint; another
-    mesh gives another (its shards differ)."""
-    adapters = set(lora_parameters(model))
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
-        if name in adapters or not isinstance(tensor, torch.Tensor):
+def base_fingerprint(model: torch.nn.Module, tp_group, dp_cp_group) -> str:
+    """sha256 of the frozen base, the same on every mesh that holds the same weights
+    (collective). Every tensor outside the adapters is taken as the checkpoint declares it
+    (``checkpoint.module_sharded_state``: its key, global shape and this rank's slice); each
+    element of the whole tensor is counted once, by the rank holding its main replica, as a
+    64-bit mix of its global index and its bits, summed mod 2^64 per tensor; the sums of all
+    ranks are added per key and hashed with key, dtype and shape in key order."""
+    sharded = checkpoint.module_sharded_state(model, "", {"dp_cp_group": dp_cp_group}, tp_group)
+    apply_factories(sharded)  # megatron's swiglu weight split into its two halves
+    sums: dict[str, list] = {}
+    for shard in nested_values(sharded):
+        if (not isinstance(shard, ShardedTensor) or ".lora." in shard.key
+                or not is_main_replica(shard.replica_id)):
             continue
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-        digest.update(data.numpy().tobytes())
-    digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest.hexdigest())
-    return hashlib.sha256("".join(digests).encode()).hexdigest()
+        entry = sums.setdefault(shard.key, [0, str(shard.dtype), tuple(shard.global_shape)])
+        entry[0] = (entry[0] + _shard_sum(shard)) & _MASK64
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sums)
+    total: dict[str, list] = {}
+    for rank_sums in gathered:
+        for key, (value, dtype, shape) in rank_sums.items():
+            entry = total.setdefault(key, [0, dtype, shape])
+            entry[0] = (entry[0] + value) & _MASK64
+    text = "".join(f"{key} {dtype} {shape} {value:016x}\n"
+                   for key, (value, dtype, shape) in sorted(total.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_MASK64 = (1 << 64) - 1
+# splitmix64's constants as signed int64 (torch's integer arithmetic wraps mod 2^64)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                 0x94D049BB133111EB))
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (logical shifts by masking the arithmetic ones)."""
+    z = z + _GOLDEN
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _shard_sum(shard) -> int:
+    """Sum mod 2^64 over a ShardedTensor's local elements of mix(mix(global index) + bits),
+    the first local dim taken in pieces of at most ``_CHUNK_ELEMENTS`` elements."""
+    local = tuple(shard.local_shape)
+    data = shard.data.detach().reshape(local or (1,))
+    offset = tuple(shard.global_offset[shard.prepend_axis_num:]) or (0,)
+    shape = tuple(shard.global_shape)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    # the prepended axes (an expert's index) place the whole local tensor
+    base = sum(o * s for o, s in zip(shard.global_offset[:shard.prepend_axis_num], strides))
+    inner = strides[shard.prepend_axis_num:] or [1]
+    rows = max(1, _CHUNK_ELEMENTS // max(1, data[0].numel()))
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, data.shape[0], rows):
+        piece = data[start:start + rows]
+        index = torch.full(piece.shape, base, dtype=torch.int64, device=data.device)
+        for d, size in enumerate(piece.shape):
+            first = offset[d] + (start if d == 0 else 0)
+            view = [1] * piece.dim()
+            view[d] = size
+            steps = torch.arange(first, first + size, dtype=torch.int64, device=data.device)
+            index += steps.view(view) * inner[d]
+        bits = piece.contiguous().view(_INT_OF_SIZE[piece.element_size()]).to(torch.int64)
+        total += _mix64(_mix64(index) + bits).sum()
+    return int(total) & _MASK64
 
 
 def build_scheduler(optimizer, recipe: Recipe):
