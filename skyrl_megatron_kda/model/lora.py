@@ -172,7 +172,8 @@ class LoRAAdapter(torch.nn.Module):
 
     def adapted(self, weight: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
         """``weight[rows] + (alpha/r) B[rows] A``: this rank's shard of the adapted weight (or its
-        ``rows``), an autograd expression in W's dtype. The gradient reaching it is the shard's
+        ``rows``), an autograd expression in W's dtype (one ``addmm``: the product accumulates in
+        fp32 on the GPU and is rounded once with the sum). The gradient reaching it is the shard's
         whole one (the readers gather rows, or weights, over TP), so the factor every TP rank
         holds whole (A of a column-parallel linear, B of a row-parallel one) sums its gradient
         over TP; a duplicated raw weight's reader completes its gradient itself (KDA's ``_dup``)."""
@@ -183,7 +184,7 @@ class LoRAAdapter(torch.nn.Module):
             b_weight = copy_to_tensor_model_parallel_region(b_weight, group=self.tp_group)
         if rows is not None:
             weight, b_weight = weight[rows], b_weight[rows]
-        return weight + (b_weight @ a_weight) * self.scaling
+        return torch.addmm(weight, b_weight, a_weight, alpha=self.scaling)
 
     def delta_weight(self) -> torch.Tensor:
         """This rank's shard of (alpha/r) B A, the base weight's shape, in fp32."""
