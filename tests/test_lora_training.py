@@ -289,3 +289,20 @@ def test_a_init_bound(init_method):
     bound = 1 / math.sqrt(width) if init_method == "kaiming" else math.sqrt(6 / (width + rank))
     assert a.abs().max() <= bound and a.abs().max() > 0.9 * bound
 
+
+
+def test_run_summary_says_lora_and_what_trains():
+    """The driver's merged metrics keep ``lora_params`` and the run's last line says how many
+    adapter parameters trained; a line without LoRA stays as it is."""
+    from skyrl_megatron_kda.train.run import merge_rank_metrics, summary_line
+
+    rank = {"step": 1, "loss": 5.5, "grad_norm": 1.0, "lr": 1e-3, "update_skipped": False,
+            "tokens": 256, "loss_tokens": 250, "exchange": "a2a", "skipped_records": {},
+            "step_time_s": 0.5, "cp_bytes": 0, "peak_gib": None}
+    plain = merge_rank_metrics([rank])
+    adapted = merge_rank_metrics([{**rank, "lora_params": 15216}, {**rank, "lora_params": 15216}])
+    assert "lora_params" not in plain and adapted["lora_params"] == 15216
+    assert "LoRA" not in summary_line([plain], "runs/x")
+    assert summary_line([adapted], "runs/x") == (
+        "1 steps, loss 5.5000 -> 5.5000; LoRA: 15,216 adapter parameters trained, base frozen; "
+        "runs/x")
