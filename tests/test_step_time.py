@@ -393,3 +393,76 @@ def test_each_dsa_kernel_setting_moves_its_own_stage():
             assert ordered[name] == base[name], name
         if name != "attention_fwd":
             assert flashmla[name] == base[name], name
+
+
+# --- LoRA (train.lora; steptime/lora.py) -----------------------------------------------------
+
+LORA_1M = ["train.lora.rank=64", 'train.lora.exclude_modules=["*.experts.*"]']
+
+
+def test_lora_rank_zero_changes_no_number():
+    """Rank 0 is LoRA off whatever the rest of the section says: every part bitwise equal."""
+    plain = estimate_step_time(load_recipe("glm53_flash_1m").recipe)
+    off = estimate_step_time(load_recipe("glm53_flash_1m", [
+        "train.lora.rank=0", "train.lora.alpha=3", 'train.lora.target_modules=["linear_fc1"]']).recipe)
+    assert plain == off
+
+
+def _base_dw_flops(recipe) -> dict[str, float]:
+    """One weight-gradient GEMM of every base linear of each part per step (= one forward GEMM),
+    from the parameter census and the rows each linear runs on; the linears whose adapted weight
+    the model reads keep theirs (``memory.lora.Linear.reads_weight``)."""
+    from skyrl_megatron_kda.memory.lora import local_factors, lora_linears
+    from skyrl_megatron_kda.steptime.moe import moe_pairs
+
+    m, p, k, e = recipe.model, recipe.parallel, recipe.kda, recipe.model.moe
+    rows, D = rows_of(recipe), m.hidden_size
+    per = {g.component: g.numel for g in rank_parameters(recipe) if g.dtype_bytes == 2}
+    kept = {"kda": 0.0, "dsa": 0.0}
+    for lin in lora_linears(recipe):
+        if lin.reads_weight:
+            (_, a_in), (b_out, _) = local_factors(recipe, lin)
+            kept[m.layer_types()[lin.layer]] += 2 * rows.cp * a_in * b_out
+    h, K, n_kda = k.num_heads // p.tp, k.head_dim, m.layer_types().count("kda")
+    kda = 2 * rows.cp * (3 * h * K * D + h * D + (k.gate_low_rank + k.output_gate_low_rank)
+                         * (D + h * K) + h * K * D) * n_kda
+    n_moe = m.mlp_types().count("moe")
+    moe = n_moe * (2 * moe_pairs(recipe) * 3 * D * (e.ffn_hidden_size // p.etp)
+                   + 2 * rows.cp * 3 * D * e.ffn_hidden_size * e.num_shared_experts // p.tp
+                   + 2 * rows.sp * D * e.num_experts)
+    return {"KDA attention": kda - kept["kda"], "DSA attention": 2 * rows.cp * per["dsa"] - kept["dsa"],
+            "MoE": moe, "dense MLP": 2 * rows.cp * per["dense_mlp"]}
+
+
+def test_lora_skips_the_base_weight_gradients_at_1m():
+    """Under LoRA each part's compute drops by its frozen linears' weight-gradient GEMMs (derived
+    from the census and the rows, at the part's GEMM rate) and rises by its adapters; the
+    optimizer steps the adapters only, and its gradient reduction carries their bytes. The 1M
+    step is faster by about the weight-gradient share."""
+    from skyrl_megatron_kda.steptime.lora import adapter_comm_s, adapter_compute_s, part_linears
+
+    recipe = load_recipe("glm53_flash_1m", LORA_1M).recipe
+    base, lora = estimate_step_time(load_recipe("glm53_flash_1m").recipe), estimate_step_time(recipe)
+    assert recipe.model.moe.dispatcher == "alltoall"  # its measured share scales the MoE's GEMMs
+    rates = {"KDA attention": (cal.GEMM_FLOP_PER_S, "kda"),
+             "DSA attention": (cal.GEMM_FLOP_PER_S, "dsa"),
+             "MoE": (cal.MOE_FLOP_PER_S / cal.MOE_ALLTOALL_SHARE, "moe"),
+             "dense MLP": (cal.DENSE_FLOP_PER_S, "dense")}
+    saved = added = exchanged = 0.0
+    for name, flops in _base_dw_flops(recipe).items():
+        rate, part = rates[name]
+        adapters = sum(adapter_compute_s(recipe, lin) for lin in part_linears(recipe, part))
+        got = base.part(name).compute_s - lora.part(name).compute_s
+        assert got == pytest.approx(flops / rate - adapters, rel=1e-9), (name, got, flops / rate)
+        saved += flops / rate
+        added += adapters
+        exchanged += sum(adapter_comm_s(recipe, lin) for lin in part_linears(recipe, part))
+    assert added < 0.2 * saved, (added, saved)  # r-wide GEMMs: small beside the base's
+    assert lora.part("optimizer").compute_s < base.part("optimizer").compute_s / 100
+    assert lora.part("optimizer").comm_s < base.part("optimizer").comm_s / 5
+    optimizer = base.part("optimizer").total_s - lora.part("optimizer").total_s
+    # the step: the weight gradients and the optimizer saved, the adapters and their exchanges added
+    assert base.step_s - lora.step_s == pytest.approx(saved + optimizer - added - exchanged, rel=1e-9)
+    assert base.step_s - lora.step_s > 0.75 * saved
+    for name in ("mHC", "embedding + head + loss", "host-offload copies"):
+        assert base.part(name) == lora.part(name)

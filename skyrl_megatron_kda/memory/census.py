@@ -1,6 +1,8 @@
 """The parameter census: every parameter of one rank, counted exactly as ``model/glm.py`` builds
 it (tests compare the counts with the megatron model element by element), with each tensor's
-dtype (the mHC maps and KDA's ``A_log``/``dt_bias`` stay fp32 in a bf16 model)."""
+dtype (the mHC maps and KDA's ``A_log``/``dt_bias`` stay fp32 in a bf16 model). Under
+``train.lora`` every base parameter is frozen and the adapters (``lora.py``) are the trainable
+``lora`` component."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..config import Recipe
+from .lora import lora_numel
 from .rows import DTYPE_BYTES
 
 
@@ -18,7 +21,8 @@ class ParamGroup:
     component: str  # see PARAM_COMPONENTS
     numel: int
     dtype_bytes: int
-    trainable: bool = True  # has a gradient and Adam state (the DSA indexer is frozen)
+    trainable: bool = True  # has a gradient and Adam state (the DSA indexer is frozen; under
+    # train.lora every base parameter)
     expert: bool = False  # routed-expert weight: optimizer sharded over the expert-DP group
 
     @property
@@ -27,7 +31,7 @@ class ParamGroup:
 
 
 PARAM_COMPONENTS = ("embedding", "output_layer", "final_norm", "mhc", "layer_norms", "kda", "dsa",
-                    "dsa_indexer", "dense_mlp", "moe_router", "moe_shared", "moe_experts")
+                    "dsa_indexer", "dense_mlp", "moe_router", "moe_shared", "moe_experts", "lora")
 """Parameter kinds, in the order of the model."""
 
 
@@ -39,13 +43,15 @@ PARAM_GROUPS: dict[str, tuple[str, ...]] = {
     "MoE shared + router": ("moe_shared", "moe_router"),
     "embedding + output": ("embedding", "output_layer"),
     "mHC + norms": ("mhc", "layer_norms", "final_norm"),
+    "LoRA adapters": ("lora",),
 }
 """How the table groups the parameter kinds."""
 
 
 def rank_parameters(recipe: Recipe) -> list[ParamGroup]:
     """The parameters of one rank, grouped by kind and dtype (every rank holds the same count:
-    TP shards evenly, each EP rank owns num_experts/ep experts)."""
+    TP shards evenly, each EP rank owns num_experts/ep experts); under ``train.lora`` the base
+    frozen and the adapters added (``lora.py``)."""
     m, p, k = recipe.model, recipe.parallel, recipe.kda
     w = DTYPE_BYTES[m.params_dtype]
     D, tp, N = m.hidden_size, p.tp, m.hyper_connections.num_streams
@@ -96,6 +102,9 @@ def rank_parameters(recipe: Recipe) -> list[ParamGroup]:
     add("moe_shared", n_moe * 3 * e.ffn_hidden_size * e.num_shared_experts // tp * D)
     local_experts = e.num_experts // p.ep
     add("moe_experts", n_moe * local_experts * 3 * (e.ffn_hidden_size // p.etp) * D, expert=True)
+    if recipe.train.lora.enabled:
+        out = [ParamGroup(g.component, g.numel, g.dtype_bytes, False, g.expert) for g in out]
+        add("lora", lora_numel(recipe))
     return out
 
 
@@ -107,10 +116,10 @@ def rank_buffers_bytes(recipe: Recipe) -> int:
 
 def total_parameters(recipe: Recipe) -> int:
     """Parameters of the whole model (all ranks together, no replicas): the rank count at
-    tp = ep = etp = 1."""
+    tp = ep = etp = 1; LoRA's adapters left out."""
     single = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(
         update={"tp": 1, "cp": 1, "ep": 1, "etp": 1, "sequence_parallel": False})})
-    return sum(g.numel for g in rank_parameters(single))
+    return sum(g.numel for g in rank_parameters(single) if g.component != "lora")
 
 
 def active_parameters(recipe: Recipe) -> int:

@@ -51,7 +51,8 @@ def estimate_memory(recipe: Recipe) -> MemoryEstimate:
     """The per-GPU memory of ``recipe`` (see the package docstring for what is counted)."""
     groups = rank_parameters(recipe)
     params = {label: sum(g.bytes for g in groups if g.component in kinds)
-              for label, kinds in PARAM_GROUPS.items()}
+              for label, kinds in PARAM_GROUPS.items()
+              if "lora" not in kinds or recipe.train.lora.enabled}
     grads = sum(g.numel * grad_bytes(recipe, g) for g in groups if g.trainable)
     split = optimizer_split(recipe)
     exchange, exchange_buffers = exchange_extra_bytes(recipe)

@@ -2,7 +2,8 @@
 
 ``train.recompute`` (for the layer types of ``train.recompute_layers``): ``full`` keeps only
 each layer's input streams and rebuilds one layer at a time in backward, ``selective`` keeps the
-attention block's input instead of its tensors."""
+attention block's input instead of its tensors. Under ``train.lora`` a layer also keeps its
+adapters' r-wide products (``lora.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ..config import Recipe
 from .blocks import dense_mlp_activation_bytes, mhc_activation_bytes, norm_activation_bytes
 from .dsa import dsa_activation_bytes
 from .kda import kda_activation_bytes
+from .lora import LORA_LABEL, lora_activation_bytes
 from .moe import moe_activation_bytes
 from .rows import act_bytes, rows_of
 
@@ -32,11 +34,14 @@ def layer_parts(recipe: Recipe, index: int) -> dict[str, int]:
     """What layer ``index`` keeps for backward without recompute (exchange excluded), by the
     plan table's labels."""
     m, r = recipe.model, rows_of(recipe)
-    return {
+    parts = {
         "dense MLP" if m.mlp_types()[index] == "dense" else "MoE": mlp_activation_bytes(recipe, index),
         "mHC + norms": mhc_activation_bytes(recipe) + 2 * norm_activation_bytes(recipe, m.hidden_size, r.sp),
         f"{m.layer_types()[index].upper()} attention": attention_activation_bytes(recipe, index),
     }
+    if recipe.train.lora.enabled:
+        parts[LORA_LABEL] = lora_activation_bytes(recipe, index)
+    return parts
 
 
 def layer_activation_bytes(recipe: Recipe, index: int) -> int:
@@ -66,6 +71,8 @@ def layer_kept_bytes(recipe: Recipe, index: int) -> dict[str, int]:
     if mode == "selective":
         del kept[f"{kind.upper()} attention"]
         kept["mHC + norms"] -= norm_activation_bytes(recipe, m.hidden_size, rows_of(recipe).sp)
+        if LORA_LABEL in kept:
+            kept[LORA_LABEL] -= lora_activation_bytes(recipe, index, "attention")
         kept["attention inputs (checkpoints)"] = checkpoint_input_bytes(recipe, mode)
     return kept
 
@@ -76,7 +83,7 @@ def layer_backward_bytes(recipe: Recipe, index: int) -> int:
     that a recompute keeps."""
     mode = recipe.train.recompute_of(recipe.model.layer_types()[index])
     return (layer_activation_bytes(recipe, index) - mlp_activation_bytes(recipe, index)
-            + checkpoint_input_bytes(recipe, mode))
+            - lora_activation_bytes(recipe, index, "mlp") + checkpoint_input_bytes(recipe, mode))
 
 
 def ffn_backward_bytes(recipe: Recipe, index: int) -> int:

@@ -9,6 +9,7 @@ from ..tables import format_table
 from .estimate import MemoryEstimate, estimate_memory
 from .dsa import SELECTION_LABEL
 from .head import HEAD_LABEL
+from .lora import lora_linears
 from .offload import host_activation_bytes
 from .rows import rows_of
 from .states import optimizer_shards
@@ -32,6 +33,8 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
     t = recipe.train
     grad_dtype = "fp32" if t.grad_reduce_in_fp32 else recipe.model.params_dtype
     on_host = f"; {t.optimizer_offload_fraction:.0%} on the host" if t.optimizer_offload_fraction else ""
+    adapters = lora_linears(recipe)
+    only = "; LoRA adapters only" if adapters else ""
 
     def rows(items: Iterable[tuple[str, int]], indent: int = 0) -> list[tuple[str, str]]:
         return [(" " * indent + label, f"{nbytes / scale:.2f}") for label, nbytes in items]
@@ -41,11 +44,16 @@ def memory_lines(recipe: Recipe, gpu_bytes: int | None = None) -> list[str]:
         f"rank, {r.sp} residual-stream rows per rank; train.recompute={est.recompute} "
         f"({', '.join(recipe.train.recompute_layers)} layers), "
         f"offload_activations={str(est.offloaded).lower()}")
-    table = rows([("parameters (+ router buffers)", sum(est.params.values()) + est.buffers)])
+    if adapters:
+        title += (f"; train.lora.rank={t.lora.rank} on {len(adapters)} linears, every base "
+                  "parameter frozen (no gradient, no optimizer state)")
+    frozen = " (base frozen)" if adapters else ""
+    table = rows([(f"parameters{frozen} (+ router buffers)", sum(est.params.values()) + est.buffers)])
     table += rows(((label, v) for label, v in est.params.items() if v), 2)
     table += rows([
-        (f"gradients ({grad_dtype} DDP buffer)", est.grads),
-        (f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard}{on_host})", est.optimizer),
+        (f"gradients ({grad_dtype} DDP buffer{only})", est.grads),
+        (f"optimizer (Adam; dense /{dense_shard}, experts /{expert_shard}{on_host}{only})",
+         est.optimizer),
         ("megatron's all-gather buffer (its largest gather)", est.gather_buffer),
         ("activations kept for backward", sum(est.activations.values())),
     ])

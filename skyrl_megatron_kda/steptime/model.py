@@ -34,6 +34,7 @@ from . import calibration as cal
 from .common import (GiB, Part, forward_passes, gemm_s, group_link, recompute_share, scale,
                      seconds)
 from .host import offload_part, optimizer_part
+from .lora import frozen_gemms, lora_part_s
 from .moe import (PRICED_DISPATCHERS, moe_dispatch_s, moe_pairs, moe_part, unpriced_dispatcher,
                   with_dispatcher)
 
@@ -125,6 +126,8 @@ def kda_layer_s(recipe: Recipe) -> tuple[float, float]:
         recurrent += cal.KDA_FORWARD_SHARE * recurrent
         gemm += gemm / 3
         comm += est.comm_s / 2  # the forward's half of the exchange's and the TP gather's bytes
+    if frozen_gemms(recipe):  # the frozen projections' weight gradients (a third of est's)
+        gemm -= est.gemm_s / 3
     hw = scale(recipe)
     return recurrent * hw.memory + gemm * hw.gemm, comm
 
@@ -144,7 +147,11 @@ def kda_part(recipe: Recipe) -> Part:
                 * recompute_share(recipe, "kda") * scale(recipe).memory)
     spans = recipe.cluster.cp_spans_nodes(p.tp, p.cp)
     link = "CP " + ("between nodes" if spans else "inside a node") + f", {k.cp_exchange}"
-    return Part("KDA attention", n, n * compute, n * comm, f"{link}; TP row gathers")
+    compute, comm = n * compute, n * comm
+    if recipe.train.lora.enabled:
+        extra = lora_part_s(recipe, "kda", cal.GEMM_FLOP_PER_S)
+        compute, comm = compute + extra[0], comm + extra[1]
+    return Part("KDA attention", n, compute, comm, f"{link}; TP row gathers")
 
 
 def _mean_selected(topk: int, first: int, last: int) -> float:
@@ -249,7 +256,7 @@ def dsa_part(recipe: Recipe) -> Part:
     rows = rows_of(recipe)
     passes = forward_passes(recipe, "dsa")
     core = sum(dsa_core_s(recipe).values())
-    proj = 2 * rows.cp * _layer_params(recipe, "dsa", n) * (passes + 2)
+    proj = 2 * rows.cp * _layer_params(recipe, "dsa", n) * (passes + 2 - frozen_gemms(recipe))
     indexer_proj = 2 * rows.cp * _layer_params(recipe, "dsa_indexer", n) * passes  # frozen
     compute = (core + gemm_s(recipe, proj + indexer_proj)
                + cal.DSA_OTHER_S_PER_ROW * rows.cp * (passes + 2) / 4 * scale(recipe).memory)
@@ -278,7 +285,11 @@ def dsa_part(recipe: Recipe) -> Part:
         what = "SP gather + reduce-scatter in TP, indexer queries gathered"
     else:
         what = "no TP collectives"
-    return Part("DSA attention", n, n * compute, n * comm, f"KV latent gathered; {what}")
+    compute, comm = n * compute, n * comm
+    if recipe.train.lora.enabled:
+        extra = lora_part_s(recipe, "dsa", cal.GEMM_FLOP_PER_S)
+        compute, comm = compute + extra[0], comm + extra[1]
+    return Part("DSA attention", n, compute, comm, f"KV latent gathered; {what}")
 
 
 def dense_part(recipe: Recipe) -> Part:
@@ -290,7 +301,7 @@ def dense_part(recipe: Recipe) -> Part:
         return Part("dense MLP", 0, 0.0, 0.0)
     rows, D = rows_of(recipe), m.hidden_size
     passes = forward_passes(recipe, m.layer_types()[m.mlp_types().index("dense")])
-    flops = 2 * rows.cp * 3 * D * (m.dense_ffn_hidden_size // p.tp) * (passes + 2)
+    flops = 2 * rows.cp * 3 * D * (m.dense_ffn_hidden_size // p.tp) * (passes + 2 - frozen_gemms(recipe))
     comm = 0.0
     if p.tp > 1 and p.sequence_parallel:
         comm = (passes + 1) * 2 * seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
@@ -298,7 +309,11 @@ def dense_part(recipe: Recipe) -> Part:
     hw = scale(recipe)
     compute = (flops / cal.DENSE_FLOP_PER_S * hw.gemm
                + rows.cp * D * cal.DENSE_S_PER_ROW_ELEMENT * (passes + 2) / 4 * hw.memory)
-    return Part("dense MLP", n, n * compute, n * comm, "SP gather + reduce-scatter in TP")
+    compute, comm = n * compute, n * comm
+    if recipe.train.lora.enabled:
+        extra = lora_part_s(recipe, "dense", cal.DENSE_FLOP_PER_S)
+        compute, comm = compute + extra[0], comm + extra[1]
+    return Part("dense MLP", n, compute, comm, "SP gather + reduce-scatter in TP")
 
 
 def mhc_part(recipe: Recipe) -> Part:

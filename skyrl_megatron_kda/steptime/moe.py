@@ -16,6 +16,7 @@ from ..config import Recipe
 from ..memory.rows import act_bytes, rows_of
 from . import calibration as cal
 from .common import Part, crosses_nodes, forward_passes, group_link, scale, seconds
+from .lora import frozen_gemms, lora_part_s
 
 PRICED_DISPATCHERS = ("alltoall", "allgather")
 
@@ -88,7 +89,8 @@ def moe_part(recipe: Recipe) -> Part:
     routed = 2 * moe_pairs(recipe) * 3 * D * (e.ffn_hidden_size // p.etp)
     shared = 2 * rows.cp * 3 * D * (e.ffn_hidden_size * e.num_shared_experts // p.tp)
     router = 2 * rows.sp * D * e.num_experts
-    flops = routed * (expert_passes + 2) + (shared + router) * (fwd + 2)
+    backward = 2 - frozen_gemms(recipe)  # GEMMs per forward GEMM in backward (LoRA: dX only)
+    flops = routed * (expert_passes + backward) + (shared + router) * (fwd + backward)
     hw = scale(recipe)
     compute = (flops / cal.MOE_FLOP_PER_S * hw.gemm
                + moe_pairs(recipe) * D * cal.MOE_S_PER_PAIR_ELEMENT * (fwd + 2) / 4 * hw.memory)
@@ -99,5 +101,9 @@ def moe_part(recipe: Recipe) -> Part:
         comm += (fwd + 1) * 2 * seconds(rows.cp * D * act_bytes(recipe) * (p.tp - 1) / p.tp,
                                         group_link(recipe, 1, p.tp))
     where = "between nodes" if crosses_nodes(recipe, 1, p.ep * p.etp) else "inside a node"
-    return Part("MoE", n, n * compute, n * comm,
+    compute, comm = n * compute, n * comm
+    if recipe.train.lora.enabled:  # the shared experts' adapters
+        extra = lora_part_s(recipe, "moe", cal.MOE_FLOP_PER_S)
+        compute, comm = compute + extra[0], comm + extra[1]
+    return Part("MoE", n, compute, comm,
                 f"{e.dispatcher} dispatcher over EP{p.ep} x ETP{p.etp} ({where})")
