@@ -98,8 +98,9 @@ class Progress:
 def run(recipe: Recipe, *, start: RunStart | None = None, progress: TextIO | None = sys.stderr,
         choices: Mapping[str, str] | None = None) -> list[dict]:
     """Train ``recipe`` on ``run.num_workers`` Ray actors; returns this invocation's metrics
-    (none for a finished run); a LoRA run says what trains as it starts. ``start`` is ``run_folder.prepare``'s answer (made here when not
-    given: a used folder is refused, no overwrite, no schedule override). ``choices``: why
+    (none for a finished run); a LoRA run says what trains as it starts. ``start`` is
+    ``run_folder.prepare``'s answer (made here when not given: a used folder is refused, no
+    overwrite, no schedule override). ``choices``: why
     ``auto`` picked the recipe's values (``recipes.LoadedRecipe.choices``; None: nothing was
     left to auto), recorded beside ``recipe.yaml``. The folder's run lock
     (``run_lock``) is held throughout, Ray's shutdown included: taken here unless the caller
