@@ -1,4 +1,4 @@
-"""``model/lora.py``: LoRA adapters on megatron's column- and row-parallel linears, against an fp64
+"""``lora/`` and ``model/lora.py``: LoRA adapters on megatron's column- and row-parallel linears, against an fp64
 torch reference of ``W + (alpha/r) B A`` at TP1 and TP2 (+SP), and on the tiny GLM model: the
 base unchanged with B = 0, gradients only into the adapters, merging equal to the adapted model;
 the adapted weights that KDA's projection and DSA read (``adapted_weight``) against TP1/CP1 at
@@ -140,7 +140,7 @@ def test_dropout_masks_are_tp1s_cut_as_the_input(column, sp):
 
 def _base_weight(model, name):
     """The base weight's name of the adapted linear ``name`` (a raw weight's under its slot)."""
-    from skyrl_megatron_kda.model.lora import LoRAWeightSlot
+    from skyrl_megatron_kda.lora.adapter import LoRAWeightSlot
 
     module = dict(model.named_modules())[name]
     if isinstance(module, LoRAWeightSlot):
@@ -322,7 +322,8 @@ def _slice_on_rank(rank, world):
     from megatron.core import ModelParallelConfig, parallel_state
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from skyrl_megatron_kda.model.lora import adapted_weight, apply_lora
+    from skyrl_megatron_kda.lora.adapter import adapted_weight
+    from skyrl_megatron_kda.model.lora import apply_lora
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     config = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True)

@@ -279,16 +279,32 @@ def test_checkpoint_verify_reports_adapters_and_base(capsys):
     assert record["lora"]["base_sha256"] == r["fingerprint"]
 
 
+def _initial_a(rank, world, init_method, width, r):
+    """A of an adapter that ``apply_lora`` hangs on one column-parallel linear at TP1."""
+    from megatron.core import ModelParallelConfig, parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from skyrl_megatron_kda.model.lora import apply_lora
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=torch.float32)
+    model = torch.nn.Module()
+    model.proj = ColumnParallelLinear(width, 8, config=config, init_method=torch.nn.init.zeros_,
+                                      bias=False, gather_output=False,
+                                      tp_group=parallel_state.get_tensor_model_parallel_group())
+    apply_lora(model, rank=r, target_modules=["proj"], init_method=init_method)
+    return model.proj.lora.A.detach().clone()
+
+
 @pytest.mark.parametrize("init_method", ["kaiming", "xavier"])
 def test_a_init_bound(init_method):
-    """A is uniform in +-1/sqrt(in) (kaiming, peft's) or +-sqrt(6/(in + rank)) (xavier)."""
-    from skyrl_megatron_kda.model.lora import _full_a
-
-    rank, width = 4, 96
-    a = _full_a("layers.0.mlp.linear_fc1", rank, width, seed=0, init_method=init_method)
-    bound = 1 / math.sqrt(width) if init_method == "kaiming" else math.sqrt(6 / (width + rank))
-    assert a.abs().max() <= bound and a.abs().max() > 0.9 * bound
-
+    """``init_method`` draws A uniform in +-1/sqrt(in) (kaiming, peft's) or +-sqrt(6/(in + rank))
+    (xavier)."""
+    r, width = 4, 96
+    a = run_ranks(1, _initial_a, init_method, width, r)[0]
+    bound = 1 / math.sqrt(width) if init_method == "kaiming" else math.sqrt(6 / (width + r))
+    assert a.shape == (r, width)
+    assert a.abs().max() <= bound and a.abs().max() > 0.9 * bound, (a.abs().max(), bound)
 
 
 def test_run_summary_says_lora_and_what_trains():

@@ -43,7 +43,7 @@ What is ours, and why (megatron-core 0.19.2 has no equivalent):
     instead of megatron's row gathers around head-split linears.
   * ``DuplicatedLinear`` / ``IndexerKNorm`` / ``LatentRMSNorm``: the local backend has no TE
     duplicated linear or TE norm; torch's norm refuses SP, ours tags its weights for the TP sum.
-  * LoRA (model/lora.py): where this layer reads a linear's weight instead of calling it (the kv
+  * LoRA (lora/adapter.py): where this layer reads a linear's weight instead of calling it (the kv
     up projection's, handed to the kernels; every projection's on the rows path) it reads
     ``adapted_weight`` (``W + (alpha/r) B A`` of the shard; the weight itself without adapter).
 
@@ -80,7 +80,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..config import DSAConfig
 from ..distributed.cp_layout import layout_kind
-from ..model.lora import adapted_weight
+from ..lora.adapter import adapted_weight
 from . import kept_selection, kernels
 from .batch_rows import DSABatchRows, dsa_batch_rows
 from .kernels import DSAKernel, KVDims

@@ -13,7 +13,7 @@ TP rank only sees its own heads' share of their gradient, so they enter the grap
 Megatron's ``copy_to_tensor_model_parallel_region`` (identity forward, TP all-reduce of the
 gradient), which makes their gradients complete on every rank with or without SP.
 
-Under LoRA (model/lora.py) the projection reads ``adapted_weight`` of each linear (its head slice
+Under LoRA (lora/adapter.py) the projection reads ``adapted_weight`` of each linear (its head slice
 of ``W + (alpha/r) B A``) and ``adapted_raw_weight`` of f_a/g_a, which LoRA knows by their HF
 names ``f_a_proj``/``g_a_proj`` (``LORA_WEIGHTS``); without adapters these are the weights
 themselves.
@@ -41,7 +41,7 @@ from .exchanges import CommLedger, ExchangeGroups, ExchangeMesh, KernelArgs
 from .kernel import gated_rms_norm, resolve_backend
 from ..distributed.cp_layout import batch_index_maps
 from ..distributed.tensor_parallel import shard_of
-from ..model.lora import adapted_raw_weight, adapted_weight
+from ..lora.adapter import adapted_raw_weight, adapted_weight
 from .rows import RowGather, project_rows
 
 

@@ -12,15 +12,12 @@ The adapters train: DDP's gradient buffer (fp32 under ``train.grad_reduce_in_fp3
 distributed optimizer's state over DP x CP, as any dense parameter (``census.py`` lists them as
 the ``lora`` component; ``states.py`` prices whatever is trainable).
 
-Which linears: ``target_modules`` minus ``exclude_modules`` by the rules of ``model/lora.py``
-(SkyRL's names, ours, wildcard patterns on the dotted name), over the linears ``model/glm.py``
-builds (``model_linears``). ``model`` sits above ``memory`` in the package's floors, so its name
-tables are mirrored here (``SKYRL_NAMES``, ``ALL_LINEAR``); ``tests/test_memory_lora.py`` checks
-the mirror equals them and that the selection equals ``lora_targets`` on a built model. The plan
-prices every linear the names select; it refuses routed experts (adapters on them are not
-built, and their split over EP x ETP is not decided), as ``apply_lora`` does. Other linears that
-``apply_lora`` refuses today (docs/lora.md: KDA's input projections, DSA's ``kv_b`` and
-rows path, the output layer) are priced by the same rule, as they will be once adaptable.
+Which linears: ``target_modules`` minus ``exclude_modules`` by ``lora.names``' rules (SkyRL's
+names, ours, wildcard patterns on the dotted name; ``apply_lora`` selects by them too), over the
+linears ``model/glm.py`` builds (``model_linears``); ``tests/test_memory_lora.py`` checks the
+selection equals ``lora_targets`` on a built model. The plan refuses what ``apply_lora`` refuses:
+routed experts (adapters on them are not built, and their split over EP x ETP is not decided)
+and the output layer.
 
 Activations: each adapter keeps its r-wide product for B's backward (``A x``: the rows of B's
 input x r); everything else a layer keeps is unchanged (the adapter's A reads the base's input,
@@ -28,29 +25,11 @@ which is kept already)."""
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import Recipe
+from ..lora.names import REFUSED, WEIGHT_READ_DIRECTLY, expand, matches
 from .rows import DTYPE_BYTES, act_bytes, rows_of
-
-# Mirrors of model/lora.py's tables (see the module docstring): SkyRL's names, "all-linear", the
-# linears whose weight the model reads instead of calling them, and those refused outright.
-SKYRL_NAMES: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
-                   "linear_kv_down_proj"),
-    "linear_proj": ("linear_proj",),
-    "linear_fc1": ("linear_fc1",),
-    "linear_fc2": ("linear_fc2",),
-    "in_proj": ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj"),
-    "out_proj": ("o_proj",),
-}
-ALL_LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
-WEIGHT_READ_DIRECTLY = frozenset({"q_proj", "k_proj", "v_proj", "b_proj", "f_b_proj", "g_b_proj",
-                                  "f_a_proj", "g_a_proj", "linear_kv_up_proj"})
-REFUSED = {"output_layer": "the LM head reads its weight in the chunked log-probs (model/glm.py, "
-                           "_vocab_weight) and a tied head is the embedding's"}
 
 LORA_LABEL = "LoRA adapters (r-wide products)"
 """The plan table's label of the adapters' kept activations."""
@@ -68,7 +47,7 @@ class Linear:
     block: str = "attention"  # "attention", "mlp" or "head"
     expert: bool = False  # a routed expert's
     reads_weight: bool = False  # the model reads its weight instead of calling it: the adapter
-    # enters as the adapted weight W + (alpha/r) B A (model/lora.py's ``adapted_weight``)
+    # enters as the adapted weight W + (alpha/r) B A (``lora.adapter.adapted_weight``)
 
 
 def model_linears(recipe: Recipe) -> list[Linear]:
@@ -120,24 +99,6 @@ def model_linears(recipe: Recipe) -> list[Linear]:
     return out
 
 
-def _expand(names: Sequence[str]) -> list[str]:
-    out: list[str] = []
-    for name in names:
-        if name == "all-linear":
-            out.extend(n for key in ALL_LINEAR for n in SKYRL_NAMES[key])
-        else:
-            out.extend(SKYRL_NAMES.get(name, (name,)))
-    return out
-
-
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    """model/lora.py's rule: a pattern with a wildcard matches the whole dotted name, a plain one
-    its last component."""
-    last = name.rsplit(".", 1)[-1]
-    return any(fnmatch.fnmatchcase(name, p) if any(c in p for c in "*?[") else last == p
-               for p in patterns)
-
-
 def lora_linears(recipe: Recipe) -> list[Linear]:
     """The linears ``train.lora`` adapts (none at rank 0). Refuses what ``apply_lora`` refuses
     by name: a selection that is empty, or holds the output layer or a routed expert's linear."""
@@ -158,9 +119,9 @@ _SELECTIONS: dict[tuple[str, ...], tuple[Linear, ...]] = {}
 
 def _select(recipe: Recipe) -> tuple[Linear, ...]:
     lora = recipe.train.lora
-    patterns, excluded = _expand(lora.target_modules), _expand(lora.exclude_modules)
+    patterns, excluded = expand(lora.target_modules), expand(lora.exclude_modules)
     chosen = [lin for lin in model_linears(recipe)
-              if _matches(lin.name, patterns) and not _matches(lin.name, excluded)]
+              if matches(lin.name, patterns) and not matches(lin.name, excluded)]
     if not chosen:
         raise ValueError(f"lora target_modules={lora.target_modules} select no linear of the model")
     for lin in chosen:
