@@ -322,3 +322,15 @@ def test_run_summary_says_lora_and_what_trains():
     assert summary_line([adapted], "runs/x") == (
         "1 steps, loss 5.5000 -> 5.5000; LoRA: 15,216 adapter parameters trained, base frozen; "
         "runs/x")
+
+
+def test_export_of_an_adapter_checkpoint_is_refused(capsys, tmp_path):
+    """``skyrl-kda export`` of a LoRA run's checkpoint: one line, before Ray starts, saying that
+    it holds adapters only and the export writes full weights."""
+    from skyrl_megatron_kda.cli import main
+
+    tp2_resume()
+    assert main(["export", _RUN_DIR.name, "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds LoRA adapters only (train.lora.rank=4)" in err and "\n" not in err, err
+    assert not (tmp_path / "hf").exists()
