@@ -30,6 +30,14 @@ class LoRAConfig(ConfigSection):
     init_method: Literal["kaiming", "xavier"] = "kaiming"
     """A's initial values (B starts at zero): peft's kaiming-uniform (bound 1/sqrt(in)) or
     xavier-uniform (bound sqrt(6/(in + rank)))."""
+    share_expert_adapters: bool = True
+    """Routed experts' ``linear_fc1``/``linear_fc2``: one adapter per MoE layer and linear kind,
+    used by every expert of the layer on every EP rank (a dense parameter, its gradient summed
+    over every rank), as SkyRL's default; false: each expert its own adapter (an expert
+    parameter, split under ETP as the expert's weight and reduced over the expert-DP group)."""
+    normalize_moe_lora: bool = False
+    """Routed experts' adapters take rank ``max(1, rank // moe top_k)`` and scale
+    ``alpha / that rank`` (SkyRL's ``normalize_moe_lora``); the other adapters keep ``rank``."""
 
     @field_validator("target_modules", "exclude_modules", mode="before")
     @classmethod

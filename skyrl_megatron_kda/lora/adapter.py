@@ -87,6 +87,14 @@ class LoRAAdapter(torch.nn.Module):
             tp_split(self.B, dim=0)
         elif self.split == "row":  # A split by input columns, as the base weight
             tp_split(self.A, dim=1)
+        # A routed expert's linear (its tp_group is the expert-TP group): the dispatcher moves
+        # its rows (``explicit_expert_comm``), and its parameters are expert parameters, as
+        # megatron marks the expert's weight: ``allreduce = False`` makes DDP reduce their
+        # gradients over the expert-data-parallel group and the distributed optimizer shard
+        # their state there (the grad norm takes them once per expert-TP group).
+        self.expert = bool(getattr(linear, "is_expert", False))
+        if self.expert:
+            self.A.allreduce = self.B.allreduce = False
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         """Input dropout, its mask drawn whole (the TP1 input's shape) from the default generator
@@ -116,6 +124,15 @@ class LoRAAdapter(torch.nn.Module):
         x = self._drop(x)
         group, tp = self.tp_group, self.tp_group.size()
         a_weight, b_weight = self.A, self.B
+        if self.expert:
+            # The dispatcher gathers the expert's rows over ETP and sums its ETP partial outputs
+            # (and, backward, the input's partial gradients): the adapter gives partials as the
+            # base does, and only the factor every ETP rank holds whole sums its gradient.
+            if tp > 1 and self.column:
+                a_weight = copy_to_tensor_model_parallel_region(a_weight, group=group)
+            elif tp > 1:
+                b_weight = copy_to_tensor_model_parallel_region(b_weight, group=group)
+            return F.linear(F.linear(x, a_weight), b_weight) * self.scaling
         if self.column:
             if tp > 1 and self.sequence_parallel:
                 a_weight = copy_to_tensor_model_parallel_region(a_weight, group=group)
@@ -152,6 +169,67 @@ class LoRAAdapter(torch.nn.Module):
     def delta_weight(self) -> torch.Tensor:
         """This rank's shard of (alpha/r) B A, the base weight's shape, in fp32."""
         return (self.B.float() @ self.A.float()) * self.scaling
+
+
+class SharedExpertAdapter(torch.nn.Module):
+    """One adapter shared by every routed expert's ``linear_fc1`` (or ``linear_fc2``) of a MoE
+    layer, on every EP rank (``train.lora.share_expert_adapters``). A [r, in] and B [out, r] are
+    whole on every rank (the expert's whole in/out: fc1 [2F, D] with B's rows gate then up, fc2
+    [D, F]); each expert linear uses the rows or columns of its ETP shard (``local``): B's rows of
+    a column-parallel fc1 ([gate shard; up shard], as its weight), A's columns of a row-parallel
+    fc2. Each rank's gradient is its own tokens' part, with no exchange inside autograd (the
+    dispatcher sums the partial outputs and input gradients over ETP, as the base's); the whole
+    gradient is the sum over every rank: DDP's over DP x CP (a dense parameter), and megatron's
+    ``finalize_model_grads`` over TP (the ``sequence_parallel`` mark, set where TP > 1: the
+    dense TP ranks hold distinct rows under SP). Held by a ``LoRAWeightSlot``-like holder
+    ``experts.linear_fc1`` so its parameters are ``...mlp.experts.linear_fc1.lora.A`` / ``.B``
+    and registered once; the expert linears' hooks reference it."""
+
+    def __init__(self, split: str, out_features: int, rank: int, alpha: float,
+                 full_a: torch.Tensor, etp_group, *, glu: bool, tp_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.split, self.glu, self.etp_group = split, glu, etp_group
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank
+        self.A = torch.nn.Parameter(full_a.to(device=device, dtype=dtype).contiguous())
+        self.B = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
+        if tp_size > 1:  # partial over the dense TP ranks' rows: finalize_model_grads sums them
+            self.A.sequence_parallel = self.B.sequence_parallel = True
+
+    def local(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) as this rank's expert shard uses them: A's ETP columns (row-parallel fc2), B's
+        ETP rows (column-parallel fc1: [gate shard; up shard] under a gated unit)."""
+        a, b = self.A, self.B
+        etp, j = self.etp_group.size(), self.etp_group.rank()
+        if etp == 1:
+            return a, b
+        if self.split == "row":
+            return a.chunk(etp, dim=1)[j], b
+        if self.glu:
+            gate, up = b.chunk(2, dim=0)
+            return a, torch.cat([gate.chunk(etp, dim=0)[j], up.chunk(etp, dim=0)[j]])
+        return a, b.chunk(etp, dim=0)[j]
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """(alpha/r) B A x on this rank's expert shard: a partial output, as the base's."""
+        a, b = self.local()
+        return F.linear(F.linear(x, a), b) * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's expert weight shard of (alpha/r) B A, in fp32."""
+        a, b = self.local()
+        return (b.float() @ a.float()) * self.scaling
+
+
+class SharedExpertSlot(torch.nn.Module):
+    """Holds a ``SharedExpertAdapter`` as its child ``lora`` under a MoE layer's experts, named as
+    the linear kind it adapts (``experts.linear_fc1``). Made by ``apply_lora``, removed by
+    ``merge_lora``."""
+
+    def __init__(self, adapter: SharedExpertAdapter):
+        super().__init__()
+        self.lora = adapter
 
 
 def adapted_weight(linear: torch.nn.Module, rows: slice | None = None) -> torch.Tensor:
