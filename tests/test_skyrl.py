@@ -492,7 +492,14 @@ def test_missing_skyrl_names_the_extra():
 # One bad value per refused SkyRL setting (set after parsing: some of SkyRL's own checks of these
 # need other parts of a job, the rollout side's, which these tests do not configure).
 REFUSED_VALUES = {
-    "trainer.policy.model.lora.rank": 8,
+    "trainer.policy.megatron_config.lora_config.lora_type": "canonical_lora",
+    "trainer.policy.megatron_config.lora_config.merge_lora": False,
+    "trainer.policy.megatron_config.lora_config.experts_shared_outer_loras": True,
+    "trainer.policy.megatron_config.lora_config.normalize_moe_lora": True,
+    "trainer.policy.model.lora.sync_mode": "memory",
+    "trainer.policy.model.lora.max_loras": 2,
+    "trainer.policy.model.lora.max_cpu_loras": 4,
+    "trainer.policy.model.lora.init_method": "normal",
     "trainer.policy.megatron_config.moe_enable_routing_replay": True,
     "trainer.mtp.enabled": True,
     "trainer.policy.megatron_config.mtp_num_layers": 1,
@@ -510,6 +517,12 @@ REFUSED_VALUES = {
     "trainer.policy.megatron_config.optimizer_config_kwargs": {"optimizer_cpu_offload": True},
     "trainer.policy.megatron_config.transformer_config_kwargs": {"recompute_granularity": None},
 }
+
+
+# Refused only under LoRA: set with LoRA on (and, for that case, the default job accepts it).
+LORA_ON = {"trainer.policy.model.lora.rank": 8}
+NEEDS_LORA = {"trainer.policy.megatron_config.lora_config.merge_lora",
+              "trainer.policy.model.lora.sync_mode"}
 
 
 def _set(cfg, dotted: str, value) -> None:
@@ -536,6 +549,10 @@ def test_refused_skyrl_setting_is_named(setting):
     cfg = KDASkyRLConfig.from_cli_overrides(ALLGATHER)
     assert unsupported_settings(cfg) == []
     _set(cfg, setting, REFUSED_VALUES[setting])
+    if setting in NEEDS_LORA:
+        assert unsupported_settings(cfg) == []  # without LoRA the setting does nothing
+        for key, value in LORA_ON.items():
+            _set(cfg, key, value)
     problems = unsupported_settings(cfg)
     assert len(problems) >= 1 and problems[0].startswith(f"{setting}="), problems
     worker = object.__new__(KDAPolicyWorkerBase)

@@ -30,6 +30,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import List, Optional
 
 from ...console import USAGE_ERROR, error_lines, message, quiet_warnings
@@ -202,8 +203,7 @@ def provenance(cfg, recipe) -> List[str]:
     lines = [f"from {cfg.trainer.kda.recipe!r}: the model, parallel.*, kda.*, data.*, run.*",
              f"  kda.cp_exchange={recipe.kda.cp_exchange} <- {cp_exchange_source(t.kda).text}"]
     for d in decided_settings(t, recipe, model_path=t.policy.model.path):
-        section, name = d.key.split(".")
-        before = getattr(getattr(recipe, section), name)
+        before = attrgetter(d.key)(recipe)
         was = "" if before == d.value else f" (recipe: {before})"
         lines.append(f"  {d.key}={d.value} <- {d.source}{was}")
     lines.append("  train.steps <- num_training_steps, which SkyRL's trainer passes at init_model")

@@ -4,9 +4,10 @@ Under SkyRL the recipe decides the model and the mesh; SkyRL's own fields decide
 user sets for any backend: the weights (``trainer.policy.model.path``, an HF folder, unless the
 recipe names ``run.init_from_hf``), the optimizer and its schedule
 (``trainer.policy.optimizer_config``: SkyRL's Megatron backend only has ``constant_with_warmup``,
-so the LR is constant after the warm-up), ``num_training_steps``, the seed and the dtype
-(``trainer.bf16``). ``decided_settings`` lists each of those as recipe key <- SkyRL setting;
-``apply_decided`` writes them into the recipe. A ``trainer.kda.overrides`` key that SkyRL decides
+so the LR is constant after the warm-up), ``num_training_steps``, the seed, the dtype
+(``trainer.bf16``) and LoRA (``trainer.policy.model.lora`` -> ``train.lora``).
+``decided_settings`` lists each of those as recipe key <- SkyRL setting; ``apply_decided``
+writes them into the recipe. A ``trainer.kda.overrides`` key that SkyRL decides
 is an error, so nothing is set in two places.
 
 SkyRL settings the KDA workers do not implement are refused by name (``refused_settings``), never
@@ -79,6 +80,7 @@ def decided_settings(t, recipe: Recipe, *, model_path: str | None = None,
         Decided("train.seed", int(t.seed), "trainer.seed"),
         Decided("model.params_dtype", "bfloat16" if t.bf16 else "float32", "trainer.bf16"),
     ]
+    out += lora_settings(t)
     if num_training_steps is not None:
         out.append(Decided("train.steps", int(num_training_steps), "num_training_steps (SkyRL's "
                            "trainer: total steps x mini-batches per batch)"))
@@ -88,6 +90,32 @@ def decided_settings(t, recipe: Recipe, *, model_path: str | None = None,
     elif model_path is not None:
         out.append(Decided("run.init_from_hf", model_path, path_setting))
     return out
+
+
+LORA = "trainer.policy.model.lora"
+
+
+def _names(value) -> list[str]:
+    """SkyRL's ``target_modules`` / ``exclude_modules``: a name, a list of names, or None."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def lora_settings(t) -> list[Decided]:
+    """``train.lora.*`` from SkyRL's ``trainer.policy.model.lora`` (rank 0: LoRA off). What our
+    adapters do not implement of SkyRL's LoRA settings is refused in ``REFUSALS``."""
+    lora = t.policy.model.lora
+    return [
+        Decided("train.lora.rank", int(lora.rank), f"{LORA}.rank"),
+        Decided("train.lora.alpha", float(lora.alpha), f"{LORA}.alpha"),
+        Decided("train.lora.dropout", float(lora.dropout), f"{LORA}.dropout"),
+        Decided("train.lora.target_modules", _names(lora.target_modules),
+                f"{LORA}.target_modules"),
+        Decided("train.lora.exclude_modules", _names(lora.exclude_modules),
+                f"{LORA}.exclude_modules"),
+        Decided("train.lora.init_method", str(lora.init_method), f"{LORA}.init_method"),
+    ]
 
 
 def reference_settings(t, recipe: Recipe, model_path: str | None) -> tuple[Recipe, list[Decided]]:
@@ -137,7 +165,9 @@ def check_weights_folder(decided: list[Decided]) -> None:
 
 SKYRL_DECIDES = ("train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
                  "train.grad_clip", "train.grad_reduce_in_fp32", "train.seed", "train.steps",
-                 "model.params_dtype")
+                 "model.params_dtype", "train.lora.rank", "train.lora.alpha",
+                 "train.lora.dropout", "train.lora.target_modules", "train.lora.exclude_modules",
+                 "train.lora.init_method")
 """Recipe keys that come from SkyRL's config under SkyRL (``run.init_from_hf`` may come from
 either: the recipe's wins)."""
 
@@ -165,13 +195,45 @@ class Refusal:
     why: str
 
 
+LORA_INIT_METHODS = ("kaiming", "xavier")
+"""SkyRL's ``lora.init_method`` values our adapters draw A with (``train.lora.init_method``)."""
+
+
+def _lora(t) -> bool:
+    return t.policy.model.lora.rank > 0
+
+
 def _non_default(given: Mapping, defaults: Mapping) -> list[str]:
     return sorted(k for k in set(given) | set(defaults) if given.get(k) != defaults.get(k))
 
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("trainer.policy.model.lora.rank", lambda t: t.policy.model.lora.rank > 0,
-            "LoRA: the KDA policy worker trains every weight"),
+    Refusal("trainer.policy.megatron_config.lora_config.lora_type",
+            lambda t: t.policy.megatron_config.lora_config.lora_type != "lora",
+            "only lora_type=lora (one adapter per linear); canonical_lora's split q/k/v and "
+            "gate/up adapters are not built"),
+    Refusal("trainer.policy.megatron_config.lora_config.merge_lora",
+            lambda t: _lora(t) and not t.policy.megatron_config.lora_config.merge_lora,
+            "adapter-only weight sync: the samplers are given the merged weights (merge_lora="
+            "true); skyrl-kda export --adapters writes the PEFT folder"),
+    Refusal("trainer.policy.megatron_config.lora_config.experts_shared_outer_loras",
+            lambda t: t.policy.megatron_config.lora_config.experts_shared_outer_loras,
+            "shared-outer grouped-expert adapters are not built"),
+    Refusal("trainer.policy.megatron_config.lora_config.normalize_moe_lora",
+            lambda t: t.policy.megatron_config.lora_config.normalize_moe_lora,
+            "routed experts take no adapters yet, so there is no expert rank to normalise"),
+    Refusal("trainer.policy.model.lora.sync_mode",
+            lambda t: _lora(t) and t.policy.model.lora.sync_mode != "disk",
+            "adapter tensors over the weight-sync backend are not sent (merge_lora=true syncs "
+            "merged weights)"),
+    Refusal("trainer.policy.model.lora.max_loras", lambda t: t.policy.model.lora.max_loras != 1,
+            "one policy adapter per job (multi-tenant LoRA serving is not implemented)"),
+    Refusal("trainer.policy.model.lora.max_cpu_loras",
+            lambda t: t.policy.model.lora.max_cpu_loras is not None,
+            "one policy adapter per job (multi-tenant LoRA serving is not implemented)"),
+    Refusal("trainer.policy.model.lora.init_method",
+            lambda t: t.policy.model.lora.init_method not in LORA_INIT_METHODS,
+            f"A starts as {' or '.join(LORA_INIT_METHODS)} (train.lora.init_method)"),
     Refusal("trainer.policy.megatron_config.moe_enable_routing_replay",
             lambda t: t.policy.megatron_config.moe_enable_routing_replay,
             "router replay (R3) is not implemented by the KDA MoE layers"),

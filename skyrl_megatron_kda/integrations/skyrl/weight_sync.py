@@ -16,6 +16,10 @@ then one ``engine.send_weights()`` between the trainer's ``pause_generation`` an
   cannot renumber the way it renumbers versions. An inference client that is a
   ``DiskSyncTarget`` (``glm5_next_client.Glm5NextInferenceClient``) reloads the newest version
   when SkyRL resumes or wakes it. vLLM needs none of this, so it runs on a laptop.
+
+Under LoRA both send the merged weights W + (alpha/r) B A (``train.peft_adapters.hf_view``, SkyRL's
+``merge_lora=true``), computed per tensor as it is sent; the training model stays unmerged, and
+the sampler serves the base model's name with the trained policy.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ...model.hf_io import export_hf_tensors, save_hf_checkpoint
+from ...train.peft_adapters import hf_view
 
 LATEST = "LATEST"
 """File in a publish folder naming its newest complete version folder."""
@@ -60,7 +65,7 @@ class HFWeightSource:
     meta_type = WeightMeta
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
-        self._model = model
+        self._model = hf_view(model)  # a LoRA model's merged weights
         self._dtype = dtype
         self._meta: Optional[List] = None
 
@@ -160,7 +165,7 @@ class DiskPublisher:
         if writer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a publish that was killed
-        save_hf_checkpoint(self.model, tmp, source=self.source, dtype=self.dtype)
+        save_hf_checkpoint(hf_view(self.model), tmp, source=self.source, dtype=self.dtype)
         if writer:
             (tmp / TRAIN_STEP).write_text(str(self.train_step()))
             final = version_folder(self.root, version)

@@ -36,6 +36,7 @@ from ...distributed.cpu import prepare_cpu_rank
 from ...model.hf_io import save_hf_checkpoint
 from ...train.checkpoint import latest_checkpoint
 from ...train.manifest import read as read_manifest
+from ...train.peft_adapters import hf_view
 from ...train.rl import pack_rollout, token_logprobs
 from ...train.trainer import RankTrainer
 from . import offload, weight_sync
@@ -346,8 +347,9 @@ class KDAPolicyWorkerBase(PolicyWorkerBase):
 
     def save_hf_model(self, export_dir: str, tokenizer=None) -> None:
         """The model as a glm5_next safetensors checkpoint (collective; rank 0 writes), with the
-        config (and non-text tensors) of ``run.init_from_hf`` when the run started from one."""
-        save_hf_checkpoint(self.trainer.model.module, export_dir,
+        config (and non-text tensors) of ``run.init_from_hf`` when the run started from one;
+        under LoRA the merged weights (``peft_adapters.hf_view``)."""
+        save_hf_checkpoint(hf_view(self.trainer.model.module), export_dir,
                            source=self.trainer.recipe.run.init_from_hf)
         if tokenizer is not None and dist.get_rank() == 0:
             tokenizer.save_pretrained(export_dir)

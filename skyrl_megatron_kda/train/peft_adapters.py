@@ -1,0 +1,196 @@
+"""A LoRA model in Hugging Face terms (docs/lora.md, "Export and weight sync"): the merged weights
+W + (alpha/r) B A under glm5_next's names, and the adapters as a PEFT folder.
+
+- ``hf_view(model)``: what ``model.hf_io``'s export (``export_hf_tensors``, ``save_hf_checkpoint``)
+  and the weight sync (``integrations/skyrl/weight_sync.py``) read instead of the model. Without
+  adapters it is the model itself. With them it shows the base's tensors under their own names
+  (the adapters' hidden), and each adapted weight shard as W + (alpha/r) B A, summed in fp32 and
+  cast to W's dtype (``LoRAAdapter.delta_weight``, as ``model.lora.merge_lora`` merges), computed
+  when the export reads that tensor: the training model is left unmerged, and one adapted shard
+  at a time is held twice.
+- ``save_peft_adapter(model, out_dir)``: the adapters gathered over TP, written as the ``peft``
+  library reads them: ``adapter_model.safetensors`` with
+  ``base_model.model.<module>.lora_A.weight`` [r, in] and ``.lora_B.weight`` [out, r] per adapted
+  HF linear (transformers' module path in glm5_next, ``MODULE_PATHS``), and
+  ``adapter_config.json`` (``r``, ``lora_alpha``, the modules as ``target_modules``). A gated
+  MLP's ``linear_fc1`` is HF's ``gate_proj`` and ``up_proj``: each takes A whole and its half of
+  B, which is exactly W_gate + (alpha/r) B_gate A. Routed experts' adapters are refused.
+
+``skyrl-kda export`` (``train.export``) writes both; the SkyRL weight sync publishes the merged
+weights (``merge_lora=true``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from ..distributed.tensor_parallel import unshard
+from ..lora.adapter import LoRAAdapter, LoRAWeightSlot
+from ..model.hf_io import Entry, name_table
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+"""What ``peft.PeftModel`` puts before the base model's module names in its state dict."""
+
+MODULE_PATHS = (("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
+                ("self_attn.f_b_proj.", "self_attn.forget_gate.f_b_proj."))
+"""On-disk HF names (``model.hf_io``'s) whose module sits elsewhere in transformers' glm5_next
+(its load-time renames, ``conversion_mapping``): KDA's forget-gate projections live under
+``forget_gate``. PEFT keys name modules as the loaded model holds them."""
+
+
+def lora_adapters(model: torch.nn.Module) -> dict[str, LoRAAdapter]:
+    """Each adapter by the name of the base tensor it adapts: ``...q_proj.weight`` for a linear's,
+    ``...self_attention.f_a_weight`` for a raw weight's (the ``LoRAWeightSlot`` names it)."""
+    out = {}
+    for name, module in model.named_modules():
+        adapter = module._modules.get("lora")
+        if not isinstance(adapter, LoRAAdapter):
+            continue
+        if isinstance(module, LoRAWeightSlot):
+            owner = name.rpartition(".")[0]
+            out[f"{owner}.{module.param_name}" if owner else module.param_name] = adapter
+        else:
+            out[f"{name}.weight"] = adapter
+    return out
+
+
+class _MergedShard:
+    """Stands for one adapted weight shard where ``export_hf_tensors`` reads it: ``detach()`` is
+    the merged shard, computed then; the TP marks are the weight's (``unshard`` reads them)."""
+
+    def __init__(self, weight: torch.Tensor, adapter: LoRAAdapter):
+        self.weight, self.adapter = weight, adapter
+        for mark in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(weight, mark):
+                setattr(self, mark, getattr(weight, mark))
+
+    @torch.no_grad()
+    def detach(self) -> torch.Tensor:
+        w = self.weight.detach()
+        return (w.float() + self.adapter.delta_weight()).to(w.dtype)
+
+
+class MergedLoRAView:
+    """A LoRA model as ``model.hf_io``'s export reads a model (``recipe``, ``pg_collection``, the
+    named parameters and the state dict), with the adapters merged into their weights on read
+    and hidden themselves. Reads only: nothing of the model changes."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.recipe = model.recipe
+        self.pg_collection = model.pg_collection
+        self.adapters = lora_adapters(model)
+
+    def named_parameters(self) -> Iterator[tuple[str, object]]:
+        for name, param in self.model.named_parameters():
+            if ".lora." in f".{name}":
+                continue
+            adapter = self.adapters.get(name)
+            yield name, param if adapter is None else _MergedShard(param, adapter)
+
+    def state_dict(self, keep_vars: bool = False) -> dict:
+        state = self.model.state_dict(keep_vars=keep_vars)
+        return {k: v for k, v in state.items() if ".lora." not in f".{k}"}
+
+
+def hf_view(model: torch.nn.Module):
+    """What to export or publish of ``model``: the model itself without adapters, else its
+    ``MergedLoRAView``. Raw weights adapted through a slot are merged too (``f_a_weight``)."""
+    adapters = lora_adapters(model)
+    if not adapters:
+        return model
+    params = dict(model.named_parameters())
+    missing = sorted(name for name in adapters if name not in params)
+    if missing:
+        raise ValueError(f"LoRA adapters on tensors the model does not hold: {missing[:3]}")
+    return MergedLoRAView(model)
+
+
+# -- the PEFT folder -----------------------------------------------------------------------------
+
+def module_path(hf_weight: str) -> str:
+    """transformers' module path of the linear whose on-disk weight is ``hf_weight``."""
+    for disk, loaded in MODULE_PATHS:
+        hf_weight = hf_weight.replace(disk, loaded)
+    return hf_weight.removesuffix(".weight")
+
+
+def _entries_by_tensor(model) -> dict[str, Entry]:
+    ep = model.pg_collection.ep
+    return {e.megatron: e for e in name_table(model.recipe, ep_rank=ep.rank(), ep_size=ep.size())}
+
+
+@torch.no_grad()
+def peft_adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters of ``model`` as PEFT's state dict (``base_model.model.<module>.lora_A.weight``
+    [r, in], ``.lora_B.weight`` [out, r]), whole (gathered over TP), in the adapters' dtype.
+    Collective over TP: every rank of the model calls it and gets every tensor."""
+    entries = _entries_by_tensor(model)
+    out: dict[str, torch.Tensor] = {}
+    for tensor, adapter in sorted(lora_adapters(model).items()):
+        entry = entries.get(tensor)
+        if entry is None or entry.kind not in ("copy", "glu"):
+            raise ValueError(f"LoRA adapter on {tensor}: no HF linear to name it by in "
+                             "model/hf_io.py's table")
+        if entry.expert:
+            raise ValueError(f"LoRA adapter on {tensor}: routed experts' adapters have no PEFT "
+                             "layout here")
+        group = adapter.tp_group
+        a = unshard(adapter.A.detach(), adapter.A, group)
+        b = unshard(adapter.B.detach(), adapter.B, group, glu=entry.kind == "glu")
+        halves = b.chunk(len(entry.hf), dim=0)  # glu: [B_gate; B_up], as the weight
+        for hf, b_part in zip(entry.hf, halves):
+            module = PEFT_PREFIX + module_path(hf)
+            out[f"{module}.lora_A.weight"] = a.cpu().clone()  # one per HF linear
+            out[f"{module}.lora_B.weight"] = b_part.cpu().clone()
+    return out
+
+
+def peft_adapter_config(model: torch.nn.Module, modules: list[str], *,
+                        base_model: str | None = None) -> dict:
+    """``adapter_config.json`` of ``model``'s adapters on ``modules`` (transformers' module
+    paths): peft's LoRA fields, the scale ``lora_alpha / r`` being our ``alpha / rank``."""
+    adapters = list(lora_adapters(model).values())
+    ranks = {a.rank for a in adapters}
+    alphas = {a.alpha for a in adapters}
+    if len(ranks) != 1 or len(alphas) != 1:
+        raise ValueError(f"adapters of several ranks {sorted(ranks)} or alphas {sorted(alphas)}: "
+                         "one adapter_config.json holds one r and lora_alpha")
+    dropout = max(a.dropout for a in adapters)
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": ranks.pop(), "lora_alpha": alphas.pop(), "lora_dropout": dropout,
+        "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True,
+    }
+
+
+def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *,
+                      base_model: str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Write ``model``'s adapters as a PEFT folder (``adapter_model.safetensors`` and
+    ``adapter_config.json``) in ``out_dir``; global rank 0 writes, every rank must call it.
+    ``base_model`` is recorded as ``base_model_name_or_path``; ``dtype`` casts the tensors.
+    Returns the adapted modules' paths."""
+    if not lora_adapters(model):
+        raise ValueError("the model has no LoRA adapters to write as a PEFT folder")
+    tensors = peft_adapter_tensors(model)
+    modules = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for k in tensors})
+    config = peft_adapter_config(model, modules, base_model=base_model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return modules
+    os.makedirs(out_dir, exist_ok=True)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    return modules
