@@ -5,8 +5,8 @@ Settings: ``trainer.policy.model.lora.*`` become ``train.lora.*`` (``decided_set
 the adapters do not implement is refused by name (tests/test_skyrl.py has one case per refusal).
 
 Weight sync, on two gloo ranks at TP2 +SP with the tiny recipe (fp32) from a random glm5_next
-checkpoint: the policy worker with LoRA rank 4 (SkyRL's ``all-linear``, routed experts excluded:
-they take no adapters yet) publishes to the project's sampler (the disk backend) before and after
+checkpoint: the policy worker with LoRA rank 4 (SkyRL's ``all-linear``, routed experts excluded,
+whose merge is tested on its own below) publishes to the project's sampler (the disk backend) before and after
 an optimizer step. SkyRL's ``merge_lora=true``: the published folder holds W + (alpha/r) B A.
 Checked: the sampler's log-probs equal the trainer's after each sync (below 1e-5, as full
 fine-tuning's in tests/test_skyrl_weight_sync.py; the stale v1 sampler against the stepped
@@ -16,6 +16,9 @@ checkpoint's bitwise, and an adapted one is not. The PEFT folder of the same ada
 transformers' glm5_next linears with their shapes, and base + (alpha/r) B A from it is the merged
 export (1e-6), whose logits it gives in transformers (peft is not installed here: the folder is
 applied by hand as peft's LoRA layer computes it).
+
+Routed experts' adapters (per expert or shared, TP2 +SP x EP2, B drawn): the merged export equals
+``merge_lora``'s bitwise, every routed expert tensor moved, and the PEFT folder refuses them.
 """
 
 from __future__ import annotations
@@ -61,12 +64,14 @@ def test_skyrls_lora_settings_become_train_lora():
         "trainer.policy.model.lora.rank=8", "trainer.policy.model.lora.alpha=32",
         "trainer.policy.model.lora.dropout=0.1", "trainer.policy.model.lora.init_method=xavier",
         "trainer.policy.model.lora.target_modules=[linear_qkv,out_proj]",
-        "trainer.policy.model.lora.exclude_modules='*.layers.3.*'"])
+        "trainer.policy.model.lora.exclude_modules='*.layers.3.*'",
+        "trainer.policy.megatron_config.lora_config.normalize_moe_lora=true"])
     assert unsupported_settings(cfg) == []  # rank 8 is accepted
     lora = recipe.train.lora
     assert (lora.rank, lora.alpha, lora.dropout, lora.init_method) == (8, 32.0, 0.1, "xavier")
     assert lora.target_modules == ["linear_qkv", "out_proj"]
     assert lora.exclude_modules == ["*.layers.3.*"]  # one name: a list of one
+    assert lora.normalize_moe_lora
     sources = {d.key: d.source for d in decided}
     assert sources["train.lora.rank"] == "trainer.policy.model.lora.rank"
     # SkyRL's defaults: LoRA off, "all-linear" (a string), no exclusions (None)
@@ -318,3 +323,56 @@ def test_peft_folder_names_glm5_next_linears_and_merges_to_the_export(runs):
     diff = (logits["adapted"] - logits["merged"]).abs().max().item()
     moved = (logits["plain"] - logits["merged"]).abs().max().item()
     assert diff < 1e-4 and moved > 1e-3, (diff, moved)
+
+
+# -- routed experts' adapters in the merged export -------------------------------------------------
+
+EP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=1", "parallel.ep=2",
+       "parallel.etp=1", "run.num_workers=2"]
+
+
+def _experts_merged(rank, world, share):
+    """On TP2 +SP x EP2: the HF export of the base, of ``hf_view`` with every adapter's B drawn
+    (routed experts included, per-expert or shared), and of the model after ``merge_lora``; and
+    what ``save_peft_adapter`` says of the routed experts' adapters."""
+    from skyrl_megatron_kda.model.hf_io import export_hf_tensors
+    from skyrl_megatron_kda.model.lora import apply_lora, lora_parameters, merge_lora
+    from skyrl_megatron_kda.model.moe_layer import GLMMoELayer
+    from skyrl_megatron_kda.recipes import load_recipe
+    from skyrl_megatron_kda.train.peft_adapters import hf_view, save_peft_adapter
+    from tests.support.memory_recipes import TINY
+    from tests.support.tiny_models import build_on_mesh
+    from tests.test_lora_experts import _draw_b, _global_name
+
+    model = build_on_mesh(load_recipe(TINY, EP2).recipe)
+    base = {n: t.clone() for n, t in export_hf_tensors(model)}
+    apply_lora(model, rank=RANK, alpha=ALPHA, target_modules="all-linear",
+               share_expert_adapters=share)
+    moe_layers = {n: m for n, m in model.named_modules() if isinstance(m, GLMMoELayer)}
+    with torch.no_grad():
+        for n, p in lora_parameters(model).items():
+            if n.endswith(".B"):
+                p.copy_(_draw_b(_global_name(n, moe_layers), p))
+    view = {n: t.clone() for n, t in export_hf_tensors(hf_view(model))}
+    try:
+        save_peft_adapter(model, tempfile.mkdtemp())
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    merge_lora(model)
+    merged = {n: t.clone() for n, t in export_hf_tensors(model)}
+    return {"base": base, "view": view, "merged": merged, "refusal": refusal} if rank == 0 else {}
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "per_expert"])
+def test_merged_export_of_routed_expert_adapters_is_merge_loras(share):
+    out = run_ranks(2, _experts_merged, share)[0]
+    view, merged, base = out["view"], out["merged"], out["base"]
+    assert list(view) == list(merged) == list(base)  # the same names, in the same order
+    differ = [n for n in merged if not torch.equal(view[n], merged[n])]
+    assert differ == [], differ[:5]
+    experts = [n for n in merged if ".mlp.experts." in n]
+    assert experts and all(not torch.equal(merged[n], base[n]) for n in experts)
+    assert torch.equal(merged["model.language_model.embed_tokens.weight"],
+                       base["model.language_model.embed_tokens.weight"])
+    assert "routed experts' adapters have no PEFT layout" in out["refusal"]

@@ -495,7 +495,6 @@ REFUSED_VALUES = {
     "trainer.policy.megatron_config.lora_config.lora_type": "canonical_lora",
     "trainer.policy.megatron_config.lora_config.merge_lora": False,
     "trainer.policy.megatron_config.lora_config.experts_shared_outer_loras": True,
-    "trainer.policy.megatron_config.lora_config.normalize_moe_lora": True,
     "trainer.policy.model.lora.sync_mode": "memory",
     "trainer.policy.model.lora.max_loras": 2,
     "trainer.policy.model.lora.max_cpu_loras": 4,

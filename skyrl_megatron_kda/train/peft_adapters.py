@@ -14,7 +14,8 @@ W + (alpha/r) B A under glm5_next's names, and the adapters as a PEFT folder.
   HF linear (transformers' module path in glm5_next, ``MODULE_PATHS``), and
   ``adapter_config.json`` (``r``, ``lora_alpha``, the modules as ``target_modules``). A gated
   MLP's ``linear_fc1`` is HF's ``gate_proj`` and ``up_proj``: each takes A whole and its half of
-  B, which is exactly W_gate + (alpha/r) B_gate A. Routed experts' adapters are refused.
+  B, which is exactly W_gate + (alpha/r) B_gate A. Routed experts' adapters are refused there
+  (glm5_next holds its experts as fused parameters, not linears peft can wrap); they merge.
 
 ``skyrl-kda export`` (``train.export``) writes both; the SkyRL weight sync publishes the merged
 weights (``merge_lora=true``).
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..distributed.tensor_parallel import unshard
-from ..lora.adapter import LoRAAdapter, LoRAWeightSlot
+from ..lora.adapter import LoRAAdapter, LoRAWeightSlot, SharedExpertAdapter
 from ..model.hf_io import Entry, name_table
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -46,11 +47,17 @@ MODULE_PATHS = (("self_attn.f_a_proj.", "self_attn.forget_gate.f_a_proj."),
 ``forget_gate``. PEFT keys name modules as the loaded model holds them."""
 
 
-def lora_adapters(model: torch.nn.Module) -> dict[str, LoRAAdapter]:
+def lora_adapters(model: torch.nn.Module) -> dict[str, LoRAAdapter | SharedExpertAdapter]:
     """Each adapter by the name of the base tensor it adapts: ``...q_proj.weight`` for a linear's,
-    ``...self_attention.f_a_weight`` for a raw weight's (the ``LoRAWeightSlot`` names it)."""
+    ``...self_attention.f_a_weight`` for a raw weight's (the ``LoRAWeightSlot`` names it), each
+    routed expert's ``...local_experts.{i}.linear_fc1.weight`` for its own adapter or the MoE
+    layer's shared one (``share_expert_adapters``: the same adapter under every expert)."""
     out = {}
     for name, module in model.named_modules():
+        shared = module.__dict__.get("_shared_lora")
+        if isinstance(shared, SharedExpertAdapter):
+            out[f"{name}.weight"] = shared
+            continue
         adapter = module._modules.get("lora")
         if not isinstance(adapter, LoRAAdapter):
             continue
@@ -66,7 +73,7 @@ class _MergedShard:
     """Stands for one adapted weight shard where ``export_hf_tensors`` reads it: ``detach()`` is
     the merged shard, computed then; the TP marks are the weight's (``unshard`` reads them)."""
 
-    def __init__(self, weight: torch.Tensor, adapter: LoRAAdapter):
+    def __init__(self, weight: torch.Tensor, adapter: LoRAAdapter | SharedExpertAdapter):
         self.weight, self.adapter = weight, adapter
         for mark in ("tensor_model_parallel", "partition_dim", "partition_stride"):
             if hasattr(weight, mark):

@@ -115,6 +115,9 @@ def lora_settings(t) -> list[Decided]:
         Decided("train.lora.exclude_modules", _names(lora.exclude_modules),
                 f"{LORA}.exclude_modules"),
         Decided("train.lora.init_method", str(lora.init_method), f"{LORA}.init_method"),
+        Decided("train.lora.normalize_moe_lora",
+                bool(t.policy.megatron_config.lora_config.normalize_moe_lora),
+                "trainer.policy.megatron_config.lora_config.normalize_moe_lora"),
     ]
 
 
@@ -167,7 +170,7 @@ SKYRL_DECIDES = ("train.lr", "train.min_lr", "train.warmup_steps", "train.weight
                  "train.grad_clip", "train.grad_reduce_in_fp32", "train.seed", "train.steps",
                  "model.params_dtype", "train.lora.rank", "train.lora.alpha",
                  "train.lora.dropout", "train.lora.target_modules", "train.lora.exclude_modules",
-                 "train.lora.init_method")
+                 "train.lora.init_method", "train.lora.normalize_moe_lora")
 """Recipe keys that come from SkyRL's config under SkyRL (``run.init_from_hf`` may come from
 either: the recipe's wins)."""
 
@@ -219,9 +222,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("trainer.policy.megatron_config.lora_config.experts_shared_outer_loras",
             lambda t: t.policy.megatron_config.lora_config.experts_shared_outer_loras,
             "shared-outer grouped-expert adapters are not built"),
-    Refusal("trainer.policy.megatron_config.lora_config.normalize_moe_lora",
-            lambda t: t.policy.megatron_config.lora_config.normalize_moe_lora,
-            "routed experts take no adapters yet, so there is no expert rank to normalise"),
     Refusal("trainer.policy.model.lora.sync_mode",
             lambda t: _lora(t) and t.policy.model.lora.sync_mode != "disk",
             "adapter tensors over the weight-sync backend are not sent (merge_lora=true syncs "
