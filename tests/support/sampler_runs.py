@@ -25,9 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROMPT, RESPONSE = 40, 40
-"""Tokens per prompt and per response: rows of 80, past the tiny recipe's ``index_topk`` (64),
-so DSA's selection (and its tie rule) decides what each query attends to."""
+PROMPT, RESPONSE = 66, 14
+"""Tokens per prompt and per response: rows of 80, every response token past the tiny recipe's
+``index_topk`` (64), so DSA's selection (and its tie rule) decides what each sampled query
+attends to; a short response keeps the token-by-token sampling cheap."""
 PROMPTS = 3
 SEED = 0
 LAYOUT_BUG = ("model.language_model.layers.3.mlp.experts.gate_up_proj", 0, 1)
