@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..config import Recipe
-from .lora import lora_numel
+from .lora import lora_numels
 from .rows import DTYPE_BYTES
 
 
@@ -104,7 +104,9 @@ def rank_parameters(recipe: Recipe) -> list[ParamGroup]:
     add("moe_experts", n_moe * local_experts * 3 * (e.ffn_hidden_size // p.etp) * D, expert=True)
     if recipe.train.lora.enabled:
         out = [ParamGroup(g.component, g.numel, g.dtype_bytes, False, g.expert) for g in out]
-        add("lora", lora_numel(recipe))
+        dense_lora, expert_lora = lora_numels(recipe)
+        add("lora", dense_lora)
+        add("lora", expert_lora, expert=True)  # per-expert adapters: sharded as the experts
     return out
 
 

@@ -12,16 +12,27 @@ The adapters train: DDP's gradient buffer (fp32 under ``train.grad_reduce_in_fp3
 distributed optimizer's state over DP x CP, as any dense parameter (``census.py`` lists them as
 the ``lora`` component; ``states.py`` prices whatever is trainable).
 
+Routed experts' ``linear_fc1``/``linear_fc2`` (``model.lora``'s ``_adapt_expert``), of rank
+``rank // top_k`` (at least 1) under ``normalize_moe_lora``:
+
+- shared (``share_expert_adapters``, the default): one adapter per MoE layer and kind, whole on
+  every rank (A [r, in], B [out, r] of the expert's whole fc1 [2F, D] / fc2 [D, F]), a dense
+  parameter: gradient and optimizer state over DP x CP;
+- per expert: each of the rank's E/ep experts its own, split under ETP as the expert's weight
+  (fc1: A [r, D], B [2F/etp, r]; fc2: A [r, F/etp], B [D, r]), expert parameters: their
+  optimizer state sharded over the expert-DP group (world / (ep * etp * pp)) as the experts'.
+
 Which linears: ``target_modules`` minus ``exclude_modules`` by ``lora.names``' rules (SkyRL's
 names, ours, wildcard patterns on the dotted name; ``apply_lora`` selects by them too), over the
 linears ``model/glm.py`` builds (``model_linears``); ``tests/test_memory_lora.py`` checks the
 selection equals ``lora_targets`` on a built model. The plan refuses what ``apply_lora`` refuses:
-routed experts (adapters on them are not built, and their split over EP x ETP is not decided)
-and the output layer.
+the output layer.
 
 Activations: each adapter keeps its r-wide product for B's backward (``A x``: the rows of B's
-input x r); everything else a layer keeps is unchanged (the adapter's A reads the base's input,
-which is kept already)."""
+input x r); a routed expert's adapter on the rows routed to that expert (the balanced share),
+and nothing past the chunk under ``train.moe_chunk_tokens`` (the chunk's checkpoint rebuilds it;
+its r-wide part of the rebuilt chunk is not priced). Everything else a layer keeps is unchanged
+(the adapter's A reads the base's input, which is kept already)."""
 
 from __future__ import annotations
 
@@ -101,7 +112,7 @@ def model_linears(recipe: Recipe) -> list[Linear]:
 
 def lora_linears(recipe: Recipe) -> list[Linear]:
     """The linears ``train.lora`` adapts (none at rank 0). Refuses what ``apply_lora`` refuses
-    by name: a selection that is empty, or holds the output layer or a routed expert's linear."""
+    by name: a selection that is empty, or holds the output layer."""
     if not recipe.train.lora.enabled:
         return []
     # The plan asks per layer and per term: the selection is computed once per recipe's content.
@@ -128,16 +139,30 @@ def _select(recipe: Recipe) -> tuple[Linear, ...]:
         last = lin.name.rsplit(".", 1)[-1]
         if last in REFUSED:
             raise ValueError(f"lora target {lin.name}: not supported, {REFUSED[last]}")
-        if lin.expert:
-            raise ValueError(f"lora target {lin.name}: adapters on routed experts are not supported "
-                             "yet; train.lora.exclude_modules=['*.experts.*'] leaves them out")
     return tuple(chosen)
+
+
+def expert_lora_rank(recipe: Recipe) -> int:
+    """The routed experts' adapter rank: ``rank // top_k`` (at least 1) under
+    ``normalize_moe_lora``, else ``rank`` (``model.lora.expert_rank``)."""
+    lora = recipe.train.lora
+    return max(1, lora.rank // recipe.model.moe.top_k) if lora.normalize_moe_lora else lora.rank
+
+
+def lora_rank(recipe: Recipe, lin: Linear) -> int:
+    """The rank of ``lin``'s adapter."""
+    return expert_lora_rank(recipe) if lin.expert else recipe.train.lora.rank
 
 
 def local_factors(recipe: Recipe, lin: Linear) -> tuple[tuple[int, int], tuple[int, int]]:
     """This rank's A and B shapes: A [r, in] and B [out/tp, r] column-parallel; A [r, in/tp] and
-    B [out, r] row-parallel; both whole where the weight is duplicated."""
-    r, tp = recipe.train.lora.rank, recipe.parallel.tp
+    B [out, r] row-parallel; both whole where the weight is duplicated. A routed expert's
+    adapter is split over ETP instead of TP, or whole when shared by the layer's experts."""
+    r, tp = lora_rank(recipe, lin), recipe.parallel.tp
+    if lin.expert:
+        if recipe.train.lora.share_expert_adapters:
+            return (r, lin.in_features), (lin.out_features, r)
+        tp = recipe.parallel.etp
     if lin.split == "column":
         return (r, lin.in_features), (lin.out_features // tp, r)
     if lin.split == "row":
@@ -151,9 +176,25 @@ def adapter_numel(recipe: Recipe, lin: Linear) -> int:
     return ar * ac + br * bc
 
 
+def lora_numels(recipe: Recipe) -> tuple[int, int]:
+    """Elements of the adapters on one rank: (dense parameters, expert parameters). A shared
+    routed-expert adapter is one per MoE layer and kind (counted with the layer's first local
+    expert), dense; per-expert adapters are expert parameters."""
+    dense = expert = 0
+    shared = recipe.train.lora.share_expert_adapters
+    for lin in lora_linears(recipe):
+        if not lin.expert:
+            dense += adapter_numel(recipe, lin)
+        elif not shared:
+            expert += adapter_numel(recipe, lin)
+        elif ".local_experts.0." in lin.name:
+            dense += adapter_numel(recipe, lin)
+    return dense, expert
+
+
 def lora_numel(recipe: Recipe) -> int:
     """Elements of every adapter on one rank (0 without LoRA)."""
-    return sum(adapter_numel(recipe, lin) for lin in lora_linears(recipe))
+    return sum(lora_numels(recipe))
 
 
 def adapter_rows(recipe: Recipe, lin: Linear) -> tuple[int, int]:
@@ -162,8 +203,19 @@ def adapter_rows(recipe: Recipe, lin: Linear) -> tuple[int, int]:
     rows (the r-wide product gathered over TP); a row adapter runs A on the CP rank's rows and B
     on the sum of the partial products (reduce-scattered to the sequence share under SP)."""
     p, rows = recipe.parallel, rows_of(recipe)
+    if lin.expert:
+        routed = expert_rows(recipe)
+        return routed, routed
     shared = rows.sp if p.sequence_parallel and p.tp > 1 else rows.cp
     return (shared, rows.cp) if lin.split == "column" else (rows.cp, shared)
+
+
+def expert_rows(recipe: Recipe) -> int:
+    """Rows one routed expert of this rank computes per forward, under balanced routing: the
+    EP x ETP group's rows (the rank's SP share each), top_k assignments each, 1/E of them (as
+    ``memory.moe.local_assignments`` per local expert)."""
+    p, e = recipe.parallel, recipe.model.moe
+    return rows_of(recipe).sp * p.ep * p.etp * e.top_k // e.num_experts
 
 
 def adapter_kept_bytes(recipe: Recipe, lin: Linear) -> int:
@@ -174,7 +226,9 @@ def adapter_kept_bytes(recipe: Recipe, lin: Linear) -> int:
     if lin.reads_weight:
         (_, a_cols), (b_rows, _) = local_factors(recipe, lin)
         return b_rows * a_cols * DTYPE_BYTES[recipe.model.params_dtype]
-    return adapter_rows(recipe, lin)[1] * recipe.train.lora.rank * act_bytes(recipe)
+    if lin.expert and recipe.train.moe_chunk_tokens:
+        return 0  # inside the chunk's checkpoint: rebuilt in backward, not kept
+    return adapter_rows(recipe, lin)[1] * lora_rank(recipe, lin) * act_bytes(recipe)
 
 
 def lora_activation_bytes(recipe: Recipe, layer: int | None, block: str | None = None) -> int:

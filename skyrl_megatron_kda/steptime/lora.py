@@ -18,6 +18,11 @@ carries the adapters only (``host.optimizer_part`` prices what is trainable: ``m
   r-wide GEMM moves as many bytes as it multiplies (its intensity is about r FLOP per byte), so
   each is priced at the larger of the measured GEMM rate and the H200's HBM bandwidth
   (``hardware.MEASURED_ON``): modelled, not measured.
+- Routed experts' adapters (``memory.lora``: shared or per expert) run on each local expert's
+  routed rows (``memory.lora.expert_rows``), once more under ``train.moe_chunk_tokens`` (the
+  chunk's recompute); a per-expert adapter all-reduces its ETP-whole factor's gradient over ETP
+  (A of fc1, B of fc2), a shared one exchanges nothing inside the layer (its TP sum in
+  ``finalize_model_grads`` is r-wide and not priced).
 - Not changed: the head (model/fused_loss.py computes the output weight's gradient whether or
   not it is frozen), the mHC maps (their projection's backward is measured as a whole), DSA's
   rows-path weight gathers.
@@ -26,7 +31,7 @@ carries the adapters only (``host.optimizer_part`` prices what is trainable: ``m
 from __future__ import annotations
 
 from ..config import Recipe
-from ..memory.lora import Linear, adapter_rows, local_factors, lora_linears
+from ..memory.lora import Linear, adapter_rows, local_factors, lora_linears, lora_rank
 from ..memory.rows import DTYPE_BYTES, act_bytes, rows_of
 from . import calibration as cal
 from .common import forward_passes, group_link, scale, seconds
@@ -85,9 +90,12 @@ def _memory(recipe: Recipe, nbytes: float) -> float:
 
 def adapter_compute_s(recipe: Recipe, lin: Linear) -> float:
     """Seconds of ``lin``'s adapter per step (all forward passes and the backward)."""
-    r = recipe.train.lora.rank
+    r = lora_rank(recipe, lin)
     (_, a_in), (b_out, _) = local_factors(recipe, lin)
-    passes = forward_passes(recipe, _layer_kind(recipe, lin))
+    passes = _passes(recipe, lin)
+    if lin.expert and recipe.train.lora.share_expert_adapters:  # the expert's ETP shard of it
+        etp = recipe.parallel.etp
+        a_in, b_out = (a_in // etp, b_out) if lin.split == "row" else (a_in, b_out // etp)
     if lin.reads_weight:  # W + s B A as one addmm: [b_out, r] x [r, a_in], reading W
         w = DTYPE_BYTES[recipe.model.params_dtype]
         cells = b_out * a_in
@@ -101,10 +109,25 @@ def adapter_compute_s(recipe: Recipe, lin: Linear) -> float:
     return passes * forward + 2 * gemms + _memory(recipe, 2 * rows_b * b_out * e)
 
 
+def _passes(recipe: Recipe, lin: Linear) -> int:
+    """Forward passes of ``lin`` per step: its layer's, and a routed expert's once more under
+    ``train.moe_chunk_tokens`` (the chunk's checkpoint reruns it in backward)."""
+    passes = forward_passes(recipe, _layer_kind(recipe, lin))
+    return passes + (1 if lin.expert and recipe.train.moe_chunk_tokens else 0)
+
+
 def adapter_comm_s(recipe: Recipe, lin: Linear) -> float:
     """Seconds of ``lin``'s adapter's TP exchanges per step (docs/lora.md's table): forward ones
-    in each forward pass, backward ones once."""
+    in each forward pass, backward ones once. A per-expert adapter all-reduces the gradient of
+    its ETP-whole factor over ETP; a shared expert adapter exchanges nothing in the layer."""
     p = recipe.parallel
+    if lin.expert:
+        if p.etp == 1 or recipe.train.lora.share_expert_adapters:
+            return 0.0
+        (ar, ac), (br, bc) = local_factors(recipe, lin)
+        whole = ar * ac if lin.split == "column" else br * bc
+        w = DTYPE_BYTES[recipe.model.params_dtype]
+        return seconds(2 * whole * w * (p.etp - 1) / p.etp, group_link(recipe, 1, p.etp))
     if p.tp == 1:
         return 0.0
     r, w, e = recipe.train.lora.rank, DTYPE_BYTES[recipe.model.params_dtype], act_bytes(recipe)
