@@ -186,15 +186,18 @@ class SharedExpertAdapter(torch.nn.Module):
     and registered once; the expert linears' hooks reference it."""
 
     def __init__(self, split: str, out_features: int, rank: int, alpha: float,
-                 full_a: torch.Tensor, etp_group, *, glu: bool, tp_size: int,
+                 full_a: torch.Tensor, etp_group, tp_group, *, glu: bool,
                  dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.split, self.glu, self.etp_group = split, glu, etp_group
+        # The dense TP group: A and B are whole and the same on every rank, a replica per TP
+        # rank as any TP-duplicated dense parameter (what a checkpoint declares them by).
+        self.tp_group = tp_group
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
         self.A = torch.nn.Parameter(full_a.to(device=device, dtype=dtype).contiguous())
         self.B = torch.nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
-        if tp_size > 1:  # partial over the dense TP ranks' rows: finalize_model_grads sums them
+        if tp_group.size() > 1:  # partial over the TP ranks' rows: finalize_model_grads sums
             self.A.sequence_parallel = self.B.sequence_parallel = True
 
     def local(self) -> tuple[torch.Tensor, torch.Tensor]:

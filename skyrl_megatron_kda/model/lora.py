@@ -196,10 +196,9 @@ def _adapt_expert(modules, name, linear, expert, rank, alpha, seed, init_method,
         full_a = initial_a(f"{moe_name}.experts.{fc}", r, linear.input_size, seed, init_method)
         adapter = SharedExpertAdapter(
             "column" if isinstance(linear, ColumnParallelLinear) else "row", linear.output_size,
-            r, alpha, full_a, linear.tp_group,
+            r, alpha, full_a, linear.tp_group, moe.tp_group,
             glu=fc == "linear_fc1" and moe.config.gated_linear_unit,
-            tp_size=moe.config.tensor_model_parallel_size, dtype=linear.weight.dtype,
-            device=linear.weight.device)
+            dtype=linear.weight.dtype, device=linear.weight.device)
         slot = SharedExpertSlot(adapter)
         setattr(experts, fc, slot)
     linear.__dict__["_shared_lora"] = slot.lora  # a reference, not a child: registered once
