@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--from-step", type=int, default=None, metavar="N",
                         help="export checkpoints/step_N instead of the one checkpoints/latest "
                              "names")
+    export.add_argument("--adapters", action="store_true",
+                        help="a LoRA run: its adapters as a PEFT folder (adapter_model.safetensors, "
+                             "adapter_config.json) instead of the merged weights")
     source = export.add_mutually_exclusive_group()
     source.add_argument("--source", default=None, metavar="HF_DIR",
                         help="checkpoint whose config.json, vision/MTP tensors and tokenizer are "
@@ -407,33 +410,14 @@ def _export(args: argparse.Namespace) -> int:
     from .train.stop import Interrupted
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    _refuse_adapter_export(args.run_dir, args.from_step)
     try:
         ckpt, step = export(args.run_dir, args.out, overrides=args.overrides, source=args.source,
-                            use_source=not args.no_source, from_step=args.from_step)
+                            use_source=not args.no_source, from_step=args.from_step,
+                            adapters=args.adapters)
     except Interrupted as err:
         return _stopped(err)
     print(f"exported {ckpt} (step {step}) to {args.out}", file=sys.stderr)
     return 0
-
-
-def _refuse_adapter_export(run_dir: str, from_step: int | None) -> None:
-    """Refuse, before Ray starts, exporting a LoRA run's checkpoint: it holds the adapters only,
-    and the export writes the model's full weights. Any other problem with the checkpoint is
-    left for ``export`` to say."""
-    from .train.export import export_checkpoint
-    from .train.manifest import read
-
-    try:
-        ckpt = export_checkpoint(run_dir, from_step)
-        lora = read(ckpt).get("lora")
-    except (OSError, ValueError):
-        return
-    if lora is not None:
-        raise ValueError(f"{ckpt} holds LoRA adapters only (train.lora.rank="
-                         f"{lora['settings']['rank']}) on a frozen base, and skyrl-kda export "
-                         "writes full weights: an export that merges the adapters into the base "
-                         "is not supported (docs/lora.md)")
 
 
 if __name__ == "__main__":

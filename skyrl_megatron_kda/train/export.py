@@ -10,6 +10,13 @@ loads only the model part of the checkpoint (no optimizer, no data); global rank
 The source checkpoint (default: the run's ``run.init_from_hf``) supplies ``config.json``, the
 tensors the trunk does not train (vision tower, MTP layer) and its other non-weight files
 (tokenizer, generation config), so the result is a complete folder transformers can load.
+
+A LoRA run's checkpoint holds the adapters only (docs/lora.md): each rank rebuilds the base as
+the run began (``run.init_from_hf``, else the seed's initialisation), hangs the checkpoint's
+adapters on it (its ``train.lora`` settings, from the manifest), checks the base's fingerprint
+against the saved one (``manifest.lora_refusal``) and loads the adapters. The export is then the
+merged model, W + (alpha/r) B A (``peft_adapters.hf_view``), or with ``adapters=True``
+(``--adapters``) the adapters alone as a PEFT folder (``peft_adapters.save_peft_adapter``).
 """
 
 from __future__ import annotations
@@ -21,20 +28,24 @@ import signal
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from ..config import Recipe
+from ..config import LoRAConfig, Recipe
 from ..distributed.cpu import cuda_names_cpu
 from ..model.glm import build_model
-from ..model.hf_io import save_hf_checkpoint
+from ..model.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from ..model.lora import apply_lora
 from ..recipes import load_recipe
 from . import checkpoint, manifest
 from .checkpoint_failures import explained_failures
 from .outputs import RECIPE
+from .peft_adapters import hf_view, save_peft_adapter
 from .run import rank_group
 from .setup import init_parallel_state, seed_everything
 from .stop import Interrupted, StopSignals
+from .trainer import base_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -58,26 +69,57 @@ def load_run_model(recipe: Recipe, path: str | Path):
     torch.distributed must be initialised; megatron's parallel state is set up here (tear it down
     with ``parallel_state.destroy_model_parallel``). The checkpoint's files are verified against
     its manifest first; only the model's shards are read."""
-    checkpoint.verified_manifest(path)
+    record = checkpoint.verified_manifest(path)
     use_cpu = recipe.run.device == "cpu"
     init_parallel_state(recipe)
-    seed_everything(recipe.train.seed, use_cpu)  # the build draws init values, then overwritten
+    seed_everything(recipe.train.seed, use_cpu)  # the build draws init values (a LoRA run's base)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     model = build_model(recipe, use_cpu=use_cpu, pg_collection=pgs)
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
-    # The same declaration of every tensor's sharding as the trainer's save (checkpoint.py).
-    request = {"model": checkpoint.module_sharded_state(model, "", metadata, pgs.tp)}
+    if record.get("lora") is not None:
+        request = {"model": _adapters_on_base(model, recipe, path, record, metadata, pgs)}
+    else:
+        # The same declaration of every tensor's sharding as the trainer's save (checkpoint.py).
+        request = {"model": checkpoint.module_sharded_state(model, "", metadata, pgs.tp)}
     with cuda_names_cpu(use_cpu), explained_failures("loading", path):
         state = dist_checkpointing.load(request, str(path))
-    model.load_state_dict(state["model"])
+    result = model.load_state_dict(state["model"], strict=record.get("lora") is None)
+    wrong = result.unexpected_keys + [k for k in result.missing_keys if ".lora." in k]
+    if wrong:
+        raise ValueError(f"checkpoint {path}: its adapters do not match the model's: {wrong[:3]}")
     return model
 
 
+def _adapters_on_base(model, recipe: Recipe, path, record: dict, metadata: dict, pgs) -> dict:
+    """A LoRA checkpoint's rank side: the base as the run built it (``run.init_from_hf`` loaded,
+    else the seed's initialisation), the checkpoint's adapters (its ``train.lora``) hung on it and
+    the base's fingerprint checked against the saved one; returns the adapters' sharded state
+    to load."""
+    if recipe.run.init_from_hf is not None:
+        load_hf_checkpoint(model, recipe.run.init_from_hf)
+    lora = LoRAConfig.model_validate(record["lora"]["settings"])
+    apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+               target_modules=lora.target_modules, exclude_modules=lora.exclude_modules,
+               seed=recipe.train.seed, init_method=lora.init_method,
+               share_expert_adapters=lora.share_expert_adapters,
+               normalize_moe_lora=lora.normalize_moe_lora)
+    fingerprint = base_fingerprint(model, pgs.tp, metadata["dp_cp_group"])
+    p = recipe.parallel
+    mesh = {"world": dist.get_world_size(), "tp": p.tp, "cp": p.cp, "ep": p.ep, "etp": p.etp}
+    refusal = manifest.lora_refusal(path, record, record["lora"]["settings"], fingerprint, mesh)
+    if refusal is not None:
+        raise ValueError(refusal.replace("resume with", "export with"))
+    return checkpoint.adapter_sharded_state(model, metadata, pgs.tp)
+
+
 def _export_rank(rank: int, world: int, recipe: Recipe, path: str, out_dir: str,
-                 source: str | None) -> None:
+                 source: str | None, adapters: bool = False) -> None:
     model = load_run_model(recipe, path)
     try:
-        save_hf_checkpoint(model, out_dir, source=source)
+        if adapters:
+            save_peft_adapter(model, out_dir, base_model=source or recipe.run.init_from_hf)
+        else:  # a LoRA model's merged weights
+            save_hf_checkpoint(hf_view(model), out_dir, source=source)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -135,7 +177,7 @@ def check_out_dir(out: Path) -> None:
 
 def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str] = (),
            source: str | None = None, use_source: bool = True,
-           from_step: int | None = None) -> tuple[Path, int]:
+           from_step: int | None = None, adapters: bool = False) -> tuple[Path, int]:
     """Export ``run_dir``'s latest checkpoint (``from_step``: ``step_N``) to ``out_dir``;
     returns (checkpoint, step). Everything the driver can check (the checkpoint, the source,
     ``out_dir``) is refused before Ray starts.
@@ -143,7 +185,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str]
     ``source`` defaults to the run's ``run.init_from_hf``; without one (or ``use_source=False``)
     config.json is a flat text config from the recipe and nothing is copied through. SIGTERM or
     Ctrl-C stops it at once (``stop.Interrupted``): the ranks and a Ray started here end, and
-    what it wrote into ``out_dir`` is removed."""
+    what it wrote into ``out_dir`` is removed. A LoRA run exports merged weights, or with
+    ``adapters`` its adapters as a PEFT folder (``adapter_model.safetensors``,
+    ``adapter_config.json``; nothing copied from the source)."""
     recipe = run_recipe(run_dir, overrides)
     ckpt = export_checkpoint(run_dir, from_step)
     if not use_source:
@@ -155,28 +199,32 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overrides: Sequence[str]
                                 "or --no-source for a config.json made from the recipe)")
     out = Path(out_dir)
     check_out_dir(out)
-    step = int(manifest.read(ckpt)["step"])  # an unfinished save is refused before Ray starts
+    record = manifest.read(ckpt)  # an unfinished save is refused before Ray starts
+    step = int(record["step"])
+    if adapters and record.get("lora") is None:
+        raise ValueError(f"--adapters: {ckpt} holds full weights (a run without LoRA, "
+                         "train.lora.rank=0): export it without --adapters")
     made = not out.exists()
     with StopSignals() as stop:  # phase "starting" throughout: a signal stops it at once
         try:
-            _export_on_ranks(recipe, stop, ckpt, out, source)
+            _export_on_ranks(recipe, stop, ckpt, out, source, adapters)
         except KeyboardInterrupt:
             if stop.signum is None:
                 raise
             _remove_partial(out, made)
             raise Interrupted(stop.signum, f"stopped by {signal.Signals(stop.signum).name} during "
                               f"the export of {ckpt}; nothing kept in {out}") from None
-    if source is not None:
+    if source is not None and not adapters:
         copied = copy_non_weight_files(source, out)
         logger.info("copied from %s: %s", source, ", ".join(copied) or "nothing")
     return ckpt, step
 
 
 def _export_on_ranks(recipe: Recipe, stop: StopSignals, ckpt: Path, out: Path,
-                     source: str | None) -> None:
+                     source: str | None, adapters: bool = False) -> None:
     with rank_group(recipe, stop) as group:
         group.run(_export_rank, recipe, str(ckpt.resolve()), str(out.resolve()),
-                  None if source is None else str(Path(source).resolve()))
+                  None if source is None else str(Path(source).resolve()), adapters)
 
 
 def _remove_partial(out: Path, made: bool) -> None:
