@@ -151,6 +151,16 @@ def test_negative_control_base_gradients_miss(built, case):
     assert got["grads"] != estimate_memory(recipe).grads + base * 4
 
 
+def test_negative_control_expert_adapters_priced_dense_miss(built):
+    """Per-expert adapters priced as dense parameters (Adam state halved over DP2 instead of
+    whole over the expert-DP group of 1) miss the ranks' optimizer state."""
+    recipe, ranks = built["ep2_per_expert"]
+    expert = sum(g.numel for g in rank_parameters(recipe) if g.component == "lora" and g.expert)
+    assert expert > 0
+    dense_priced = estimate_memory(recipe).optimizer - expert * 12 + expert * 12 // 2
+    assert sum(got["state"] for got in ranks) != dense_priced * len(ranks)
+
+
 def test_rank_zero_changes_no_term():
     plain = estimate_memory(load_recipe(FULL).recipe)
     other = estimate_memory(load_recipe(FULL, ["train.lora.rank=0", "train.lora.alpha=3",
