@@ -81,6 +81,16 @@ def test_skyrls_lora_settings_become_train_lora():
     assert recipe.train.lora.exclude_modules == []
 
 
+def test_dry_run_says_where_train_lora_came_from():
+    from skyrl_megatron_kda.integrations.skyrl.entrypoint import provenance
+
+    cfg, _, _ = _decided(LORA)
+    lines = provenance(cfg, cfg.trainer.kda.resolve())
+    assert "  train.lora.rank=4 <- trainer.policy.model.lora.rank (recipe: 0)" in lines
+    assert ("  train.lora.exclude_modules=['*.experts.*'] <- "
+            "trainer.policy.model.lora.exclude_modules (recipe: [])") in lines
+
+
 def test_train_lora_under_trainer_kda_overrides_is_refused():
     cfg = KDASkyRLConfig.from_cli_overrides(["trainer.strategy=megatron",
                                              "trainer.kda.recipe=glm53_flash_tiny"])

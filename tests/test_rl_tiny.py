@@ -250,3 +250,59 @@ def test_colocate_all_offloads_and_backloads_around_each_phase(tmp_path_factory)
                       if c[0] == "offload_to_cpu"]
     assert len(offloads) / STEPS > len(plain_offloads) / len(_steps(plain)), \
         (offloads, plain_offloads)
+
+
+# -- LoRA (examples/rl_tiny/run_rl_tiny.sh LORA_RANK=8) -------------------------------------------
+# A job of its own: the jobs above compare full fine-tuning's step 1 across meshes and its
+# checkpoints' base tensors, which LoRA does not train. TP1, not colocated (the example's
+# setting), SkyRL's all-linear targets (the routed experts' shared adapters included) and
+# merge_lora=true: the sampler gets W + (alpha/r) B A.
+
+LORA_RANK = 8
+
+
+@pytest.fixture(scope="module")
+def lora_job(tmp_path_factory) -> dict:
+    return launch("tp1_lora", tmp_path_factory, mesh="tp1", steps=STEPS, settings=[],
+                  lora_rank=LORA_RANK)
+
+
+def test_lora_grpo_steps_ran_with_finite_reward_and_small_kl(lora_job):
+    steps = _steps(lora_job)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step, m in steps.items():
+        assert 0 <= m["reward/avg_raw_reward"] <= 1, f"step {step}"
+        assert 0 < m["policy/grad_norm"] < float("inf"), f"step {step}: no gradient"
+    assert steps[1]["policy/policy_kl"] == 0.0  # B = 0: the policy starts as the reference
+    assert 0.0 < steps[2]["policy/policy_kl"] < 0.1, steps[2]["policy/policy_kl"]
+
+
+def test_lora_sampler_logprobs_equal_the_trainers(lora_job):
+    """The merged weights the sampler serves are the adapted policy: the same budget as full
+    fine-tuning's (test_sampler_logprobs_equal_the_trainers_before_and_after_a_step)."""
+    for step, m in _steps(lora_job).items():
+        diff = m["policy/rollout_train_logprobs_abs_diff_max"]
+        assert diff < 1e-5, f"step {step}: sampler vs trainer log-probs differ by {diff:.1e}"
+
+
+def test_lora_publishes_the_base_except_the_adapted_linears(lora_job):
+    """After 2 steps the published folder holds the checkpoint's tensors bitwise wherever no
+    adapter sits (embedding, norms, routers, DSA's kv_b, KDA's f_b/g_b and conv), and moved
+    weights where one does."""
+    from skyrl_megatron_kda.model.hf_io import SafetensorsCheckpoint
+
+    weights = lora_job["work"] / "export" / "sampler_weights"
+    published = SafetensorsCheckpoint(weights / (weights / "LATEST").read_text().strip())
+    base = SafetensorsCheckpoint(lora_job["work"] / "glm53_flash_tiny-hf")
+    moved = {n for n in published.keys() if n in base.keys()
+             and not torch.equal(published.get(n), base.get(n))}
+    text = "model.language_model."
+    for name in ("embed_tokens.weight", "norm.weight", "layers.0.self_attn.f_b_proj.weight",
+                 "layers.0.self_attn.q_conv1d.weight", "layers.3.self_attn.kv_b_proj.weight",
+                 "layers.1.mlp.gate.weight", "layers.1.mlp.gate.e_score_correction_bias"):
+        assert text + name in published.keys() and text + name not in moved, name
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.f_a_proj.weight",
+                 "layers.3.self_attn.q_b_proj.weight", "layers.3.self_attn.o_proj.weight",
+                 "layers.1.mlp.experts.0.gate_proj.weight"):
+        assert text + name in moved, name
+    assert all(n.endswith(("proj.weight", "mqa.weight")) for n in moved), sorted(moved)[:5]

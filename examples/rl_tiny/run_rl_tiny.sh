@@ -10,8 +10,9 @@
 # Environment: WORKDIR (default /tmp/rl_tiny; must hold no finished job), MESH=tp1|tp2cp2
 # (default tp1), STEPS (default 2), FULLY_ASYNC=N (SkyRL's fully async trainer, rollouts at most
 # N steps stale), PYTHON (default python3), RECIPE (default glm53_flash_tiny: the recipe and the
-# checkpoint's shape) and PROMPT_WORDS=MIN:MAX (the prompts' length, make_inputs.py). KEY=VALUE
-# arguments are SkyRL settings: they come last, so they win.
+# checkpoint's shape), PROMPT_WORDS=MIN:MAX (the prompts' length, make_inputs.py) and LORA_RANK=R
+# (LoRA of rank R on SkyRL's all-linear targets: trainer.policy.model.lora.rank; the sampler gets
+# the merged weights). KEY=VALUE arguments are SkyRL settings: they come last, so they win.
 set -euo pipefail
 
 : "${WORKDIR:=/tmp/rl_tiny}"
@@ -34,7 +35,7 @@ case "$MESH" in
   tp2cp2) RANKS=4; MESH_ARGS=(parallel.tp=2 parallel.cp=2 parallel.ep=2 parallel.sequence_parallel=true) ;;
   *) echo "error: MESH=$MESH: choose tp1 or tp2cp2" >&2; exit 2 ;;
 esac
-for var in STEPS ${FULLY_ASYNC:+FULLY_ASYNC}; do
+for var in STEPS ${FULLY_ASYNC:+FULLY_ASYNC} ${LORA_RANK:+LORA_RANK}; do
   [[ ${!var} =~ ^[0-9]+$ ]] || { echo "error: $var=${!var}: a whole number, e.g. $var=2" >&2; exit 2; }
 done
 if [ -e "$WORKDIR/logs/metrics.jsonl" ]; then
@@ -52,6 +53,11 @@ if [ -n "${FULLY_ASYNC:-}" ]; then
     generator.batched=false trainer.algorithm.policy_loss_type=rollout_is
     trainer.algorithm.off_policy_correction.outlier_token_is_threshold_low=1e-4
     trainer.algorithm.off_policy_correction.outlier_token_is_threshold_high=1e4)
+fi
+
+LORA_ARGS=()
+if [ -n "${LORA_RANK:-}" ]; then
+  LORA_ARGS=("trainer.policy.model.lora.rank=$LORA_RANK")
 fi
 
 "$PYTHON" -m examples.rl_tiny.make_inputs "$WORKDIR" --recipe "$RECIPE" ${PROMPT_WORDS:+--prompt-words "$PROMPT_WORDS"}
@@ -102,4 +108,5 @@ exec "$PYTHON" -m skyrl.train.entrypoints.main_base \
   trainer.bf16=false \
   trainer.policy.optimizer_config.lr=3e-3 \
   "${ASYNC_ARGS[@]}" \
+  "${LORA_ARGS[@]}" \
   "$@"

@@ -25,7 +25,7 @@ def steps_of(metrics_file: Path) -> dict:
 
 
 def launch(name: str, tmp_path_factory, *, mesh: str, steps: int, settings: list,
-           fully_async: int | None = None) -> dict:
+           fully_async: int | None = None, lora_rank: int | None = None) -> dict:
     """Run (once per session) the example as job ``name``: {work, stdout, output, steps}."""
     if name in _jobs:
         return _jobs[name]
@@ -36,8 +36,11 @@ def launch(name: str, tmp_path_factory, *, mesh: str, steps: int, settings: list
                TORCHDYNAMO_DISABLE="1", RAY_DEDUP_LOGS="0")
     env.pop("SKYRL_KDA_CP_EXCHANGE", None)
     env.pop("FULLY_ASYNC", None)
+    env.pop("LORA_RANK", None)
     if fully_async is not None:
         env["FULLY_ASYNC"] = str(fully_async)
+    if lora_rank is not None:
+        env["LORA_RANK"] = str(lora_rank)
     proc = subprocess.run(["bash", str(SCRIPT), *settings], env=env, capture_output=True,
                           text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
