@@ -3,8 +3,9 @@ parameters, split under ETP, A drawn from the global expert) and shared ones (on
 and kind, dense) on the tiny GLM model. B = 0 gives the frozen base bitwise; with B drawn whole
 and cut as each rank holds it, the log-probs and every adapter's gradient at EP2 (TP2 +SP) and
 EP2 x ETP2 (TP2 +SP, DP2) equal the EP1/ETP1 model's (TP2 +SP) within the MoE dispatcher's
-budget; merging equals the adapted model; an expert adapter drawn from its local instead of its
-global expert, or scaled wrong, is caught."""
+budget, as megatron's DDP and finalize_model_grads reduce them; merging equals the adapted
+model; an expert adapter drawn from its local instead of its global expert, or scaled wrong, is
+caught."""
 
 from __future__ import annotations
 
@@ -77,13 +78,15 @@ def _draw_b(name, param):
 
 def _experts_on_rank(rank, world, overrides, share):
     """The tiny model with adapters on every fc1/fc2: whether B = 0 is the base bitwise, the
-    adapted log-probs and whole adapter gradients by global name (a routed expert adapter's
-    gradient summed over the ranks as DDP and finalize_model_grads sum it: a per-expert one over
-    the expert-DP group, a shared one over all ranks; then divided by the DP replicas, which all
-    see the same row), the merged model's gap, and the negative controls' log-probs."""
-    import torch.distributed as dist
+    adapted log-probs and whole adapter gradients by global name (as megatron's DDP and
+    finalize_model_grads leave them in ``main_grad``, divided by the DP replicas, which all see
+    the same row), the merged model's gap, and the negative controls' log-probs."""
     from megatron.core import parallel_state
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.utils import get_model_config
 
+    from skyrl_megatron_kda.distributed.cpu import cuda_names_cpu
     from skyrl_megatron_kda.distributed.tensor_parallel import unshard
     from skyrl_megatron_kda.lora.adapter import LoRAAdapter, initial_a
     from skyrl_megatron_kda.model.lora import apply_lora, lora_parameters, merge_lora
@@ -104,19 +107,25 @@ def _experts_on_rank(rank, world, overrides, share):
         for n, p in adapters.items():
             if n.endswith(".B"):
                 p.copy_(_draw_b(_global_name(n, moe_layers), p))
+    # megatron's DDP (all-reduce, summing: per-token loss) and finalize_model_grads reduce the
+    # gradients: per-expert adapters over the expert-DP group, the others over DP x CP, and the
+    # shared expert adapters (sequence_parallel mark) over TP too
+    config = get_model_config(model)
+    config.calculate_per_token_loss = True
+    for module in model.modules():  # as the trainer: finalize must not move the routing
+        if hasattr(module, "expert_bias"):
+            module.frozen_expert_bias = True
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  model)
     adapted = token_loss(model, ids, ids.roll(-1, 1))
     adapted.sum().backward()
     adapted = adapted.detach()
+    with cuda_names_cpu():
+        finalize_model_grads([ddp])
     dp = parallel_state.get_data_parallel_world_size()
     grads = {}
     for n, p in adapters.items():
-        g = p.grad.detach().clone()
-        if not getattr(p, "allreduce", True):  # per expert: DDP sums over the expert-DP group
-            dist.all_reduce(g, group=parallel_state.get_expert_data_parallel_group())
-        elif ".mlp.experts." in n:  # shared: DDP over DP x CP, finalize_model_grads over TP
-            dist.all_reduce(g)
-        if ".mlp.experts." in n:  # the rows of every DP replica (the same row)
-            g /= dp
+        g = p.main_grad.detach() / dp  # every DP replica saw the same row
         grads[_global_name(n, moe_layers)] = unshard(g, p, _group_of(p), glu=_glu(n))
     counts = dict(local=sum(p.numel() for p in adapters.values()),
                   expert=sum(p.numel() for n, p in adapters.items()
