@@ -131,7 +131,8 @@ def test_lora_terms_equal_the_built_ddp_and_optimizer(built, case):
         # megatron pads its buffers (the distributed optimizer's shard alignment): not planned
         assert 0 <= got["padded"] - got["grads"] < 2**16, (rank, got["padded"], got["grads"])
         # the plan's expert-parameter adapters are what DDP puts in its expert-parallel buffers
-        planned = sum(g.numel for g in rank_parameters(recipe) if g.component == "lora" and g.expert)
+        planned = sum(g.numel for g in rank_parameters(recipe)
+                      if g.component == "lora" and g.expert)
         assert got["expert"] == planned, (rank, got["expert"], planned)
         assert (got["expert_buffers"] > 0) == (planned > 0), rank
     assert sum(got["state"] for got in ranks) == est.optimizer * len(ranks)
