@@ -11,14 +11,16 @@ the adapters loaded across meshes, the base fingerprint checked), and on the sam
   1e-4, tests/test_example.py's budget for a full export; fp32 summation order) while the base
   checkpoint does not (the control: 2 steps of adapters move them by more than that);
 - transformers' glm5_next from the base with the PEFT folder applied as peft's LoRA layer
-  computes it (each named linear plus (lora_alpha/r) B A x: peft is not installed here) gives
-  the same logits;
+  computes it (each named linear plus (lora_alpha/r) B A x) gives the same logits; where the
+  ``peft`` library imports (not in the project's environment), ``PeftModel.from_pretrained``
+  wraps every module of the folder and gives them too (measured with peft 0.21.2: 1.4e-6);
 - a checkpoint whose base differs (another ``run.init_from_hf``) is refused, naming both
   fingerprints.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tempfile
@@ -108,6 +110,30 @@ def _logits(rank, world, hf_dir, run_dir, ckpt, merged_dir, peft_dir, other_hf):
                 keys=sorted(tensors))
 
 
+def _peft_library(rank, world, hf_dir, merged_dir, peft_dir):
+    """``peft.PeftModel.from_pretrained`` of the folder on transformers' glm5_next base: its
+    logits against the merged folder's, what it loaded and what it left out."""
+    import sys
+
+    sys.modules["fla"] = None
+    import peft
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+
+    from skyrl_megatron_kda.kda.parity import relative_error
+
+    def hf(path):
+        return Glm5NextForConditionalGeneration.from_pretrained(
+            path, attn_implementation="eager").float().eval()
+
+    model = peft.PeftModel.from_pretrained(hf(hf_dir), peft_dir).eval()
+    wrapped = sorted(n for n, m in model.named_modules() if hasattr(m, "lora_A"))
+    ids = torch.randint(3, 256, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits.float()
+        merged = hf(merged_dir)(input_ids=ids).logits.float()
+    return dict(err=relative_error(adapted, merged), wrapped=len(wrapped), version=peft.__version__)
+
+
 @pytest.fixture(scope="module")
 def exported():
     from examples.rl_tiny import make_inputs
@@ -127,6 +153,8 @@ def exported():
         ckpt = run_ranks(2, _train_and_export, hf_dir, run_dir, merged, peft)[0]
         files = sorted(os.listdir(merged)), sorted(os.listdir(peft))
         out = run_ranks(1, _logits, hf_dir, run_dir, ckpt, merged, peft, other)[0]
+        if importlib.util.find_spec("peft") is not None:
+            out["peft_library"] = run_ranks(1, _peft_library, hf_dir, merged, peft)[0]
     return out, files
 
 
@@ -144,6 +172,18 @@ def test_peft_folder_applied_to_the_base_gives_the_same_logits(exported):
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     assert len(out["keys"]) == 2 * len(config["target_modules"])
     assert out["peft"] < TOL, out
+
+
+def test_the_peft_library_loads_the_folder_with_the_merged_logits(exported):
+    """Where ``peft`` is installed (not in this project's environment: run with
+    ``PYTHONPATH=<a folder holding peft and accelerate>``), ``PeftModel.from_pretrained`` wraps
+    every module of the folder and gives the merged export's logits."""
+    out, _ = exported
+    if "peft_library" not in out:
+        pytest.skip("peft is not installed (the hand-applied folder is checked above)")
+    lib = out["peft_library"]
+    assert lib["wrapped"] == len(out["config"]["target_modules"]), lib
+    assert lib["err"] < TOL, lib
 
 
 def test_adapters_on_another_base_are_refused(exported):
