@@ -190,3 +190,22 @@ def test_adapters_on_another_base_are_refused(exported):
     out, _ = exported
     assert "trained on another base: base fingerprint" in out["refusal"], out["refusal"]
     assert "export with the base the run started from" in out["refusal"]
+
+
+def test_adapters_flag_on_a_full_weights_run_is_refused_before_ray(capsys, tmp_path, monkeypatch):
+    """``skyrl-kda export --adapters`` of a run without LoRA: one line, before Ray starts."""
+    import ray
+
+    from skyrl_megatron_kda import cli
+    from tests.test_cli import fake_run
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for an input that could be refused up front")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    fake_run(tmp_path / "run")
+    argv = ["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--adapters"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --adapters: ") and "holds full weights" in err, err
+    assert "\n" not in err and not (tmp_path / "hf").exists()
