@@ -226,6 +226,10 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda t: _lora(t) and t.policy.model.lora.sync_mode != "disk",
             "adapter tensors over the weight-sync backend are not sent (merge_lora=true syncs "
             "merged weights)"),
+    Refusal("trainer.policy.model.lora.share_expert_adapters",
+            lambda t: _lora(t) and not t.policy.model.lora.share_expert_adapters,
+            "per-expert adapters are not reached from SkyRL's settings yet (the routed experts "
+            "share one adapter per MoE layer, train.lora's default)"),
     Refusal("trainer.policy.model.lora.max_loras", lambda t: t.policy.model.lora.max_loras != 1,
             "one policy adapter per job (multi-tenant LoRA serving is not implemented)"),
     Refusal("trainer.policy.model.lora.max_cpu_loras",
