@@ -10,8 +10,8 @@ whose merge is tested on its own below) publishes to the project's sampler (the 
 an optimizer step. SkyRL's ``merge_lora=true``: the published folder holds W + (alpha/r) B A.
 Checked: the sampler's log-probs equal the trainer's after each sync (below 1e-5, as full
 fine-tuning's in tests/test_skyrl_weight_sync.py; the stale v1 sampler against the stepped
-trainer differs by more than 1e-3); the published tensors equal, bitwise, what ``merge_lora``
-makes of the model; a tensor no adapter targets (the routed experts, the embedding) is the
+trainer differs by more than 1e-3); the published tensors, and the worker's ``save_hf_model``,
+equal bitwise what ``merge_lora`` makes of the model; a tensor no adapter targets (the routed experts, the embedding) is the
 checkpoint's bitwise, and an adapted one is not. The PEFT folder of the same adapters names
 transformers' glm5_next linears with their shapes, and base + (alpha/r) B A from it is the merged
 export (1e-6), whose logits it gives in transformers (peft is not installed here: the folder is
@@ -190,7 +190,10 @@ def _ranks(rank, world, hf_dir, publish_dir, peft_dir):
     asyncio.run(worker.broadcast_to_inference_engines(None, ie_cfg))
     v2 = _sample_and_score(worker, client)
     save_peft_adapter(model, peft_dir, base_model=hf_dir)
+    hf_export = os.path.join(peft_dir + "_hf")
+    worker.save_hf_model(hf_export)  # SkyRL's HF export of the policy: the merged weights
     if rank == 0:
+        out["save_hf_model"] = _read_folder(hf_export)
         from tests.test_skyrl_weight_sync import _score
 
         out["v1"], out["v2"] = v1, v2
@@ -296,6 +299,8 @@ def test_published_weights_are_merge_loras_and_only_adapted_ones_moved(runs):
     assert set(merged) <= set(published)
     differ = [n for n in merged if not torch.equal(published[n], merged[n])]
     assert differ == [], differ[:5]
+    saved = out["save_hf_model"]  # the worker's save_hf_model: the same merged tensors
+    assert [n for n in merged if not torch.equal(saved[n], merged[n])] == []
     moved = {n for n in merged if not torch.equal(merged[n], base[n])}
     # only weights of adapted linears moved: attention projections, dense MLP, shared experts
     assert moved and all(n.endswith("proj.weight") or "kv_a_proj_with_mqa" in n for n in moved)
