@@ -4,13 +4,15 @@ nothing else; an adapter checkpoint resumes bit-exactly on its mesh (TP2 +SP, wh
 adapters a replicated declaration would get wrong) and loads into another (TP1 x CP2), whose
 base has the same fingerprint; a resume with other LoRA settings, another base, or full weights
 on one side is refused in one line; ``checkpoint verify`` names an adapter checkpoint and its
-base fingerprint."""
+base fingerprint. With routed experts adapted (shared, or per expert), a TP1 x EP2 checkpoint
+resumes bit-exactly and loads at EP1 by global expert (train/adapter_checkpoint.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import re
 import tempfile
 
 import pytest
@@ -324,13 +326,159 @@ def test_run_summary_says_lora_and_what_trains():
         "runs/x")
 
 
-def test_export_of_an_adapter_checkpoint_is_refused(capsys, tmp_path):
-    """``skyrl-kda export`` of a LoRA run's checkpoint: one line, before Ray starts, saying that
-    it holds adapters only and the export writes full weights."""
-    from skyrl_megatron_kda.cli import main
+# Routed experts targeted (all-linear, nothing excluded) at TP1: EP2 (DP2, expert-DP 1) and EP1
+# (DP2, expert-DP 2) see the same rows. Shared adapters (the default), and per-expert ones with
+# normalize_moe_lora (rank 4 // top_k 2 = 2 on the routed experts).
+EXPERT_LORA = ["train.lora.exclude_modules=[]"]
+EXPERT_KINDS = {
+    "shared": [],
+    "per_expert": ["train.lora.share_expert_adapters=false", "train.lora.normalize_moe_lora=true"],
+}
+EP2 = ["parallel.tp=1", "parallel.cp=1", "parallel.ep=2", "parallel.etp=1",
+       "parallel.sequence_parallel=false", "run.num_workers=2", "model.dsa.tp_split=heads"]
+EP1 = [*EP2, "parallel.ep=1"]
+_LOCAL_EXPERT = r"^(.*\.experts)\.local_experts\.(\d+)\.(.*)$"
 
-    tp2_resume()
-    assert main(["export", _RUN_DIR.name, "--out", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "holds LoRA adapters only (train.lora.rank=4)" in err and "\n" not in err, err
-    assert not (tmp_path / "hf").exists()
+
+def _by_global_expert(trainer, adapters: dict) -> dict:
+    """``adapters`` with each routed expert's local index replaced by its global one."""
+    modules = dict(trainer.model.module.named_modules())
+    out = {}
+    for name, tensor in adapters.items():
+        m = re.match(_LOCAL_EXPERT, name)
+        if m is not None:
+            experts = modules[m[1]]
+            e = experts.ep_group.rank() * experts.num_local_experts + int(m[2])
+            name = f"{m[1]}.local_experts.{e}.{m[3]}"
+        out[name] = tensor
+    return out
+
+
+def _expert_resume(rank, world, out_dir):
+    """For each kind of expert adapter: EP2, 3 steps saved after step 2; the checkpoint loaded
+    into a fresh EP2 trainer and stepped once; loaded into EP1 and stepped once."""
+    out = {}
+    for kind, settings in EXPERT_KINDS.items():
+        run_dir, overrides = f"{out_dir}/{kind}", [*EXPERT_LORA, *settings]
+        trainer = _rank_trainer(_recipe([*overrides, *EP2]))
+        straight = []
+        for step in range(STEPS):
+            straight.append(trainer.train_step())
+            if step + 1 == SAVE_AFTER:
+                path = trainer.save_checkpoint(run_dir)
+                saved = _adapters(trainer)
+                saved_global = _by_global_expert(trainer, saved)
+        end = _adapters(trainer)
+        end_global = _by_global_expert(trainer, end)
+        ranks = {n: p.shape[0] for n, p in end.items() if n.endswith(".A")}
+        trainer.close()
+        resumed = _rank_trainer(_recipe([*overrides, *EP2, "run.resume=true"]))
+        at = resumed.load_checkpoint(path)
+        after = [resumed.train_step() for _ in range(STEPS - at)]
+        resumed_end = _adapters(resumed)
+        resumed.close()
+        ep1 = _rank_trainer(_recipe([*overrides, *EP1, "run.resume=true"]))
+        ep1_at = ep1.load_checkpoint(path)
+        ep1_loaded = _adapters(ep1)
+        ep1_loaded_global = _by_global_expert(ep1, ep1_loaded)
+        ep1_next = ep1.train_step()
+        ep1_end = _by_global_expert(ep1, _adapters(ep1))
+        ep1.close()
+        out[kind] = dict(straight=straight, at=at, after=after, end=end, resumed_end=resumed_end,
+                         saved=saved, saved_global=saved_global, end_global=end_global,
+                         ranks=ranks, path=path, ep1_at=ep1_at, ep1_loaded=ep1_loaded,
+                         ep1_loaded_global=ep1_loaded_global, ep1_next=ep1_next, ep1_end=ep1_end)
+    return out
+
+
+def _rank_trainer(recipe):
+    from skyrl_megatron_kda.train.trainer import RankTrainer
+
+    return RankTrainer(recipe)
+
+
+_EXPERT_RUN_DIR = tempfile.TemporaryDirectory(prefix="skyrl_kda_lora_experts_")
+
+
+@functools.cache
+def expert_resume() -> list[dict]:
+    return run_ranks(2, _expert_resume, _EXPERT_RUN_DIR.name)
+
+
+@pytest.mark.parametrize("kind", list(EXPERT_KINDS))
+def test_expert_adapter_checkpoint_resumes_bit_exactly(kind):
+    """Routed experts' adapters (shared, or per expert with normalize_moe_lora), TP1 x EP2: 3
+    steps equal 2 steps + save + a fresh trainer loading it + 1 step, every loss, grad norm and
+    adapter bitwise; the trainer built the kind the recipe names (the shared slot, or rank-2
+    adapters under each local expert) and counts the whole model's adapters."""
+    for r in expert_resume():
+        r = r[kind]
+        assert r["at"] == SAVE_AFTER
+        for key in ("loss", "grad_norm", "lr", "loss_tokens"):
+            assert [m[key] for m in r["after"]] == [m[key] for m in r["straight"][SAVE_AFTER:]], key
+        assert r["end"].keys() == r["resumed_end"].keys()
+        differ = [n for n in r["end"] if not torch.equal(r["end"][n], r["resumed_end"][n])]
+        assert not differ, f"adapters differ after the resume: {differ[:5]}"
+        moved = [n for n in r["end"] if ".experts." in n and n.endswith(".B")
+                 and not torch.equal(r["end"][n], r["saved"][n])]
+        assert moved, "no routed expert adapter moved in step 3"
+        shared = [n for n in r["ranks"] if n.endswith("mlp.experts.linear_fc1.lora.A")]
+        local = {n: v for n, v in r["ranks"].items() if ".local_experts." in n}
+        if kind == "shared":
+            assert shared and not local
+        else:
+            assert local and not shared and set(local.values()) == {2}, local
+    # The whole model's count: every expert's adapter once, the same on both EP2 ranks.
+    r0, r1 = (r[kind] for r in expert_resume())
+    assert r0["straight"][0]["lora_params"] == r1["straight"][0]["lora_params"]
+    whole = {**r0["end_global"], **r1["end_global"]}
+    numel = sum(t.numel() for t in whole.values())
+    assert r0["straight"][0]["lora_params"] == numel  # TP1: every tensor is whole
+
+
+@pytest.mark.parametrize("kind", list(EXPERT_KINDS))
+def test_expert_adapter_checkpoint_loads_at_ep1(kind):
+    """The EP2 checkpoint loaded at EP1 (each rank all 8 experts): every adapter is the EP2
+    one of the same global expert (shared ones: the one of the layer), bitwise; the next step's
+    loss is the EP2 run's within 1e-5 and its adapters after the step within 1e-6 (Adam's state
+    came along). Negative control (per expert): naming by local index would give EP1's expert I
+    the EP2 rank 1's local expert I, global expert 4 + I: it differs."""
+    r0, r1 = (r[kind] for r in expert_resume())
+    ep2_saved = {**r0["saved_global"], **r1["saved_global"]}
+    ep2_end = {**r0["end_global"], **r1["end_global"]}
+    for r in (r0, r1):
+        assert r["ep1_at"] == SAVE_AFTER
+        assert r["ep1_loaded_global"].keys() == ep2_saved.keys()
+        differ = [n for n, t in r["ep1_loaded_global"].items() if not torch.equal(t, ep2_saved[n])]
+        assert not differ, f"loaded adapters differ from the EP2 ones: {differ[:5]}"
+        got, expected = r["ep1_next"], r0["straight"][SAVE_AFTER]
+        assert got["loss_tokens"] == expected["loss_tokens"]
+        assert abs(got["loss"] - expected["loss"]) / expected["loss"] < 1e-5, (got, expected)
+        far = [n for n, t in r["ep1_end"].items()
+               if not torch.allclose(t, ep2_end[n], rtol=0, atol=1e-6)]
+        assert not far, f"adapters after the EP1 step differ from EP2's: {far[:5]}"
+    if kind == "per_expert":
+        by_local = [n for n in r1["saved"] if ".local_experts." in n]
+        assert by_local
+        for name in by_local:  # rank 1's local I is global 4 + I; EP1's local I is global I
+            assert not torch.equal(r1["saved"][name], r0["ep1_loaded"][name]), name
+
+
+def test_expert_settings_changed_on_resume_are_refused():
+    """``train.lora.share_expert_adapters`` or ``normalize_moe_lora`` other than the
+    checkpoint's: one line naming the setting (the saved adapters have other keys or ranks)."""
+    from skyrl_megatron_kda.train import manifest
+
+    path = expert_resume()[0]["per_expert"]["path"]
+    record = manifest.verify(path)
+    r0, r1 = (r["per_expert"] for r in expert_resume())
+    # the whole model's adapter tensors: every global expert's, the same on every mesh
+    assert record["lora"]["adapter_tensors"] == len({**r0["end_global"], **r1["end_global"]})
+    saved = record["lora"]["settings"]
+    assert saved["share_expert_adapters"] is False and saved["normalize_moe_lora"] is True
+    for key in ("share_expert_adapters", "normalize_moe_lora"):
+        refusal = manifest.lora_refusal(path, record, {**saved, key: not saved[key]},
+                                        record["lora"]["base_sha256"], record["mesh"])
+        assert f"train.lora.{key} {saved[key]} -> {not saved[key]}" in refusal, refusal
+        assert "resume with the checkpoint's train.lora settings" in refusal
+        assert "\n" not in refusal

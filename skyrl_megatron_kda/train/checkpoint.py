@@ -22,8 +22,10 @@ naming the step folder that verifies (``LatestError``, ``latest_advice``). A sav
 megatron fails raises ``CheckpointFailed``: the rank and its own error in one line, not torch's
 ``CheckpointException ranks:dict_keys([0])`` (``checkpoint_failures``).
 
-Under LoRA (``TrainState.lora``) the model part is the adapters, the optimizer part their Adam
-state; the manifest adds the settings and the base's fingerprint (``manifest.lora_refusal``).
+Under LoRA (``TrainState.lora``) the model part is the adapters (``adapter_checkpoint``: routed
+experts' own adapters by global expert over EP x ETP, shared ones whole), the optimizer part
+their Adam state; the manifest adds the settings, the whole model's adapter tensor count and
+the base's fingerprint (``manifest.lora_refusal``).
 
 The trainer hands its pieces over as a ``TrainState``; ``load`` restores model, optimizer,
 scheduler and RNG in place and returns the step and the data position (``Restored``), which the
@@ -47,14 +49,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.core.transformer.mlp import MLP, apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from ..config import ParallelConfig
 from ..distributed.cpu import cuda_names_cpu
-from ..model.lora import LoRAAdapter, lora_parameters
 from . import manifest
+from .adapter_checkpoint import adapter_sharded_state, whole_adapter_count
 from .checkpoint_failures import check_free_space, explained_failures
 from .step_guard import finite_on_every_rank
 
@@ -234,26 +235,6 @@ def _model_sharded_state(state: TrainState) -> dict:
     return module_sharded_state(state.model, "", metadata, state.tp_group)
 
 
-def adapter_sharded_state(model: torch.nn.Module, metadata: dict, tp_group) -> dict:
-    """The LoRA adapters' sharded state dict, keyed by parameter name (``...o_proj.lora.A``), each
-    declared from its ``tensor_model_parallel`` / ``partition_dim`` marks (megatron's linears
-    would declare them replicated). B of a gated MLP's ``linear_fc1`` holds each TP rank's gate
-    rows, then its up rows, as the weight does: declared as megatron declares that weight."""
-    out: dict = {}
-    modules = dict(model.named_modules())
-    for name, module in modules.items():
-        if not isinstance(module, LoRAAdapter):
-            continue
-        adapter = module_sharded_state(module, f"{name}.", metadata, tp_group)
-        mlp = modules.get(name.removesuffix(".linear_fc1.lora"))  # not an MLP for other linears
-        if isinstance(mlp, MLP) and mlp.config.gated_linear_unit:
-            b = f"{name}.B"
-            adapter[b] = apply_swiglu_sharded_factory(adapter[b], (), tp_group=module.tp_group,
-                                                      dp_group=metadata["dp_cp_group"])
-        out.update(adapter)
-    return out
-
-
 def module_sharded_state(module: torch.nn.Module, prefix: str, metadata: dict, tp_group) -> dict:
     default = MegatronModule.sharded_state_dict
     if getattr(type(module), "sharded_state_dict", default) is not default:
@@ -421,7 +402,7 @@ def save(state: TrainState, output_dir: str | Path) -> Path:
                        recipe_sha256=state.recipe_sha256, finite=True,
                        lora=state.lora and {
                            "settings": state.lora, "base_sha256": state.base_sha256,
-                           "adapter_tensors": len(lora_parameters(state.model))})
+                           "adapter_tensors": whole_adapter_count(state.model)[0]})
         marker = checkpoints_dir(output_dir) / LATEST
         tmp = marker.with_suffix(".tmp")
         tmp.write_text(path.name)

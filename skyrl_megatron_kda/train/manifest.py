@@ -4,7 +4,8 @@
 ``<checkpoint>/manifest.json`` lists every other file of the checkpoint directory with its size
 and sha256, and records the step, the mesh that saved it, the schedule settings it was trained
 under and a hash of the recipe; a LoRA run's (adapters only) also records ``lora``: its
-``train.lora`` settings, the frozen base's fingerprint and the number of adapter tensors.
+``train.lora`` settings, the frozen base's fingerprint and the number of adapter tensors of the
+whole model (every global expert's, a shared expert adapter once: the same on every mesh).
 ``checkpoint.save`` writes it on rank 0 after every rank has finished writing its shards, and
 writes it last and atomically (a temporary file, then ``os.replace``): a checkpoint without a
 manifest is an unfinished save, never a loadable one.

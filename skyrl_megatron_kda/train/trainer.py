@@ -56,8 +56,9 @@ from ..distributed.cpu import cuda_names_cpu
 from ..distributed.rank_split import RankShard, shard_for_rank
 from ..model import glm
 from ..model.hf_io import load_hf_checkpoint
-from ..model.lora import apply_lora, lora_parameters
+from ..model.lora import apply_lora
 from . import checkpoint, manifest, memory_report
+from .adapter_checkpoint import whole_adapter_count
 from .data import PackedLoader, PackedRow, build_loader, continue_loader
 from .optimizer import ddp_config, optimizer_config
 from .setup import init_parallel_state, seed_everything
@@ -204,26 +205,29 @@ class RankTrainer(RankModel):
         self._memory_report_due = recipe.run.memory_report  # the first step of this process
 
     def _apply_lora(self) -> int:
-        """Adapters on the recipe's targets, seeded by ``train.seed``; the routers' expert bias
-        frozen too (megatron's ``frozen_expert_bias``), so that nothing of the base changes and
-        an adapter checkpoint is the whole trained state. Returns the number of adapter
-        parameters of the whole model (TP shards counted once)."""
+        """Adapters on the recipe's targets, seeded by ``train.seed`` (routed experts' shared or
+        per-expert, normalized or not, as ``train.lora`` says); the routers' expert bias frozen
+        too (megatron's ``frozen_expert_bias``), so that nothing of the base changes and an
+        adapter checkpoint is the whole trained state. Returns the number of adapter parameters
+        of the whole model, the same on every mesh (``whole_adapter_count``: TP/ETP shards
+        joined, every EP rank's experts, a shared expert adapter once)."""
         lora = self.recipe.train.lora
         names = apply_lora(self.model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                            target_modules=lora.target_modules,
                            exclude_modules=lora.exclude_modules, seed=self.recipe.train.seed,
-                           init_method=lora.init_method)
+                           init_method=lora.init_method,
+                           share_expert_adapters=lora.share_expert_adapters,
+                           normalize_moe_lora=lora.normalize_moe_lora)
         if not self.use_cpu:  # A is drawn on the CPU
             self.model.cuda(torch.cuda.current_device())
         for module in self.model.modules():
             if hasattr(module, "expert_bias"):
                 module.frozen_expert_bias = True
-        tp = self.pgs.tp.size()
-        count = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-                    for p in lora_parameters(self.model).values())
+        tensors, count = whole_adapter_count(self.model)
         if dist.get_rank() == 0:
-            logger.info("LoRA rank %d on %d linears: %d parameters train, the base is frozen",
-                        lora.rank, len(names), count)
+            logger.info("LoRA rank %d on %d linears of rank 0: %d adapter tensors, %d parameters "
+                        "train in the whole model, the base is frozen", lora.rank, len(names),
+                        tensors, count)
         return count
 
     def lora_line(self) -> str | None:
