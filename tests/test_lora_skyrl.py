@@ -65,13 +65,14 @@ def test_skyrls_lora_settings_become_train_lora():
         "trainer.policy.model.lora.dropout=0.1", "trainer.policy.model.lora.init_method=xavier",
         "trainer.policy.model.lora.target_modules=[linear_qkv,out_proj]",
         "trainer.policy.model.lora.exclude_modules='*.layers.3.*'",
+        "trainer.policy.model.lora.share_expert_adapters=false",
         "trainer.policy.megatron_config.lora_config.normalize_moe_lora=true"])
     assert unsupported_settings(cfg) == []  # rank 8 is accepted
     lora = recipe.train.lora
     assert (lora.rank, lora.alpha, lora.dropout, lora.init_method) == (8, 32.0, 0.1, "xavier")
     assert lora.target_modules == ["linear_qkv", "out_proj"]
     assert lora.exclude_modules == ["*.layers.3.*"]  # one name: a list of one
-    assert lora.normalize_moe_lora
+    assert lora.normalize_moe_lora and not lora.share_expert_adapters
     sources = {d.key: d.source for d in decided}
     assert sources["train.lora.rank"] == "trainer.policy.model.lora.rank"
     # SkyRL's defaults: LoRA off, "all-linear" (a string), no exclusions (None)
@@ -79,6 +80,7 @@ def test_skyrls_lora_settings_become_train_lora():
     assert recipe.train.lora.rank == 0 and not recipe.train.lora.enabled
     assert recipe.train.lora.target_modules == ["all-linear"]
     assert recipe.train.lora.exclude_modules == []
+    assert recipe.train.lora.share_expert_adapters  # SkyRL's default, and ours
 
 
 def test_dry_run_says_where_train_lora_came_from():

@@ -496,7 +496,6 @@ REFUSED_VALUES = {
     "trainer.policy.megatron_config.lora_config.merge_lora": False,
     "trainer.policy.megatron_config.lora_config.experts_shared_outer_loras": True,
     "trainer.policy.model.lora.sync_mode": "memory",
-    "trainer.policy.model.lora.share_expert_adapters": False,
     "trainer.policy.model.lora.max_loras": 2,
     "trainer.policy.model.lora.max_cpu_loras": 4,
     "trainer.policy.model.lora.init_method": "normal",
@@ -522,8 +521,7 @@ REFUSED_VALUES = {
 # Refused only under LoRA: set with LoRA on (and, for that case, the default job accepts it).
 LORA_ON = {"trainer.policy.model.lora.rank": 8}
 NEEDS_LORA = {"trainer.policy.megatron_config.lora_config.merge_lora",
-              "trainer.policy.model.lora.sync_mode",
-              "trainer.policy.model.lora.share_expert_adapters"}
+              "trainer.policy.model.lora.sync_mode"}
 
 
 def _set(cfg, dotted: str, value) -> None:

@@ -115,6 +115,8 @@ def lora_settings(t) -> list[Decided]:
         Decided("train.lora.exclude_modules", _names(lora.exclude_modules),
                 f"{LORA}.exclude_modules"),
         Decided("train.lora.init_method", str(lora.init_method), f"{LORA}.init_method"),
+        Decided("train.lora.share_expert_adapters", bool(lora.share_expert_adapters),
+                f"{LORA}.share_expert_adapters"),
         Decided("train.lora.normalize_moe_lora",
                 bool(t.policy.megatron_config.lora_config.normalize_moe_lora),
                 "trainer.policy.megatron_config.lora_config.normalize_moe_lora"),
@@ -170,7 +172,8 @@ SKYRL_DECIDES = ("train.lr", "train.min_lr", "train.warmup_steps", "train.weight
                  "train.grad_clip", "train.grad_reduce_in_fp32", "train.seed", "train.steps",
                  "model.params_dtype", "train.lora.rank", "train.lora.alpha",
                  "train.lora.dropout", "train.lora.target_modules", "train.lora.exclude_modules",
-                 "train.lora.init_method", "train.lora.normalize_moe_lora")
+                 "train.lora.init_method", "train.lora.share_expert_adapters",
+                 "train.lora.normalize_moe_lora")
 """Recipe keys that come from SkyRL's config under SkyRL (``run.init_from_hf`` may come from
 either: the recipe's wins)."""
 
@@ -226,10 +229,6 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda t: _lora(t) and t.policy.model.lora.sync_mode != "disk",
             "adapter tensors over the weight-sync backend are not sent (merge_lora=true syncs "
             "merged weights)"),
-    Refusal("trainer.policy.model.lora.share_expert_adapters",
-            lambda t: _lora(t) and not t.policy.model.lora.share_expert_adapters,
-            "per-expert adapters are not reached from SkyRL's settings yet (the routed experts "
-            "share one adapter per MoE layer, train.lora's default)"),
     Refusal("trainer.policy.model.lora.max_loras", lambda t: t.policy.model.lora.max_loras != 1,
             "one policy adapter per job (multi-tenant LoRA serving is not implemented)"),
     Refusal("trainer.policy.model.lora.max_cpu_loras",
