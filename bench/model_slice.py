@@ -35,6 +35,7 @@ LEVERS = {
     "bf16grads": "train.grad_reduce_in_fp32=false",
     "headgroups": "kda.kernel_head_group=16",
     "moechunks": "train.moe_chunk_tokens=8192",
+    "lora": "train.lora.rank=64",
 }
 """The memory levers a run spec can turn on, by name."""
 
