@@ -138,18 +138,24 @@ def _trainer(overrides):
     return RankTrainer(recipe, loader=loader)
 
 
+def _train_saving(trainer, out_dir):
+    """``STEPS`` steps, a checkpoint after step ``SAVE_AFTER``: (every step's metrics, the
+    checkpoint's path, the adapters as saved)."""
+    straight = []
+    for step in range(STEPS):
+        straight.append(trainer.train_step())
+        if step + 1 == SAVE_AFTER:
+            path, saved = trainer.save_checkpoint(out_dir), _adapters(trainer)
+    return straight, path, saved
+
+
 def _tp2_resume(rank, world, out_dir):
     """3 steps saved after step 2; the checkpoint loaded into a fresh trainer and stepped once;
     the refusals; the checkpoint loaded into TP1 x CP2 and stepped once."""
     from skyrl_megatron_kda.train import checkpoint, manifest
 
     trainer = _trainer(TP2_SP)
-    straight = []
-    for step in range(STEPS):
-        straight.append(trainer.train_step())
-        if step + 1 == SAVE_AFTER:
-            path = trainer.save_checkpoint(out_dir)
-            saved = _adapters(trainer)
+    straight, path, saved = _train_saving(trainer, out_dir)
     fingerprint, end = trainer.base_fingerprint(), _adapters(trainer)
     dims = {n: getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
             else None for n, p in lora_params(trainer).items()}
@@ -361,13 +367,8 @@ def _expert_resume(rank, world, out_dir):
     for kind, settings in EXPERT_KINDS.items():
         run_dir, overrides = f"{out_dir}/{kind}", [*EXPERT_LORA, *settings]
         trainer = _rank_trainer(_recipe([*overrides, *EP2]))
-        straight = []
-        for step in range(STEPS):
-            straight.append(trainer.train_step())
-            if step + 1 == SAVE_AFTER:
-                path = trainer.save_checkpoint(run_dir)
-                saved = _adapters(trainer)
-                saved_global = _by_global_expert(trainer, saved)
+        straight, path, saved = _train_saving(trainer, run_dir)
+        saved_global = _by_global_expert(trainer, saved)
         end = _adapters(trainer)
         end_global = _by_global_expert(trainer, end)
         ranks = {n: p.shape[0] for n, p in end.items() if n.endswith(".A")}
