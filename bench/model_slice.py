@@ -36,6 +36,7 @@ LEVERS = {
     "headgroups": "kda.kernel_head_group=16",
     "moechunks": "train.moe_chunk_tokens=8192",
     "lora": "train.lora.rank=64",
+    "dsatorch": "model.dsa.kernel=torch",  # for a device call that carries Ray but not TileLang
 }
 """The memory levers a run spec can turn on, by name."""
 
