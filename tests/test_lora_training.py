@@ -208,17 +208,22 @@ def tp2_resume() -> list[dict]:
     return run_ranks(2, _tp2_resume, _RUN_DIR.name)
 
 
+def _assert_resume_repeats(r) -> None:
+    """The resumed trainer's steps and final adapters equal the uninterrupted run's, bitwise."""
+    assert r["at"] == SAVE_AFTER
+    for key in ("loss", "grad_norm", "lr", "loss_tokens"):
+        assert [m[key] for m in r["after"]] == [m[key] for m in r["straight"][SAVE_AFTER:]], key
+    assert r["end"].keys() == r["resumed_end"].keys()
+    differ = [n for n in r["end"] if not torch.equal(r["end"][n], r["resumed_end"][n])]
+    assert not differ, f"adapters differ after the resume: {differ[:5]}"
+
+
 def test_adapter_checkpoint_resumes_bit_exactly():
     """TP2 +SP: 3 steps equal 2 steps, a save, a fresh trainer loading it (its base rebuilt from
     the seed, fingerprint recomputed and matched) and 1 step: every loss, grad norm and every
     rank's adapter shards bitwise."""
     for r in tp2_resume():
-        assert r["at"] == SAVE_AFTER
-        for key in ("loss", "grad_norm", "lr", "loss_tokens"):
-            assert [m[key] for m in r["after"]] == [m[key] for m in r["straight"][SAVE_AFTER:]], key
-        assert r["end"].keys() == r["resumed_end"].keys()
-        differ = [n for n in r["end"] if not torch.equal(r["end"][n], r["resumed_end"][n])]
-        assert not differ, f"adapters differ after the resume: {differ[:5]}"
+        _assert_resume_repeats(r)
     # TP-split adapters: the two ranks' B shards of a column-parallel linear differ (a
     # replicated declaration would have given rank 1 rank 0's shard, and this test would fail).
     r0, r1 = tp2_resume()
@@ -414,12 +419,7 @@ def test_expert_adapter_checkpoint_resumes_bit_exactly(kind):
     adapters under each local expert) and counts the whole model's adapters."""
     for r in expert_resume():
         r = r[kind]
-        assert r["at"] == SAVE_AFTER
-        for key in ("loss", "grad_norm", "lr", "loss_tokens"):
-            assert [m[key] for m in r["after"]] == [m[key] for m in r["straight"][SAVE_AFTER:]], key
-        assert r["end"].keys() == r["resumed_end"].keys()
-        differ = [n for n in r["end"] if not torch.equal(r["end"][n], r["resumed_end"][n])]
-        assert not differ, f"adapters differ after the resume: {differ[:5]}"
+        _assert_resume_repeats(r)
         moved = [n for n in r["end"] if ".experts." in n and n.endswith(".B")
                  and not torch.equal(r["end"][n], r["saved"][n])]
         assert moved, "no routed expert adapter moved in step 3"
