@@ -18,7 +18,14 @@ export (1e-6), whose logits it gives in transformers (peft is not installed here
 applied by hand as peft's LoRA layer computes it).
 
 Routed experts' adapters (per expert or shared, TP2 +SP x EP2, B drawn): the merged export equals
-``merge_lora``'s bitwise, every routed expert tensor moved, and the PEFT folder refuses them.
+``merge_lora``'s bitwise, every routed expert tensor moved, and the PEFT folder refuses them; the
+adapter-only sync's folder (every expert by global index) added to the base equals the merged
+export within 1e-6 (fp32 rounding of the folded scale).
+
+SkyRL's ``merge_lora=false`` (adapter-only sync) on the same two-rank run: a disk publisher of the
+adapters alone beside the merged one, the sampler adding them to the base (log-probs equal the
+trainer's within 1e-5 at both versions); for vLLM engines, the folder at ``lora_sync_path`` and
+one ``load_lora_adapter`` call.
 """
 
 from __future__ import annotations
@@ -103,7 +110,7 @@ def test_train_lora_under_trainer_kda_overrides_is_refused():
 
 
 @pytest.mark.parametrize("setting,value,why", [
-    ("trainer.policy.megatron_config.lora_config.merge_lora", False, "adapter-only weight sync"),
+    ("trainer.policy.model.lora.sync_mode", "memory", "sync_mode=disk writes the adapter folder"),
     ("trainer.policy.megatron_config.lora_config.lora_type", "canonical_lora", "canonical_lora"),
     ("trainer.policy.model.lora.init_method", "normal", "kaiming or xavier"),
 ])
@@ -165,8 +172,21 @@ def _read_folder(folder) -> dict:
     return {name: ckpt.get(name) for name in ckpt.keys()}
 
 
+class _RecordingVllmClient:
+    """Stands for SkyRL's HTTP client over vLLM servers: records ``load_lora_adapter`` calls."""
+
+    def __init__(self):
+        self.loaded = []
+
+    async def load_lora_adapter(self, lora_name, lora_path=None, *, in_memory=False):
+        self.loaded.append((lora_name, lora_path))
+
+
 def _ranks(rank, world, hf_dir, publish_dir, peft_dir):
     import torch.distributed as dist
+    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
+        RemoteInferenceClient,
+    )
 
     from skyrl_megatron_kda.integrations.skyrl import weight_sync
     from skyrl_megatron_kda.integrations.skyrl.glm5_next_client import Glm5NextInferenceClient
@@ -180,8 +200,19 @@ def _ranks(rank, world, hf_dir, publish_dir, peft_dir):
     out = {"adapters": len(lora_parameters(model))}
     client = Glm5NextInferenceClient(publish_dir, tokenizer=None, model_name="tiny")
     asyncio.run(worker.init_weight_sync_state(client, ie_cfg))
-    asyncio.run(worker.broadcast_to_inference_engines(None, ie_cfg))
-    v1 = _sample_and_score(worker, client)
+    # merge_lora=false: the adapters alone, published beside (the same worker, the same steps)
+    adapter_dir = publish_dir + "_adapters"
+    adapter_client = Glm5NextInferenceClient(adapter_dir, tokenizer=None, model_name="tiny")
+    adapters = weight_sync.DiskPublisher(
+        model, adapter_dir, weight_sync.inference_dtype(ie_cfg), train_step=lambda: 0,
+        source=hf_dir, adapters_only=True)
+
+    def sync():
+        asyncio.run(worker.broadcast_to_inference_engines(None, ie_cfg))
+        adapters.send_weights()
+        return _sample_and_score(worker, client), _sample_and_score(worker, adapter_client)
+
+    v1, a1 = sync()
     stale = client.model if rank == 0 else None
 
     batch = rollout_batch(PROMPTS, [[1, 2, 3]] * 3, advantages=torch.tensor([1.0, -1.0, 0.5]))
@@ -189,8 +220,15 @@ def _ranks(rank, world, hf_dir, publish_dir, peft_dir):
         [o["logprobs"] for o in worker.forward(batch).loss_fn_outputs])
     worker.forward_backward(batch)
     worker.optim_step()
-    asyncio.run(worker.broadcast_to_inference_engines(None, ie_cfg))
-    v2 = _sample_and_score(worker, client)
+    v2, a2 = sync()
+    out["adapter_only"] = {"v1": a1, "v2": a2}
+    # merge_lora=false to vLLM engines: SkyRL's client is told to load lora_sync_path
+    vllm = type("RecordingClient", (_RecordingVllmClient, RemoteInferenceClient), {})()
+    worker.cfg.policy.megatron_config.lora_config.merge_lora = False
+    worker.cfg.policy.model.lora.lora_sync_path = publish_dir + "_lora_sync"
+    worker._weight_sync_engine = None  # not the disk publisher: SkyRL's vLLM path
+    asyncio.run(worker.broadcast_to_inference_engines(vllm, ie_cfg))
+    out["vllm_loaded"] = vllm.loaded
     save_peft_adapter(model, peft_dir, base_model=hf_dir)
     hf_export = os.path.join(peft_dir + "_hf")
     worker.save_hf_model(hf_export)  # SkyRL's HF export of the policy: the merged weights
@@ -201,6 +239,11 @@ def _ranks(rank, world, hf_dir, publish_dir, peft_dir):
         out["v1"], out["v2"] = v1, v2
         out["stale"] = [_score(stale, p, r) for p, r in zip(PROMPTS, v2[2])]
         out["published"] = _read_folder(weight_sync.latest_version(publish_dir)[1])
+        out["adapter_folder"] = sorted(p.name for p in weight_sync.latest_version(adapter_dir)[1].iterdir())
+        out["lora_sync_path"] = _read_peft(publish_dir + "_lora_sync")
+        out["lora_sync_path_dir"] = publish_dir + "_lora_sync"
+        out["hf_dir"] = os.path.abspath(hf_dir)
+        out["adapter_sync"] = _read_peft(str(weight_sync.latest_version(adapter_dir)[1]))
     # what merge_lora makes of the model (the training model, merged in place at the end)
     merge_lora(model)
     merged = {name: t.clone() for name, t in export_hf_tensors(model)}
@@ -295,6 +338,29 @@ def test_sampler_logprobs_equal_the_trainers_after_each_sync(runs):
     assert stale > 1e-3, f"the step changed the log-probs by only {stale:.1e}"
 
 
+def test_adapter_only_sync_serves_the_trainers_policy(runs):
+    """merge_lora=false: each version folder holds only the adapter folder (SkyRL's disk layout:
+    alpha/r folded into B, lora_alpha == r) naming the base; the sampler adds it to the base and
+    its log-probs equal the trainer's after each sync, as the merged sync's do."""
+    out, _, peft, _ = runs
+    for version in ("v1", "v2"):
+        sampler, trainer, _ = out["adapter_only"][version]
+        diff = max(abs(a - b) for s, t in zip(sampler, trainer) for a, b in zip(s, t))
+        assert diff < 1e-5, f"{version}: adapter-only sampler vs trainer differ by {diff:.1e}"
+    assert out["adapter_folder"] == ["TRAIN_STEP", "adapter_config.json",
+                                     "adapter_model.safetensors"]
+    config = out["adapter_sync"]["config"]
+    assert config["lora_alpha"] == config["r"] == RANK
+    assert config["base_model_name_or_path"] == out["hf_dir"]
+    # the scale is in B: the sync's B is the export's times alpha/r
+    export, peft = out["lora_sync_path"]["tensors"], peft["tensors"]
+    key = "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_B.weight"
+    assert torch.allclose(export[key], peft[key] * ALPHA / RANK, rtol=1e-6, atol=0)
+    assert not torch.allclose(export[key], peft[key])  # negative control: the fold is seen
+    # to vLLM: the same folder at lora_sync_path, loaded once under SkyRL's adapter name
+    assert out["vllm_loaded"] == [("skyrl-lora", out["lora_sync_path_dir"])]
+
+
 def test_published_weights_are_merge_loras_and_only_adapted_ones_moved(runs):
     out, base, _, _ = runs
     published, merged = out["published"], out["merged"]
@@ -356,7 +422,7 @@ def _experts_merged(rank, world, share):
     from skyrl_megatron_kda.model.lora import apply_lora, lora_parameters, merge_lora
     from skyrl_megatron_kda.model.moe_layer import GLMMoELayer
     from skyrl_megatron_kda.recipes import load_recipe
-    from skyrl_megatron_kda.train.peft_adapters import hf_view, save_peft_adapter
+    from skyrl_megatron_kda.train.peft_adapters import hf_view, save_peft_adapter, save_sync_adapter
     from tests.support.memory_recipes import TINY
     from tests.support.tiny_models import build_on_mesh
     from tests.test_lora_experts import _draw_b, _global_name
@@ -376,9 +442,25 @@ def _experts_merged(rank, world, share):
         refusal = None
     except ValueError as err:
         refusal = str(err)
+    sync_dir = tempfile.mkdtemp() if rank == 0 else None
+    save_sync_adapter(model, sync_dir)  # rank 0 writes
+    synced = _added_to(base, sync_dir) if rank == 0 else None
     merge_lora(model)
     merged = {n: t.clone() for n, t in export_hf_tensors(model)}
-    return {"base": base, "view": view, "merged": merged, "refusal": refusal} if rank == 0 else {}
+    return ({"base": base, "view": view, "merged": merged, "refusal": refusal, "synced": synced}
+            if rank == 0 else {})
+
+
+def _added_to(base: dict, adapter_dir: str) -> dict:
+    """``merge_adapter_folder`` of ``adapter_dir`` on the tensors ``base`` (as a checkpoint)."""
+    from safetensors.torch import save_file
+
+    from skyrl_megatron_kda.model.hf_io import SafetensorsCheckpoint
+    from skyrl_megatron_kda.train.peft_adapters import merge_adapter_folder
+
+    folder = tempfile.mkdtemp()
+    save_file({k: v.contiguous() for k, v in base.items()}, os.path.join(folder, "model.safetensors"))
+    return merge_adapter_folder(adapter_dir, SafetensorsCheckpoint(folder))
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "per_expert"])
@@ -393,3 +475,10 @@ def test_merged_export_of_routed_expert_adapters_is_merge_loras(share):
     assert torch.equal(merged["model.language_model.embed_tokens.weight"],
                        base["model.language_model.embed_tokens.weight"])
     assert "routed experts' adapters have no PEFT layout" in out["refusal"]
+    # the adapter-only sync's folder (every expert's adapter by global expert, the scale in B)
+    # added to the base is the merged export
+    synced = out["synced"]
+    assert list(synced) == sorted(base)
+    worst = max((synced[n] - merged[n]).abs().max().item() for n in merged)
+    assert worst < 1e-6, worst
+    assert all(not torch.equal(synced[n], base[n]) for n in experts)

@@ -41,6 +41,7 @@ at order 1e-3 or more (the step-1 and step-2 checkpoints differ: the negative co
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 from pathlib import Path
@@ -256,14 +257,16 @@ def test_colocate_all_offloads_and_backloads_around_each_phase(tmp_path_factory)
 # A job of its own: the jobs above compare full fine-tuning's step 1 across meshes and its
 # checkpoints' base tensors, which LoRA does not train. TP1, not colocated (the example's
 # setting), SkyRL's all-linear targets (the routed experts' shared adapters included) and
-# merge_lora=true: the sampler gets W + (alpha/r) B A.
+# merge_lora=false: each sync publishes the adapters alone and the sampler adds them to the base
+# (merge_lora=true's merged sync is tests/test_lora_skyrl.py's, on the worker's calls).
 
 LORA_RANK = 8
 
 
 @pytest.fixture(scope="module")
 def lora_job(tmp_path_factory) -> dict:
-    return launch("tp1_lora", tmp_path_factory, mesh="tp1", steps=STEPS, settings=[],
+    return launch("tp1_lora", tmp_path_factory, mesh="tp1", steps=STEPS,
+                  settings=["trainer.policy.megatron_config.lora_config.merge_lora=false"],
                   lora_rank=LORA_RANK)
 
 
@@ -278,29 +281,35 @@ def test_lora_grpo_steps_ran_with_finite_reward_and_small_kl(lora_job):
 
 
 def test_lora_sampler_logprobs_equal_the_trainers(lora_job):
-    """The merged weights the sampler serves are the adapted policy: the same budget as full
-    fine-tuning's (test_sampler_logprobs_equal_the_trainers_before_and_after_a_step)."""
+    """The sampler serves the base with the synced adapters added: the adapted policy, within the
+    same budget as full fine-tuning's (test_sampler_logprobs_equal_the_trainers_before_and_after_a_step)."""
     for step, m in _steps(lora_job).items():
         diff = m["policy/rollout_train_logprobs_abs_diff_max"]
         assert diff < 1e-5, f"step {step}: sampler vs trainer log-probs differ by {diff:.1e}"
 
 
-def test_lora_publishes_the_base_except_the_adapted_linears(lora_job):
-    """After 2 steps the published folder holds the checkpoint's tensors bitwise wherever no
-    adapter sits (embedding, norms, routers, DSA's kv_b, KDA's f_b/g_b and conv), and moved
-    weights where one does."""
+def test_lora_publishes_adapters_that_move_only_the_adapted_linears(lora_job):
+    """After 2 steps the published version holds the adapter folder alone, naming the job's base
+    checkpoint; added to it, the tensors no adapter sits on (embedding, norms, routers, DSA's
+    kv_b, KDA's f_b/g_b and conv) are the base's bitwise and the adapted ones moved."""
     from skyrl_megatron_kda.model.hf_io import SafetensorsCheckpoint
+    from skyrl_megatron_kda.train.peft_adapters import merge_adapter_folder
 
     weights = lora_job["work"] / "export" / "sampler_weights"
-    published = SafetensorsCheckpoint(weights / (weights / "LATEST").read_text().strip())
-    base = SafetensorsCheckpoint(lora_job["work"] / "glm53_flash_tiny-hf")
-    moved = {n for n in published.keys() if n in base.keys()
-             and not torch.equal(published.get(n), base.get(n))}
+    version = weights / (weights / "LATEST").read_text().strip()
+    assert sorted(p.name for p in version.iterdir()) == [
+        "TRAIN_STEP", "adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((version / "adapter_config.json").read_text())
+    base_dir = lora_job["work"] / "glm53_flash_tiny-hf"
+    assert Path(config["base_model_name_or_path"]) == base_dir
+    base = SafetensorsCheckpoint(base_dir)
+    published = merge_adapter_folder(version, base)
+    moved = {n for n in published if not torch.equal(published[n], base.get(n))}
     text = "model.language_model."
     for name in ("embed_tokens.weight", "norm.weight", "layers.0.self_attn.f_b_proj.weight",
                  "layers.0.self_attn.q_conv1d.weight", "layers.3.self_attn.kv_b_proj.weight",
                  "layers.1.mlp.gate.weight", "layers.1.mlp.gate.e_score_correction_bias"):
-        assert text + name in published.keys() and text + name not in moved, name
+        assert text + name in published and text + name not in moved, name
     for name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.f_a_proj.weight",
                  "layers.3.self_attn.q_b_proj.weight", "layers.3.self_attn.o_proj.weight",
                  "layers.1.mlp.experts.0.gate_proj.weight"):

@@ -493,7 +493,6 @@ def test_missing_skyrl_names_the_extra():
 # need other parts of a job, the rollout side's, which these tests do not configure).
 REFUSED_VALUES = {
     "trainer.policy.megatron_config.lora_config.lora_type": "canonical_lora",
-    "trainer.policy.megatron_config.lora_config.merge_lora": False,
     "trainer.policy.megatron_config.lora_config.experts_shared_outer_loras": True,
     "trainer.policy.model.lora.sync_mode": "memory",
     "trainer.policy.model.lora.max_loras": 2,
@@ -520,8 +519,7 @@ REFUSED_VALUES = {
 
 # Refused only under LoRA: set with LoRA on (and, for that case, the default job accepts it).
 LORA_ON = {"trainer.policy.model.lora.rank": 8}
-NEEDS_LORA = {"trainer.policy.megatron_config.lora_config.merge_lora",
-              "trainer.policy.model.lora.sync_mode"}
+NEEDS_LORA = {"trainer.policy.model.lora.sync_mode"}
 
 
 def _set(cfg, dotted: str, value) -> None:

@@ -323,6 +323,7 @@ def test_a_vllm_client_goes_through_skyrls_own_engine_and_bracket():
     inherited ``init_weight_sync_state`` (vLLM's engine over ``_build_weight_source``) and each
     sync SkyRL's ``_sync_weights_to_inference_engines`` with the client cached at init."""
     from skyrl_megatron_kda.integrations.skyrl import weight_sync
+    from skyrl_megatron_kda.integrations.skyrl.config import KDASkyRLConfig
     from skyrl_megatron_kda.integrations.skyrl.workers import KDAPolicyWorkerBase
 
     calls = []
@@ -335,6 +336,7 @@ def test_a_vllm_client_goes_through_skyrls_own_engine_and_bracket():
         calls.append(("init", client, ie_cfg))
 
     worker = object.__new__(Recording)
+    worker.cfg = KDASkyRLConfig.from_cli_overrides(["trainer.strategy=megatron"]).trainer
     asyncio.run(weight_sync.init_weight_sync_state(worker, "http client", "ie cfg", inherited))
     worker._weight_sync_engine, worker._weight_sync_inference_client = object(), "cached client"
     asyncio.run(worker.broadcast_to_inference_engines(None, "ie cfg"))

@@ -12,7 +12,9 @@
 # N steps stale), PYTHON (default python3), RECIPE (default glm53_flash_tiny: the recipe and the
 # checkpoint's shape), PROMPT_WORDS=MIN:MAX (the prompts' length, make_inputs.py) and LORA_RANK=R
 # (LoRA of rank R on SkyRL's all-linear targets: trainer.policy.model.lora.rank; the sampler gets
-# the merged weights). KEY=VALUE arguments are SkyRL settings: they come last, so they win.
+# the merged weights, or the adapters alone with
+# trainer.policy.megatron_config.lora_config.merge_lora=false). KEY=VALUE arguments are SkyRL
+# settings: they come last, so they win.
 set -euo pipefail
 
 : "${WORKDIR:=/tmp/rl_tiny}"

@@ -16,9 +16,18 @@ W + (alpha/r) B A under glm5_next's names, and the adapters as a PEFT folder.
   MLP's ``linear_fc1`` is HF's ``gate_proj`` and ``up_proj``: each takes A whole and its half of
   B, which is exactly W_gate + (alpha/r) B_gate A. Routed experts' adapters are refused there
   (glm5_next holds its experts as fused parameters, not linears peft can wrap); they merge.
+- ``save_sync_adapter(model, out_dir)``: the folder SkyRL's adapter-only weight sync
+  (``merge_lora=false``) hands the sampler, in vLLM's terms: the PEFT folder above plus the routed
+  experts' adapters under the checkpoint's per-expert linears (``mlp.experts.{e}.gate_proj``, by
+  global expert; a shared adapter written under every expert), each adapter's scale folded into
+  its B and ``lora_alpha`` written equal to ``r`` (vLLM's scale is then 1, whatever each
+  adapter's own rank under ``normalize_moe_lora``).
+- ``merge_adapter_folder(adapter_dir, base_dir)``: the base checkpoint's tensors with such a
+  folder (or a plain PEFT folder) added, W + (lora_alpha/r) B A in fp32, under their on-disk
+  names: what the project's sampler serves for an adapter-only version.
 
-``skyrl-kda export`` (``train.export``) writes both; the SkyRL weight sync publishes the merged
-weights (``merge_lora=true``).
+``skyrl-kda export`` (``train.export``) writes the merged weights and the PEFT folder; the SkyRL
+weight sync publishes the merged weights (``merge_lora=true``) or the sync folder.
 """
 
 from __future__ import annotations
@@ -29,11 +38,11 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ..distributed.tensor_parallel import unshard
 from ..lora.adapter import LoRAAdapter, LoRAWeightSlot, SharedExpertAdapter
-from ..model.hf_io import Entry, name_table
+from ..model.hf_io import Entry, SafetensorsCheckpoint, name_table
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -130,48 +139,74 @@ def module_path(hf_weight: str) -> str:
     return hf_weight.removesuffix(".weight")
 
 
-def _entries_by_tensor(model) -> dict[str, Entry]:
+def _entries_by_tensor(model, ep_rank: int | None = None) -> dict[str, Entry]:
+    """``name_table``'s entries by megatron tensor name, for this EP rank or ``ep_rank``."""
     ep = model.pg_collection.ep
-    return {e.megatron: e for e in name_table(model.recipe, ep_rank=ep.rank(), ep_size=ep.size())}
+    ep_rank = ep.rank() if ep_rank is None else ep_rank
+    return {e.megatron: e for e in name_table(model.recipe, ep_rank=ep_rank, ep_size=ep.size())}
 
 
 @torch.no_grad()
-def peft_adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def peft_adapter_tensors(model: torch.nn.Module, *, experts: bool = False,
+                         fold_scale: bool = False) -> dict[str, torch.Tensor]:
     """The adapters of ``model`` as PEFT's state dict (``base_model.model.<module>.lora_A.weight``
     [r, in], ``.lora_B.weight`` [out, r]), whole (gathered over TP), in the adapters' dtype.
-    Collective over TP: every rank of the model calls it and gets every tensor."""
+    ``experts``: the routed experts' adapters too, under the checkpoint's per-expert linears
+    (gathered over ETP and EP), else refused. ``fold_scale``: each B multiplied by its adapter's
+    alpha/r (in fp32, cast back). Collective over TP and EP: every rank of the model calls it
+    and gets every tensor."""
     entries = _entries_by_tensor(model)
+    ep = model.pg_collection.ep
+    per_ep_rank = [_entries_by_tensor(model, ep_rank=r) for r in range(ep.size())]
     out: dict[str, torch.Tensor] = {}
     for tensor, adapter in sorted(lora_adapters(model).items()):
         entry = entries.get(tensor)
         if entry is None or entry.kind not in ("copy", "glu"):
             raise ValueError(f"LoRA adapter on {tensor}: no HF linear to name it by in "
                              "model/hf_io.py's table")
-        if entry.expert:
+        if entry.expert and not experts:
             raise ValueError(f"LoRA adapter on {tensor}: routed experts' adapters have no PEFT "
                              "layout here")
         group = adapter.tp_group
         a = unshard(adapter.A.detach(), adapter.A, group)
         b = unshard(adapter.B.detach(), adapter.B, group, glu=entry.kind == "glu")
-        halves = b.chunk(len(entry.hf), dim=0)  # glu: [B_gate; B_up], as the weight
-        for hf, b_part in zip(entry.hf, halves):
-            module = PEFT_PREFIX + module_path(hf)
-            out[f"{module}.lora_A.weight"] = a.cpu().clone()  # one per HF linear
-            out[f"{module}.lora_B.weight"] = b_part.cpu().clone()
+        if fold_scale:
+            b = (b.float() * adapter.scaling).to(b.dtype)
+        owners = [(entry, a, b)]
+        if entry.expert and ep.size() > 1:  # every EP rank's expert at this local index
+            a_parts, b_parts = _all_gather(a, ep), _all_gather(b, ep)
+            owners = [(per_ep_rank[r][tensor], a_parts[r], b_parts[r]) for r in range(ep.size())]
+        for owner, a_whole, b_whole in owners:
+            halves = b_whole.chunk(len(owner.hf), dim=0)  # glu: [B_gate; B_up], as the weight
+            for hf, b_part in zip(owner.hf, halves):
+                module = PEFT_PREFIX + module_path(hf)
+                out[f"{module}.lora_A.weight"] = a_whole.cpu().clone()  # one per HF linear
+                out[f"{module}.lora_B.weight"] = b_part.cpu().clone()
     return out
 
 
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(group.size())]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
 def peft_adapter_config(model: torch.nn.Module, modules: list[str], *,
-                        base_model: str | None = None) -> dict:
+                        base_model: str | None = None, scale_folded: bool = False) -> dict:
     """``adapter_config.json`` of ``model``'s adapters on ``modules`` (transformers' module
-    paths): peft's LoRA fields, the scale ``lora_alpha / r`` being our ``alpha / rank``."""
+    paths): peft's LoRA fields, the scale ``lora_alpha / r`` being our ``alpha / rank``. With
+    ``scale_folded`` (each B carries its own alpha/r) ``r`` is the largest adapter rank and
+    ``lora_alpha`` equals it, so a reader's scale is 1."""
     adapters = list(lora_adapters(model).values())
     ranks = {a.rank for a in adapters}
     alphas = {a.alpha for a in adapters}
+    if scale_folded:
+        rank = max(ranks)
+        ranks, alphas = {rank}, {float(rank)}
     if len(ranks) != 1 or len(alphas) != 1:
         raise ValueError(f"adapters of several ranks {sorted(ranks)} or alphas {sorted(alphas)}: "
                          "one adapter_config.json holds one r and lora_alpha")
-    dropout = max(a.dropout for a in adapters)
+    dropout = max(getattr(a, "dropout", 0.0) for a in adapters)
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": ranks.pop(), "lora_alpha": alphas.pop(), "lora_dropout": dropout,
@@ -181,17 +216,13 @@ def peft_adapter_config(model: torch.nn.Module, modules: list[str], *,
     }
 
 
-def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *,
-                      base_model: str | None = None, dtype: torch.dtype | None = None) -> list[str]:
-    """Write ``model``'s adapters as a PEFT folder (``adapter_model.safetensors`` and
-    ``adapter_config.json``) in ``out_dir``; global rank 0 writes, every rank must call it.
-    ``base_model`` is recorded as ``base_model_name_or_path``; ``dtype`` casts the tensors.
-    Returns the adapted modules' paths."""
+def _save_adapter_folder(model: torch.nn.Module, out_dir, *, base_model, dtype,
+                         for_sync: bool) -> list[str]:
     if not lora_adapters(model):
         raise ValueError("the model has no LoRA adapters to write as a PEFT folder")
-    tensors = peft_adapter_tensors(model)
+    tensors = peft_adapter_tensors(model, experts=for_sync, fold_scale=for_sync)
     modules = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for k in tensors})
-    config = peft_adapter_config(model, modules, base_model=base_model)
+    config = peft_adapter_config(model, modules, base_model=base_model, scale_folded=for_sync)
     if dist.is_initialized() and dist.get_rank() != 0:
         return modules
     os.makedirs(out_dir, exist_ok=True)
@@ -201,3 +232,52 @@ def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *,
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     return modules
+
+
+def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *,
+                      base_model: str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Write ``model``'s adapters as a PEFT folder (``adapter_model.safetensors`` and
+    ``adapter_config.json``) in ``out_dir``; global rank 0 writes, every rank must call it.
+    ``base_model`` is recorded as ``base_model_name_or_path``; ``dtype`` casts the tensors.
+    Returns the adapted modules' paths."""
+    return _save_adapter_folder(model, out_dir, base_model=base_model, dtype=dtype,
+                                for_sync=False)
+
+
+def save_sync_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *,
+                      base_model: str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Write ``model``'s adapters as the adapter-only weight sync's folder (vLLM's layout: routed
+    experts per expert, the scales folded into B, ``lora_alpha == r``); as ``save_peft_adapter``
+    otherwise (collective, rank 0 writes)."""
+    return _save_adapter_folder(model, out_dir, base_model=base_model, dtype=dtype,
+                                for_sync=True)
+
+
+def disk_weight_name(module: str) -> str:
+    """The on-disk weight of transformers' module path ``module`` (``module_path``'s inverse)."""
+    name = f"{module}.weight"
+    for disk, loaded in MODULE_PATHS:
+        name = name.replace(loaded, disk)
+    return name
+
+
+@torch.no_grad()
+def merge_adapter_folder(adapter_dir: str | os.PathLike, base: SafetensorsCheckpoint
+                         ) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint ``base``, each adapted one as W + (lora_alpha/r) B A (the
+    product and sum in fp32, cast to W's dtype), under its on-disk name, from the PEFT folder
+    ``adapter_dir`` (``save_peft_adapter``'s or ``save_sync_adapter``'s)."""
+    config = json.loads(open(os.path.join(adapter_dir, ADAPTER_CONFIG)).read())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
+    merged = {name: base.get(name) for name in sorted(base.keys())}
+    for key in sorted(k for k in tensors if k.endswith(".lora_A.weight")):
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        name = disk_weight_name(module)
+        if name not in merged:
+            raise ValueError(f"{adapter_dir}: adapter on {module}, which the base checkpoint "
+                             f"does not hold ({name})")
+        a, b = tensors[key].float(), tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"].float()
+        w = merged[name]
+        merged[name] = (w.float() + scale * (b @ a)).to(w.dtype)
+    return merged

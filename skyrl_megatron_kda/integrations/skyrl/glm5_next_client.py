@@ -8,7 +8,8 @@ returns it): the generator calls ``generate``; the trainer brackets each weight 
 ``generator.inference_engine.offload_kv_for_weight_sync``, with ``sleep_for_weight_sync`` /
 ``wake_for_weight_sync`` inside the pause. Generation resumes, or the client becomes fully awake,
 on the newest published version; it refuses to generate while paused or asleep, as a colocated
-vLLM engine cannot. Before the first publication there is nothing to load: resuming or waking
+vLLM engine cannot. A version of adapters alone (SkyRL's ``merge_lora=false``, which brackets
+nothing when not colocated: vLLM swaps an adapter in place) is loaded by the next ``generate``. Before the first publication there is nothing to load: resuming or waking
 then loads nothing (``generate`` raises that no weights are published), so an error inside the
 first sync reaches SkyRL as itself, not hidden by the ``finally`` that resumes generation.
 
@@ -45,11 +46,15 @@ import functools
 import hashlib
 import importlib
 import inspect
+import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 from skyrl.backends.skyrl_train.inference_servers.base import (
     InferenceEngineInput,
@@ -57,6 +62,8 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
     InferenceEngineOutput,
 )
 
+from ...model.hf_io import SafetensorsCheckpoint
+from ...train.peft_adapters import ADAPTER_CONFIG, merge_adapter_folder
 from .weight_sync import DiskSyncTarget, latest_version, published_train_step
 
 _NEUTRAL = {"top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0), "stop": (None, [], ()),
@@ -135,10 +142,32 @@ def sampler_device(device: str | torch.device) -> torch.device:
 
 def load_glm5_next(folder: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
     """transformers' glm5_next from a published folder on ``device``, fp32, eval, its DSA ties
-    broken as the trainer breaks them (``match_trainer_dsa_ties``)."""
+    broken as the trainer breaks them (``match_trainer_dsa_ties``). A folder of adapters
+    (``merge_lora=false``: ``adapter_config.json``) is served on the base it names
+    (``base_model_name_or_path``) with the adapters merged, as vLLM serves an adapter."""
+    if (Path(folder) / ADAPTER_CONFIG).is_file():
+        with tempfile.TemporaryDirectory(prefix="adapted_") as merged:
+            return load_glm5_next(write_adapted_base(folder, merged), device)
     model = _glm5_next_class().from_pretrained(folder, attn_implementation="eager")
     match_trainer_dsa_ties(model)
     return model.float().eval().to(device)
+
+
+def write_adapted_base(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The base checkpoint an adapter folder names, with its adapters merged
+    (``peft_adapters.merge_adapter_folder``), written to ``out_dir`` beside the base's config."""
+    config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise FileNotFoundError(f"{adapter_dir}: its base_model_name_or_path {base!r} is not a "
+                                "checkpoint folder this sampler can read")
+    tensors = merge_adapter_folder(adapter_dir, SafetensorsCheckpoint(base))
+    out = Path(out_dir)
+    for extra in Path(base).glob("*.json"):  # config and generation settings; not the index
+        if extra.name != "model.safetensors.index.json":
+            shutil.copyfile(extra, out / extra.name)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 class _StableTopk(TorchFunctionMode):
@@ -295,6 +324,15 @@ class Glm5NextInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         if latest_version(self.weight_sync_dir) is not None:
             self.reload()
 
+    def _swap_in_published_adapters(self) -> None:
+        """Load a newer version that holds adapters only. SkyRL's adapter-only sync
+        (``merge_lora=false``) does not pause generation around it when not colocated: vLLM swaps
+        the adapter in place when told to load it; this client looks before each call."""
+        latest = latest_version(self.weight_sync_dir)
+        if (latest is not None and latest[0] != self.loaded_version
+                and (latest[1] / ADAPTER_CONFIG).is_file()):
+            self.reload()
+
     @property
     def model(self) -> torch.nn.Module:
         if self._model is None:
@@ -332,6 +370,7 @@ class Glm5NextInferenceClient(InferenceEngineInterface, DiskSyncTarget):
                 raise ValueError(f"{CLIENT}: temperature={value} is negative")
             raise ValueError(f"{CLIENT}: sampling setting {key}={value!r} is not supported"
                              + (f" ({takes})" if takes.startswith("accepted") else ""))
+        self._swap_in_published_adapters()
         model = self.model  # loads the newest version if none is loaded yet
         prompts = repr([list(p) for p in input_batch["prompt_token_ids"]])
         seed = (int(params["seed"]) if params.get("seed") is not None

@@ -218,17 +218,13 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda t: t.policy.megatron_config.lora_config.lora_type != "lora",
             "only lora_type=lora (one adapter per linear); canonical_lora's split q/k/v and "
             "gate/up adapters are not built"),
-    Refusal("trainer.policy.megatron_config.lora_config.merge_lora",
-            lambda t: _lora(t) and not t.policy.megatron_config.lora_config.merge_lora,
-            "adapter-only weight sync: the samplers are given the merged weights (merge_lora="
-            "true); skyrl-kda export --adapters writes the PEFT folder"),
     Refusal("trainer.policy.megatron_config.lora_config.experts_shared_outer_loras",
             lambda t: t.policy.megatron_config.lora_config.experts_shared_outer_loras,
             "shared-outer grouped-expert adapters are not built"),
     Refusal("trainer.policy.model.lora.sync_mode",
             lambda t: _lora(t) and t.policy.model.lora.sync_mode != "disk",
-            "adapter tensors over the weight-sync backend are not sent (merge_lora=true syncs "
-            "merged weights)"),
+            "adapter tensors over the weight-sync backend are not sent (sync_mode=disk writes "
+            "the adapter folder; merge_lora=true syncs merged weights)"),
     Refusal("trainer.policy.model.lora.max_loras", lambda t: t.policy.model.lora.max_loras != 1,
             "one policy adapter per job (multi-tenant LoRA serving is not implemented)"),
     Refusal("trainer.policy.model.lora.max_cpu_loras",

@@ -17,9 +17,17 @@ then one ``engine.send_weights()`` between the trainer's ``pause_generation`` an
   ``DiskSyncTarget`` (``glm5_next_client.Glm5NextInferenceClient``) reloads the newest version
   when SkyRL resumes or wakes it. vLLM needs none of this, so it runs on a laptop.
 
-Under LoRA both send the merged weights W + (alpha/r) B A (``train.peft_adapters.hf_view``, SkyRL's
-``merge_lora=true``), computed per tensor as it is sent; the training model stays unmerged, and
-the sampler serves the base model's name with the trained policy.
+Under LoRA, SkyRL's ``merge_lora`` decides what is sent:
+
+- ``true``: both send the merged weights W + (alpha/r) B A (``train.peft_adapters.hf_view``),
+  computed per tensor as it is sent; the training model stays unmerged, and the sampler serves
+  the base model's name with the trained policy.
+- ``false``: the adapters only, as SkyRL's Megatron worker sends them with ``sync_mode=disk``
+  (``train.peft_adapters.save_sync_adapter``: vLLM's layout, scales folded into B). The disk
+  publisher's version folder then holds that adapter folder, naming the base checkpoint the
+  sampler adds it to (``run.init_from_hf``); for vLLM engines it is written to
+  ``trainer.policy.model.lora.lora_sync_path`` and loaded by SkyRL's ``load_lora_adapter`` call
+  (``sync_adapter_to_vllm``).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ...model.hf_io import export_hf_tensors, save_hf_checkpoint
-from ...train.peft_adapters import hf_view
+from ...train.peft_adapters import hf_view, save_sync_adapter
 
 LATEST = "LATEST"
 """File in a publish folder naming its newest complete version folder."""
@@ -148,11 +156,16 @@ class DiskPublisher:
     skyrl_empty_cache_after_send = True
 
     def __init__(self, model: torch.nn.Module, root: str | os.PathLike, dtype: torch.dtype, *,
-                 train_step: Callable[[], int], source: Optional[str] = None, keep: int = 2):
+                 train_step: Callable[[], int], source: Optional[str] = None, keep: int = 2,
+                 adapters_only: bool = False):
         if keep < 1:
             raise ValueError(f"DiskPublisher keep={keep}: keep at least the newest version")
+        if adapters_only and source is None:
+            raise ValueError("adapter-only weight sync (merge_lora=false) needs the base checkpoint "
+                             "the sampler adds the adapters to: set run.init_from_hf, or "
+                             "merge_lora=true")
         self.model, self.root, self.dtype, self.source, self.keep = model, Path(root), dtype, source, keep
-        self.train_step = train_step
+        self.train_step, self.adapters_only = train_step, adapters_only
 
     def send_weights(self) -> int:
         """Publish the next version; returns its number (on every rank)."""
@@ -165,7 +178,11 @@ class DiskPublisher:
         if writer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a publish that was killed
-        save_hf_checkpoint(hf_view(self.model), tmp, source=self.source, dtype=self.dtype)
+        if self.adapters_only:
+            save_sync_adapter(self.model, tmp, base_model=os.path.abspath(self.source),
+                              dtype=self.dtype)
+        else:
+            save_hf_checkpoint(hf_view(self.model), tmp, source=self.source, dtype=self.dtype)
         if writer:
             (tmp / TRAIN_STEP).write_text(str(self.train_step()))
             final = version_folder(self.root, version)
@@ -198,7 +215,40 @@ async def init_weight_sync_state(worker, client, ie_cfg, inherited) -> None:
     trainer = worker.trainer
     worker._weight_sync_engine = DiskPublisher(
         trainer.model.module, client.weight_sync_dir, inference_dtype(ie_cfg),
-        train_step=lambda: trainer.step, source=trainer.recipe.run.init_from_hf)
+        train_step=lambda: trainer.step, source=trainer.recipe.run.init_from_hf,
+        adapters_only=adapters_only(worker.cfg))
+    dist.barrier()
+
+
+def adapters_only(trainer_cfg) -> bool:
+    """Whether the sync sends the adapters alone: a LoRA policy with SkyRL's ``merge_lora=false``."""
+    return (trainer_cfg.policy.model.lora.rank > 0
+            and not trainer_cfg.policy.megatron_config.lora_config.merge_lora)
+
+
+async def sync_adapter_to_vllm(worker, client, ie_cfg) -> None:
+    """SkyRL's adapter-only disk sync to vLLM engines: the adapter folder written to
+    ``lora_sync_path`` (global rank 0 writes: a path every engine reads), then, from rank 0,
+    ``load_lora_adapter`` on SkyRL's HTTP client or a ``LoraLoadRequest`` on another client."""
+    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
+        SKYRL_LORA_ADAPTER_NAME,
+        RemoteInferenceClient,
+    )
+
+    path = worker.cfg.policy.model.lora.lora_sync_path
+    trainer = worker.trainer
+    source = trainer.recipe.run.init_from_hf
+    save_sync_adapter(trainer.model.module, path, dtype=inference_dtype(ie_cfg),
+                      base_model=None if source is None else os.path.abspath(source))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if isinstance(client, RemoteInferenceClient):
+            await client.load_lora_adapter(SKYRL_LORA_ADAPTER_NAME, path)
+        else:
+            from skyrl.backends.skyrl_train.weight_sync import LoraLoadRequest
+
+            await client.update_named_weights(LoraLoadRequest(lora_path=path,
+                                                              lora_name=SKYRL_LORA_ADAPTER_NAME))
     dist.barrier()
 
 
@@ -212,6 +262,10 @@ async def broadcast_to_inference_engines(worker, client, ie_cfg, model_id) -> No
     if isinstance(engine, DiskPublisher):
         await worker._weight_sync_thread(engine.send_weights)
         dist.barrier()
+        return
+    if adapters_only(worker.cfg):
+        await sync_adapter_to_vllm(
+            worker, client if client is not None else worker._weight_sync_inference_client, ie_cfg)
         return
     await worker._sync_weights_to_inference_engines(
         client if client is not None else worker._weight_sync_inference_client, ie_cfg)
