@@ -224,9 +224,11 @@ def test_save_refuses_a_nonfinite_state_and_latest_stays(tmp_path):
 def test_a_diverging_run_stops_with_one_line_and_latest_stays_finite(tmp_path):
     """``--set train.lr=1e6``: step 1 applies a huge update, step 2's gradient norm is NaN. The
     run exits 1 with one error line naming the step and the values, after the checkpoint of
-    step 1; ``latest`` stays there and verifies."""
+    step 1; ``latest`` stays there and verifies. On one rank: the ranks' agreement on a
+    non-finite step is test_stop_applies_nothing_when_one_rank_sees_a_nan_gradient's."""
     out = tmp_path / "run"
-    proc = cli_runs.start(out, "--set", "train.lr=1e6", "--set", "train.save_interval=1")
+    proc = cli_runs.start(out, *cli_runs.ONE_RANK, "--set", "train.lr=1e6",
+                          "--set", "train.save_interval=1")
     status, err = cli_runs.finish(proc)
     assert status == 1, err
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]

@@ -25,8 +25,8 @@ def steps_of(metrics_file: Path) -> dict:
 
 
 # The example's rollouts (68-80 tokens, past the recipe's index_topk of 64) from longer prompts
-# and fewer sampled tokens than its defaults (28-40 words, up to 40 tokens): the project's
-# sampler recomputes the prefix for every token, most of a CPU job's time.
+# and fewer sampled tokens than its defaults (28-40 words, up to 40 tokens): sampling, one token
+# at a time, is most of a CPU job's step.
 PROMPT_WORDS = "44:56"
 SHORT_ROLLOUTS = ["generator.sampling_params.max_generate_length=24"]
 

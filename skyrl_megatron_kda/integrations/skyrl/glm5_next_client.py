@@ -23,8 +23,9 @@ order they call in. A request's own ``seed`` replaces that, as in vLLM.
 
 Sampling follows vLLM's semantics for what it supports (temperature, ``max_tokens``,
 ``min_tokens``, EOS stop, the sampled token's log-prob of the temperature-scaled distribution when
-``logprobs`` is set); other sampling settings are refused by name. One sequence at a time, the
-whole prefix recomputed per token (no KV cache): it is for small models and tests.
+``logprobs`` is set); other sampling settings are refused by name. One sequence at a time, with
+transformers' cache of the sequence's own keys and KDA states (built per call, dropped at its
+end; no prefix is shared between calls): it is for small models and tests.
 
 Device: the entrypoint passes ``cuda`` for a GPU recipe and ``cpu`` for a CPU one. The model is
 fp32 on either, on transformers' torch path (fla's kernels, which take fp32 through TF32 dot
@@ -256,12 +257,14 @@ def sampled_tokens(model: torch.nn.Module, prompt: List[int], *, temperature: fl
     The model runs on its own device; the token is drawn on the CPU (``generator`` is a CPU one)."""
     ids, logps = list(prompt), []
     device = next(model.parameters()).device
+    step, cache = ids, None  # the prompt, then one token at a time against the cache
     for i in range(max_tokens):
         with torch.no_grad():
             # logits_to_keep=1: the head runs on the last position only (at a full-size
             # vocabulary the head over every position is a large share of the forward)
-            logits = model(input_ids=torch.tensor([ids], device=device),
-                           logits_to_keep=1).logits[0, -1].float().cpu()
+            out = model(input_ids=torch.tensor([step], device=device), past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits[0, -1].float().cpu()
         # vLLM's sampled-token log-prob: of the temperature-scaled distribution (raw at 0, greedy)
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
         allowed = logp.clone()
@@ -271,6 +274,7 @@ def sampled_tokens(model: torch.nn.Module, prompt: List[int], *, temperature: fl
                  else int(torch.multinomial(allowed.exp(), 1, generator=generator)))
         ids.append(token)
         logps.append(float(logp[token]))
+        step = [token]
         if token == eos_token_id:
             return ids[len(prompt):], logps, "stop"
     return ids[len(prompt):], logps, "length"
@@ -417,9 +421,9 @@ class Glm5NextInferenceClient(InferenceEngineInterface, DiskSyncTarget):
     async def sleep_for_weight_sync(self, offload_kv: bool = True) -> None:
         """``offload_kv_for_weight_sync`` on the fully async trainer: vLLM frees its GPU pools with
         in-flight requests frozen. Here there is nothing to free or offload (the weights stay
-        loaded, no KV cache: every token recomputes its prefix, and no request is in flight
-        during a pause, since each ``generate`` runs to its end); it only stops generating until
-        woken."""
+        loaded, a sequence's cache lives only inside its ``generate`` call, and no request is in
+        flight during a pause, since each ``generate`` runs to its end); it only stops generating
+        until woken."""
         if not self.paused:
             raise RuntimeError(f"{CLIENT}.sleep_for_weight_sync without pause_generation "
                                "first (SkyRL pauses, then sleeps for the sync)")
@@ -434,7 +438,7 @@ class Glm5NextInferenceClient(InferenceEngineInterface, DiskSyncTarget):
         return bool(self.asleep)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
-        """Nothing to reset: every token recomputes its whole prefix."""
+        """Nothing to reset: no cache outlives the ``generate`` call that built it."""
 
     async def finish_session(self, session_id: str) -> None:
         """Sessions keep no state here."""
