@@ -124,7 +124,8 @@ def test_moe_backward_holds_the_dispatch_transients(moe_ep2):
     cast over every gathered row, alltoall's expert outputs over the rank's assignments).
     Negative control: alltoall priced with allgather's transients exceeds its whole peak. The
     working set is not a bound from above here: some of the backward's tensors are freed by
-    the garbage collector, so the peak depends on when it runs (measured with it off). ETP > 1
+    the garbage collector, so the peak depends on when it runs (measured with it off; the
+    smaller of two passes, since a buffer freed late only raises it). ETP > 1
     is not measured: on gloo the uneven all-gathers and reduce-scatters over ETP run through
     padded CPU copies that NCCL does not make."""
     from skyrl_megatron_kda.memory.moe import moe_transient_bytes

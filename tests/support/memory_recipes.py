@@ -204,10 +204,12 @@ def moe_backward_variants(mesh: list[str]) -> dict[str, list[str]]:
     return {d: base + [f"model.moe.dispatcher={d}"] for d in ("allgather", "alltoall")}
 
 
-def _moe_backward_peak(rank: int, recipe) -> tuple[int, int]:
+def _moe_backward_peak(rank: int, recipe, repeats: int = 2) -> tuple[int, int]:
     """The bytes the first MoE block's backward allocates at its highest point (LiveBytes,
     garbage collector off), its parameters' gradients handed off as they accumulate, as DDP's
-    hook does; and the rows that reached its experts."""
+    hook does; and the rows that reached its experts. The smallest of ``repeats`` forward and
+    backward passes on the same input: the working set is a floor that a run can only exceed
+    (a buffer freed late raises that run's peak)."""
     import gc
 
     from tests.support.live_bytes import LiveBytes
@@ -222,18 +224,27 @@ def _moe_backward_peak(rank: int, recipe) -> tuple[int, int]:
     mlp.experts.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[0]))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(rows_of(recipe).sp, 1, recipe.model.hidden_size, generator=g)
-    out, _ = mlp(x.to(torch.bfloat16).requires_grad_())
-    grad = torch.randn(out.shape, generator=g).to(out.dtype)
-    # Some of the backward's tensors are freed by the garbage collector, not by their reference
-    # count: with it off they count every run alike, wherever a collection would have fallen.
-    gc.collect()
-    gc.disable()
-    try:
-        with LiveBytes() as live:
-            out.backward(grad)
-    finally:
-        gc.enable()
-    return live.peak, rows[0]
+    x = x.to(torch.bfloat16)
+    grad = None
+    peaks = []
+    for _ in range(repeats):
+        out, _ = mlp(x.detach().requires_grad_())
+        if grad is None:
+            grad = torch.randn(out.shape, generator=g).to(out.dtype)
+        # Some of the backward's tensors are freed by the garbage collector, not by their
+        # reference count: with it off they count every run alike, wherever a collection
+        # would have fallen.
+        gc.collect()
+        gc.disable()
+        try:
+            with LiveBytes() as live:
+                out.backward(grad)
+        finally:
+            gc.enable()
+        peaks.append(live.peak)
+        del out
+    assert len(set(rows)) == 1, rows  # the same routing each pass
+    return min(peaks), rows[0]
 
 
 def _moe_census_and_peaks_on_rank(rank, world, census_list, backward_list):
