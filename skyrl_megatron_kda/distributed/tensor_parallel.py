@@ -30,13 +30,18 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, rank: int, size: int, *, g
     return full.chunk(size, dim=param.partition_dim)[rank]
 
 
+def all_gathered(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` of ``group`` (same shapes), in rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(group.size())]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
 def unshard(local: torch.Tensor, param: torch.Tensor, group: dist.ProcessGroup, *, glu: bool = False) -> torch.Tensor:
     """Inverse of ``shard_of`` over ``group`` (an all-gather; every rank gets the full tensor)."""
-    size = group.size()
-    if not is_tp_sharded(param) or size == 1:
+    if not is_tp_sharded(param) or group.size() == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(parts, local.contiguous(), group=group)
+    parts = all_gathered(local, group)
     if glu:
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])

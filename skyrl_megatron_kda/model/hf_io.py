@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import MoEConfig, Recipe
-from ..distributed.tensor_parallel import shard_of, unshard
+from ..distributed.tensor_parallel import all_gathered, shard_of, unshard
 from .moe import HF_MOE_NAMES, moe_weight_name_map
 
 TEXT = "model.language_model."
@@ -416,8 +416,7 @@ def export_hf_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
         param = tensors[entry.megatron]  # carries megatron's TP attributes (detach() drops them)
         full = unshard(param.detach(), param, etp if entry.expert else tp, glu=entry.kind == "glu")
         if entry.expert and ep.size() > 1:
-            parts = [torch.empty_like(full) for _ in range(ep.size())]
-            dist.all_gather(parts, full.contiguous(), group=ep)
+            parts = all_gathered(full, ep)
             owners = [(per_ep_rank[r][j], parts[r]) for r in range(ep.size())]
         else:
             owners = [(entry, full)]

@@ -22,7 +22,7 @@ W + (alpha/r) B A under glm5_next's names, and the adapters as a PEFT folder.
   global expert; a shared adapter written under every expert), each adapter's scale folded into
   its B and ``lora_alpha`` written equal to ``r`` (vLLM's scale is then 1, whatever each
   adapter's own rank under ``normalize_moe_lora``).
-- ``merge_adapter_folder(adapter_dir, base_dir)``: the base checkpoint's tensors with such a
+- ``merge_adapter_folder(adapter_dir, base)``: the base checkpoint's tensors with such a
   folder (or a plain PEFT folder) added, W + (lora_alpha/r) B A in fp32, under their on-disk
   names: what the project's sampler serves for an adapter-only version.
 
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from ..distributed.tensor_parallel import unshard
+from ..distributed.tensor_parallel import all_gathered, unshard
 from ..lora.adapter import LoRAAdapter, LoRAWeightSlot, SharedExpertAdapter
 from ..model.hf_io import Entry, SafetensorsCheckpoint, name_table
 
@@ -139,11 +139,10 @@ def module_path(hf_weight: str) -> str:
     return hf_weight.removesuffix(".weight")
 
 
-def _entries_by_tensor(model, ep_rank: int | None = None) -> dict[str, Entry]:
-    """``name_table``'s entries by megatron tensor name, for this EP rank or ``ep_rank``."""
-    ep = model.pg_collection.ep
-    ep_rank = ep.rank() if ep_rank is None else ep_rank
-    return {e.megatron: e for e in name_table(model.recipe, ep_rank=ep_rank, ep_size=ep.size())}
+def _entries_by_tensor(model, ep_rank: int) -> dict[str, Entry]:
+    """``name_table``'s entries of EP rank ``ep_rank`` by megatron tensor name."""
+    ep_size = model.pg_collection.ep.size()
+    return {e.megatron: e for e in name_table(model.recipe, ep_rank=ep_rank, ep_size=ep_size)}
 
 
 @torch.no_grad()
@@ -155,9 +154,9 @@ def peft_adapter_tensors(model: torch.nn.Module, *, experts: bool = False,
     (gathered over ETP and EP), else refused. ``fold_scale``: each B multiplied by its adapter's
     alpha/r (in fp32, cast back). Collective over TP and EP: every rank of the model calls it
     and gets every tensor."""
-    entries = _entries_by_tensor(model)
     ep = model.pg_collection.ep
     per_ep_rank = [_entries_by_tensor(model, ep_rank=r) for r in range(ep.size())]
+    entries = per_ep_rank[ep.rank()]
     out: dict[str, torch.Tensor] = {}
     for tensor, adapter in sorted(lora_adapters(model).items()):
         entry = entries.get(tensor)
@@ -174,7 +173,7 @@ def peft_adapter_tensors(model: torch.nn.Module, *, experts: bool = False,
             b = (b.float() * adapter.scaling).to(b.dtype)
         owners = [(entry, a, b)]
         if entry.expert and ep.size() > 1:  # every EP rank's expert at this local index
-            a_parts, b_parts = _all_gather(a, ep), _all_gather(b, ep)
+            a_parts, b_parts = all_gathered(a, ep), all_gathered(b, ep)
             owners = [(per_ep_rank[r][tensor], a_parts[r], b_parts[r]) for r in range(ep.size())]
         for owner, a_whole, b_whole in owners:
             halves = b_whole.chunk(len(owner.hf), dim=0)  # glu: [B_gate; B_up], as the weight
@@ -183,12 +182,6 @@ def peft_adapter_tensors(model: torch.nn.Module, *, experts: bool = False,
                 out[f"{module}.lora_A.weight"] = a_whole.cpu().clone()  # one per HF linear
                 out[f"{module}.lora_B.weight"] = b_part.cpu().clone()
     return out
-
-
-def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    parts = [torch.empty_like(tensor) for _ in range(group.size())]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return parts
 
 
 def peft_adapter_config(model: torch.nn.Module, modules: list[str], *,

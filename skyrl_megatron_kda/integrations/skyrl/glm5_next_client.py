@@ -9,8 +9,8 @@ returns it): the generator calls ``generate``; the trainer brackets each weight 
 ``wake_for_weight_sync`` inside the pause. Generation resumes, or the client becomes fully awake,
 on the newest published version; it refuses to generate while paused or asleep, as a colocated
 vLLM engine cannot. A version of adapters alone (SkyRL's ``merge_lora=false``, which brackets
-nothing when not colocated: vLLM swaps an adapter in place) is loaded by the next ``generate``. Before the first publication there is nothing to load: resuming or waking
-then loads nothing (``generate`` raises that no weights are published), so an error inside the
+nothing when not colocated: vLLM swaps an adapter in place) is loaded by the next ``generate``.
+Before the first publication there is nothing to load: resuming or waking then loads nothing (``generate`` raises that no weights are published), so an error inside the
 first sync reaches SkyRL as itself, not hidden by the ``finally`` that resumes generation.
 
 Randomness: each ``generate`` call draws from its own generator, seeded from the client's seed,
